@@ -1,0 +1,95 @@
+//! [`StageContext`]: everything a running stage may see and do, and the small traits the runtime
+//! implements behind it (shards, progress, pinning).
+
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::{Cancel, Digest, StageError};
+
+/// One upstream artifact, materialised as a local folder.
+#[derive(Clone, Debug)]
+pub struct Input {
+    /// The name the stage sees it by: the upstream stage id, or the role in a map of inputs.
+    pub name: String,
+    /// The upstream stage's id in the pipeline.
+    pub stage_id: String,
+    /// A local folder holding the artifact's files (a private copy: the stage may not change
+    /// the stored artifact through it).
+    pub dir: PathBuf,
+    /// The artifact's content digest.
+    pub digest: Digest,
+}
+
+/// A pinned identity of an external source; it enters the key.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Pin {
+    /// What is pinned, e.g. `file:scripts/prep.py` or `hf:nvidia/Nemotron@main`.
+    pub name: String,
+    /// Its identity, e.g. a content digest or a commit sha.
+    pub identity: String,
+}
+
+/// Services the runtime offers while a stage computes its pins.
+pub trait Pinner: Sync {
+    /// The blake3 digest of a local file, relative to the working directory. Unchanged files are
+    /// not re-read (the runtime keeps a stat cache).
+    fn file_digest(&self, path: &Path) -> Result<Digest, StageError>;
+}
+
+/// Partial progress that survives a crash: each shard is committed to the store (create-only)
+/// as soon as it is complete, and a rerun of the same key sees which shards are done.
+pub trait ShardSink: Sync {
+    /// Names of the shards committed by earlier attempts at this key.
+    fn done(&self) -> Vec<String>;
+
+    /// Commit the files under `dir` as shard `name`. They become part of the artifact, at their
+    /// paths relative to `dir`. Committing a name twice is an error.
+    fn commit(&self, name: &str, dir: &Path) -> Result<(), StageError>;
+}
+
+/// Progress reporting for long work.
+pub trait Progress: Sync {
+    /// `done` units of `total` (when known) are finished.
+    fn set(&self, done: u64, total: Option<u64>, message: &str);
+}
+
+/// What the runtime hands a running stage.
+pub struct StageContext<'a> {
+    /// The stage's id in the pipeline.
+    pub stage_id: &'a str,
+    /// The resolved params (defaults filled in), as hashed into the key.
+    pub params: &'a Value,
+    /// The upstream artifacts, in the order the pipeline lists them.
+    pub inputs: &'a [Input],
+    /// An empty folder; every file left in it becomes part of the artifact.
+    pub out_dir: &'a Path,
+    /// A private scratch folder, discarded after the stage.
+    pub scratch_dir: &'a Path,
+    /// The stage's log file; a stage appends what a user would want to read when it fails.
+    pub log_path: &'a Path,
+    /// The directory `dflash` was started in; relative paths in params are relative to it.
+    pub cwd: &'a Path,
+    /// Where to commit shards of partial progress.
+    pub shards: &'a dyn ShardSink,
+    /// Where to report progress.
+    pub progress: &'a dyn Progress,
+    /// Set when the run is cancelled; long work should check it and stop.
+    pub cancel: &'a Cancel,
+}
+
+impl StageContext<'_> {
+    /// Deserialize the resolved params into the stage's own struct.
+    pub fn params<T: DeserializeOwned>(&self) -> Result<T, StageError> {
+        serde_json::from_value(self.params.clone())
+            .map_err(|e| StageError::new(format!("params of stage `{}` do not fit: {e}", self.stage_id)))
+    }
+}
+
+/// What a stage returns besides its files.
+#[derive(Clone, Debug, Default)]
+pub struct StageOutput {
+    /// Data summaries for the manifest (row and token counts, ...).
+    pub stats: serde_json::Map<String, Value>,
+}

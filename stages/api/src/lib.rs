@@ -1,0 +1,50 @@
+//! The contract between the dflash runtime and its stage kinds.
+//!
+//! The runtime (the `dflash` crate) knows stages only through this crate: a stage kind describes its
+//! typed params ([`Param`]), optionally pins external sources into its key ([`StageKind::pin`]), and
+//! turns a [`StageContext`] — local folders holding its inputs, an empty output folder, a shard sink
+//! for partial progress — into files in that output folder. The runtime hashes, uploads and commits
+//! those files; a stage never touches the store directly, so a stage can't break the
+//! never-overwrite promise.
+
+mod cancel;
+mod context;
+mod digest;
+mod error;
+mod params;
+
+pub use cancel::Cancel;
+pub use context::{Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput};
+pub use digest::{Digest, DigestParseError};
+pub use error::StageError;
+pub use params::{Mismatch, Param, ParamType, PathSeg, describe_value};
+
+/// One kind of stage (`command`, `download`, `mix`, ...): its schema, version and behaviour.
+///
+/// `run` is blocking: the runtime calls it on a blocking thread, so CPU-bound stages need no
+/// async plumbing and I/O-bound ones may start their own runtime.
+pub trait StageKind: Send + Sync {
+    /// The name used as `kind:` in a pipeline file.
+    fn name(&self) -> &'static str;
+
+    /// The implementation version. Bump it whenever the output for the same inputs changes;
+    /// it enters every key of this kind, so bumping it invalidates exactly this kind's artifacts.
+    fn version(&self) -> u32;
+
+    /// One line for `--help` style listings.
+    fn summary(&self) -> &'static str;
+
+    /// The typed params this kind accepts. Defaults are filled in before hashing.
+    fn params(&self) -> Vec<Param>;
+
+    /// Pinned identities of external sources (a local file's content digest, a dataset's commit
+    /// sha, an object's etag). They enter the key; they must never contain secrets or paths that
+    /// differ between machines.
+    fn pin(&self, params: &serde_json::Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
+        let _ = (params, pinner);
+        Ok(Vec::new())
+    }
+
+    /// Produce the output files in `ctx.out_dir`.
+    fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError>;
+}
