@@ -1,1 +1,5 @@
-fn main() {}
+//! The `dflash` command.
+
+fn main() -> std::process::ExitCode {
+    dflash::cli::main()
+}

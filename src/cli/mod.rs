@@ -1,0 +1,384 @@
+//! The `dflash` command line: parses arguments, wires pipeline -> graph -> store -> executor,
+//! and prints results. Data goes to stdout, logs and progress to stderr. Exit codes: 0 success,
+//! 1 a stage failed, 2 invalid input or usage.
+
+mod report;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use miette::Diagnostic;
+
+use crate::graph::Graph;
+use crate::hashcache::HashCache;
+use crate::key::Key;
+use crate::kinds::Registry;
+use crate::pipeline::{self, Pipeline};
+use crate::run::{RunOptions, execute};
+use crate::store::{Manifest, Status, Store};
+
+/// Declarative, content-addressed pipelines for training DFlash speculative-decoding drafters.
+#[derive(Parser)]
+#[command(name = "dflash", version, about, max_term_width = 100)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args, Clone)]
+struct StoreArg {
+    /// The artifact store: a folder or a URL (s3://bucket/prefix, gs://, az://). Default: the
+    /// pipeline's `store:`, else ./cache
+    #[arg(long, env = "DFLASH_STORE", global = true)]
+    store: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run every stage whose output is not in the store
+    Run {
+        /// The pipeline file
+        pipeline: PathBuf,
+        /// Run only this stage and what it needs (repeatable)
+        #[arg(long)]
+        only: Vec<String>,
+        /// Stages to run at once
+        #[arg(long, short, default_value_t = default_jobs())]
+        jobs: usize,
+        /// Print one JSON object with the run's results on stdout
+        #[arg(long)]
+        json: bool,
+        /// Run on a store that failed the create-only probe (it may replace objects in a race)
+        #[arg(long)]
+        allow_overwriting_store: bool,
+        #[command(flatten)]
+        store: StoreArg,
+    },
+    /// Show what would run and why, writing nothing
+    Plan {
+        /// The pipeline file
+        pipeline: PathBuf,
+        /// Print JSON on stdout
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArg,
+    },
+    /// Show one artifact's manifest
+    Show {
+        /// A key or digest prefix, or a stage id with --pipeline
+        reference: String,
+        /// Resolve a stage id against this pipeline
+        #[arg(long, short)]
+        pipeline: Option<PathBuf>,
+        #[command(flatten)]
+        store: StoreArg,
+    },
+    /// List committed artifacts
+    Ls {
+        /// Print JSON on stdout
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArg,
+    },
+    /// Copy an artifact's files into a new folder
+    Export {
+        /// A key or digest prefix, or a stage id with --pipeline
+        reference: String,
+        /// The folder to create (it must not exist, or be empty)
+        dir: PathBuf,
+        /// Resolve a stage id against this pipeline
+        #[arg(long, short)]
+        pipeline: Option<PathBuf>,
+        #[command(flatten)]
+        store: StoreArg,
+    },
+    /// List past runs
+    Runs {
+        /// Print JSON on stdout
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArg,
+    },
+    /// List the stage kinds and their params
+    Kinds,
+}
+
+fn default_jobs() -> usize {
+    std::thread::available_parallelism().map_or(2, std::num::NonZero::get)
+}
+
+/// A failure with its exit code.
+struct Failure {
+    code: u8,
+    report: Option<miette::Report>,
+}
+
+impl<E: Diagnostic + Send + Sync + 'static> From<E> for Failure {
+    fn from(e: E) -> Self {
+        Self { code: 2, report: Some(miette::Report::new(e)) }
+    }
+}
+
+/// A user-facing error raised by the CLI itself.
+#[derive(Debug, thiserror::Error, Diagnostic)]
+enum CliError {
+    #[error("no artifact matches `{0}`")]
+    #[diagnostic(code(dflash::cli::no_match), help("`dflash ls` lists artifacts; a stage id needs `--pipeline FILE`"))]
+    NoMatch(String),
+    #[error("`{0}` matches {1} artifacts")]
+    #[diagnostic(code(dflash::cli::ambiguous), help("give more characters of the key"))]
+    Ambiguous(String, usize),
+    #[error("stage `{0}` is not done yet, so it has no artifact")]
+    #[diagnostic(code(dflash::cli::not_done), help("run the pipeline first: `dflash run PIPELINE`"))]
+    NotDone(String),
+    #[error("`{0}` exists and is not empty; export never writes over files")]
+    #[diagnostic(code(dflash::cli::export_target), help("pick a new folder"))]
+    ExportTarget(String),
+    #[error("cannot write `{0}`: {1}")]
+    #[diagnostic(code(dflash::cli::write))]
+    Write(String, std::io::Error),
+    #[error("cannot start the async runtime: {0}")]
+    #[diagnostic(code(dflash::cli::runtime))]
+    Runtime(std::io::Error),
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    miette::set_hook(Box::new(|_| Box::new(miette::MietteHandlerOpts::new().terminal_links(false).build()))).ok();
+    match dispatch(cli) {
+        Ok(code) => ExitCode::from(code),
+        Err(f) => {
+            if let Some(r) = f.report {
+                eprintln!("{r:?}");
+            }
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, Failure> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| CliError::Runtime(e).into())
+}
+
+fn work_dir() -> PathBuf {
+    std::env::var_os("DFLASH_WORK").map_or_else(|| PathBuf::from(".dflash"), PathBuf::from)
+}
+
+fn cwd() -> PathBuf {
+    std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."))
+}
+
+fn open_store(arg: &StoreArg, pipeline: Option<&Pipeline>) -> Result<Store, Failure> {
+    let loc = arg.store.clone().or_else(|| pipeline.and_then(|p| p.store.clone())).unwrap_or_else(|| "cache".to_owned());
+    Ok(Store::open(&loc)?)
+}
+
+fn load(path: &Path, registry: &Registry) -> Result<(Arc<Pipeline>, Graph), Failure> {
+    let p = pipeline::load(path, registry)?;
+    let g = Graph::build(&p).map_err(|e| Failure::from(*e))?;
+    Ok((Arc::new(p), g))
+}
+
+fn out(s: &str) {
+    let mut o = std::io::stdout().lock();
+    let _ = writeln!(o, "{s}");
+}
+
+fn dispatch(cli: Cli) -> Result<u8, Failure> {
+    let registry = Registry::builtin();
+    match cli.command {
+        Command::Run { pipeline, only, jobs, json, allow_overwriting_store, store } => {
+            let (p, g) = load(&pipeline, &registry)?;
+            let store = open_store(&store, Some(&p))?;
+            let opts = RunOptions { jobs, only, allow_overwriting_store, work_dir: work_dir(), cwd: cwd() };
+            let mut reporter = report::for_stderr();
+            let record = runtime()?.block_on(execute(p.clone(), &g, registry, store, opts, reporter.as_mut()))?;
+            let failed = record.stages.iter().any(|s| s.status == Status::Failed);
+            let computed = record.stages.iter().filter(|s| matches!(s.status, Status::Ran | Status::Resumed)).count();
+            if json {
+                let stages: Vec<_> = record
+                    .stages
+                    .iter()
+                    .map(|s| serde_json::json!({"id": s.id, "kind": s.kind, "key": s.key, "status": s.status, "digest": s.digest, "seconds": s.seconds, "error": s.error}))
+                    .collect();
+                out(&serde_json::json!({"run_id": record.run_id, "stages": stages}).to_string());
+            }
+            if failed {
+                eprintln!("run {} failed: {} of {} stages failed", record.run_id, record.stages.iter().filter(|s| s.status == Status::Failed).count(), record.stages.len());
+                return Ok(1);
+            }
+            if computed == 0 {
+                eprintln!("nothing to do: every stage is cached ({:.0} ms)", record.seconds * 1000.0);
+            }
+            Ok(0)
+        }
+        Command::Plan { pipeline, json, store } => {
+            let (p, g) = load(&pipeline, &registry)?;
+            let store = open_store(&store, Some(&p))?;
+            let hashes = HashCache::load(&work_dir(), &cwd());
+            let plan = runtime()?.block_on(crate::plan::plan(&p, &g, &registry, &store, &hashes))?;
+            if json {
+                out(&serde_json::json!({ "stages": plan }).to_string());
+            } else {
+                for s in &plan {
+                    let key = s.key.map(|k| k.0.short(12)).unwrap_or_else(|| "-".into());
+                    let state = serde_json::to_value(s.state).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+                    out(&format!("{:<8} {:<24} {:<10} {key:<12} {}", state, s.id, s.kind, s.reason.as_deref().unwrap_or("")));
+                }
+                let todo = plan.iter().filter(|s| s.state != crate::plan::State::Done).count();
+                eprintln!("{todo} of {} stages to run", plan.len());
+            }
+            Ok(0)
+        }
+        Command::Show { reference, pipeline, store } => {
+            let rt = runtime()?;
+            let (store, m) = rt.block_on(resolve(&reference, pipeline.as_deref(), &store, &registry))?;
+            let _ = store;
+            out(&serde_json::to_string_pretty(&m).expect("serializable"));
+            Ok(0)
+        }
+        Command::Ls { json, store } => {
+            let store = open_store(&store, None)?;
+            let manifests = runtime()?.block_on(async {
+                let mut all = Vec::new();
+                for k in store.keys().await? {
+                    if let Some(m) = store.manifest(&k).await? {
+                        all.push(m);
+                    }
+                }
+                Ok::<_, crate::store::StoreError>(all)
+            })?;
+            let mut manifests = manifests;
+            manifests.sort_by(|a, b| a.lineage.started.cmp(&b.lineage.started));
+            if json {
+                let rows: Vec<_> = manifests
+                    .iter()
+                    .map(|m| serde_json::json!({"key": m.key, "digest": m.digest, "stage": m.lineage.stage_id, "pipeline": m.lineage.pipeline, "kind": m.fingerprint.kind, "files": m.files.len(), "bytes": m.files.iter().map(|f| f.size).sum::<u64>(), "produced": m.lineage.started}))
+                    .collect();
+                out(&serde_json::Value::Array(rows).to_string());
+            } else {
+                for m in &manifests {
+                    let bytes: u64 = m.files.iter().map(|f| f.size).sum();
+                    out(&format!("{}  {:<24} {:<10} {:>4} files {:>10} B  {}", m.key.0.short(12), format!("{}/{}", m.lineage.pipeline, m.lineage.stage_id), m.fingerprint.kind, m.files.len(), bytes, m.lineage.started));
+                }
+            }
+            Ok(0)
+        }
+        Command::Export { reference, dir, pipeline, store } => {
+            if dir.exists() && std::fs::read_dir(&dir).map_or(true, |mut d| d.next().is_some()) {
+                return Err(CliError::ExportTarget(dir.display().to_string()).into());
+            }
+            let rt = runtime()?;
+            let (store, m) = rt.block_on(resolve(&reference, pipeline.as_deref(), &store, &registry))?;
+            rt.block_on(async {
+                for f in &m.files {
+                    let bytes = store.get_blob(&f.digest).await?;
+                    let target = crate::run::safe_join_for_export(&dir, &f.path).map_err(|e| Failure { code: 2, report: Some(miette::Report::new(e)) })?;
+                    if let Some(parent) = target.parent() {
+                        std::fs::create_dir_all(parent).map_err(|e| CliError::Write(parent.display().to_string(), e))?;
+                    }
+                    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).open(&target).map_err(|e| CliError::Write(target.display().to_string(), e))?;
+                    file.write_all(&bytes).map_err(|e| CliError::Write(target.display().to_string(), e))?;
+                }
+                Ok::<_, Failure>(())
+            })?;
+            eprintln!("exported {} files of {} to {}", m.files.len(), m.key.0.short(12), dir.display());
+            Ok(0)
+        }
+        Command::Runs { json, store } => {
+            let store = open_store(&store, None)?;
+            let runs = runtime()?.block_on(store.runs())?;
+            if json {
+                out(&serde_json::to_string(&runs).expect("serializable"));
+            } else {
+                for r in &runs {
+                    let count = |st: Status| r.stages.iter().filter(|s| s.status == st).count();
+                    out(&format!(
+                        "{}  {:<16} ran {:>3}  cached {:>3}  failed {:>3}  {:>8.2}s",
+                        r.run_id,
+                        r.pipeline,
+                        count(Status::Ran) + count(Status::Resumed),
+                        count(Status::Cached),
+                        count(Status::Failed),
+                        r.seconds
+                    ));
+                }
+            }
+            Ok(0)
+        }
+        Command::Kinds => {
+            for name in registry.names() {
+                let k = registry.get(name).expect("listed");
+                out(&format!("{name} (v{}): {}", k.version(), k.summary()));
+                for p in k.params() {
+                    let req = if p.required { "required".to_owned() } else { p.default.as_ref().map_or_else(|| "optional".to_owned(), |d| format!("default {d}")) };
+                    out(&format!("  {:<10} {} ({req}): {}", p.name, p.ty.describe(), p.help));
+                }
+            }
+            Ok(0)
+        }
+    }
+}
+
+/// Find the manifest a reference names.
+async fn resolve(reference: &str, pipeline: Option<&Path>, arg: &StoreArg, registry: &Registry) -> Result<(Store, Manifest), Failure> {
+    if let Some(path) = pipeline {
+        let (p, g) = load(path, registry)?;
+        let store = open_store(arg, Some(&p))?;
+        if p.stages.iter().any(|s| s.id == reference) {
+            let hashes = HashCache::load(&work_dir(), &cwd());
+            let plan = crate::plan::plan(&p, &g, registry, &store, &hashes).await?;
+            let line = plan.iter().find(|s| s.id == reference).expect("present");
+            let m = match line.key {
+                Some(k) if line.state == crate::plan::State::Done => store.manifest(&k).await?,
+                _ => None,
+            };
+            return m.map(|m| (store, m)).ok_or_else(|| CliError::NotDone(reference.to_owned()).into());
+        }
+        return by_prefix(store, reference).await;
+    }
+    by_prefix(open_store(arg, None)?, reference).await
+}
+
+async fn by_prefix(store: Store, reference: &str) -> Result<(Store, Manifest), Failure> {
+    let r = reference.to_ascii_lowercase();
+    if r.len() < 4 || !r.chars().all(|c| c.is_ascii_hexdigit()) {
+        return Err(CliError::NoMatch(reference.to_owned()).into());
+    }
+    let keys: Vec<Key> = store.keys().await?;
+    let by_key: Vec<&Key> = keys.iter().filter(|k| k.to_string().starts_with(&r)).collect();
+    if by_key.len() > 1 {
+        return Err(CliError::Ambiguous(reference.to_owned(), by_key.len()).into());
+    }
+    if let Some(k) = by_key.first() {
+        let m = store.manifest(k).await?.ok_or_else(|| CliError::NoMatch(reference.to_owned()))?;
+        return Ok((store, m));
+    }
+    let mut found = Vec::new();
+    for k in &keys {
+        if let Some(m) = store.manifest(k).await?
+            && m.digest.to_hex().starts_with(&r)
+        {
+            found.push(m);
+        }
+    }
+    match found.len() {
+        0 => Err(CliError::NoMatch(reference.to_owned()).into()),
+        1 => Ok((store, found.remove(0))),
+        n => Err(CliError::Ambiguous(reference.to_owned(), n).into()),
+    }
+}

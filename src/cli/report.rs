@@ -1,0 +1,87 @@
+//! Reporters: how a run looks on stderr — progress bars on a terminal, one line per event
+//! otherwise.
+
+use std::io::{IsTerminal, Write};
+use std::time::Duration;
+
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+
+use crate::pipeline::Pipeline;
+use crate::run::{Event, Reporter};
+use crate::store::Status;
+
+/// Pick the reporter for this stderr.
+pub fn for_stderr() -> Box<dyn Reporter> {
+    if std::io::stderr().is_terminal() { Box::new(Bars::default()) } else { Box::new(Lines) }
+}
+
+fn finished_line(pipeline: &Pipeline, stage: usize, result: &crate::store::StageResult, log: Option<&std::path::Path>) -> String {
+    let spec = &pipeline.stages[stage];
+    let key = result.key.map(|k| k.0.short(12)).unwrap_or_default();
+    let mut line = format!("{:<8} {:<24} {:<10} {key:<12} {:>7.2}s", result.status.as_str(), spec.id, spec.kind, result.seconds);
+    if let Some(e) = &result.error {
+        line.push_str(&format!("  {e}"));
+    }
+    if let (Status::Failed, Some(log)) = (result.status, log) {
+        line.push_str(&format!("\n         log: {}", log.display()));
+    }
+    line
+}
+
+/// One line per event, for logs and CI.
+pub struct Lines;
+
+impl Reporter for Lines {
+    fn event(&mut self, pipeline: &Pipeline, event: &Event) {
+        let mut err = std::io::stderr().lock();
+        let _ = match event {
+            Event::RunStarted { run_id } => writeln!(err, "run {run_id}: {} ({} stages)", pipeline.name, pipeline.stages.len()),
+            Event::Started { stage } => writeln!(err, "started  {}", pipeline.stages[*stage].id),
+            Event::Progress { .. } => Ok(()),
+            Event::Finished { stage, result, log } => writeln!(err, "{}", finished_line(pipeline, *stage, result, log.as_deref())),
+            Event::Cancelling => writeln!(err, "cancelling: stopping running stages; finished shards are kept"),
+        };
+    }
+}
+
+/// Progress bars on a terminal.
+#[derive(Default)]
+pub struct Bars {
+    multi: MultiProgress,
+    bars: std::collections::HashMap<usize, ProgressBar>,
+}
+
+impl Reporter for Bars {
+    fn event(&mut self, pipeline: &Pipeline, event: &Event) {
+        match event {
+            Event::RunStarted { run_id } => {
+                let _ = self.multi.println(format!("run {run_id}: {} ({} stages)", pipeline.name, pipeline.stages.len()));
+            }
+            Event::Started { stage } => {
+                let bar = self.multi.add(ProgressBar::new_spinner());
+                bar.set_style(ProgressStyle::with_template("{spinner} {prefix:<24} {wide_bar} {pos}/{len} {msg} {elapsed}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+                bar.set_prefix(pipeline.stages[*stage].id.clone());
+                bar.enable_steady_tick(Duration::from_millis(120));
+                self.bars.insert(*stage, bar);
+            }
+            Event::Progress { stage, done, total, message } => {
+                if let Some(bar) = self.bars.get(stage) {
+                    if let Some(t) = total {
+                        bar.set_length(*t);
+                    }
+                    bar.set_position(*done);
+                    bar.set_message(message.clone());
+                }
+            }
+            Event::Finished { stage, result, log } => {
+                if let Some(bar) = self.bars.remove(stage) {
+                    bar.finish_and_clear();
+                }
+                let _ = self.multi.println(finished_line(pipeline, *stage, result, log.as_deref()));
+            }
+            Event::Cancelling => {
+                let _ = self.multi.println("cancelling: stopping running stages; finished shards are kept");
+            }
+        }
+    }
+}

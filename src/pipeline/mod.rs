@@ -1,0 +1,459 @@
+//! Pipeline files: YAML text -> a validated [`Pipeline`].
+//!
+//! Reads the file, parses it with serde_yaml (syntax, anchors with serde_yaml's expansion limits),
+//! checks its shape, each stage's kind and typed params (filling in defaults, so spelling out a
+//! default never changes a key), and every input reference. All problems are collected and
+//! returned together as [`Problems`], each located by [`spans::Spans`]. Cycles are found later by
+//! [`crate::graph`], which reports into the same [`Problems`].
+
+mod problem;
+pub mod spans;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use dflash_stage_api::{Digest, PathSeg, describe_value};
+use miette::NamedSource;
+use serde_json::Value;
+
+pub use problem::{Problem, Problems, did_you_mean};
+use spans::Spans;
+
+use crate::kinds::Registry;
+
+/// A validated pipeline.
+#[derive(Debug)]
+pub struct Pipeline {
+    /// `name:` or the file stem.
+    pub name: String,
+    /// The file it came from.
+    pub path: PathBuf,
+    /// blake3 of the file's bytes.
+    pub digest: Digest,
+    /// `store:`, if given.
+    pub store: Option<String>,
+    /// Stages in file order.
+    pub stages: Vec<StageSpec>,
+    /// Kept for reporting later problems (cycles) against the file.
+    pub(crate) text: Arc<String>,
+    pub(crate) spans: Spans,
+}
+
+/// One stage as the pipeline declares it, params resolved.
+#[derive(Clone, Debug)]
+pub struct StageSpec {
+    /// Its id (the key under `stages:`).
+    pub id: String,
+    /// Its kind.
+    pub kind: String,
+    /// Its inputs in order.
+    pub inputs: Vec<InputRef>,
+    /// Params checked against the kind's schema, defaults filled in.
+    pub params: Value,
+}
+
+/// A reference to an upstream stage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputRef {
+    /// The name the stage sees the input by (the upstream id, or the role in a map).
+    pub name: String,
+    /// The upstream stage id.
+    pub stage: String,
+}
+
+/// Reading or validating a pipeline failed.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum LoadError {
+    /// The file could not be read.
+    #[error("cannot read pipeline `{path}`: {source}")]
+    #[diagnostic(code(dflash::pipeline::unreadable), help("check the path; pipelines live under `pipelines/`"))]
+    Unreadable {
+        /// The path.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not UTF-8.
+    #[error("pipeline `{path}` is not UTF-8 text (invalid byte at offset {offset})")]
+    #[diagnostic(code(dflash::pipeline::not_utf8), help("save the file as UTF-8"))]
+    NotUtf8 {
+        /// The path.
+        path: String,
+        /// Where the first invalid byte is.
+        offset: usize,
+    },
+    /// The file has problems.
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Invalid(#[from] Box<Problems>),
+}
+
+const TOP_KEYS: &[&str] = &["name", "store", "stages", "description"];
+const STAGE_KEYS: &[&str] = &["kind", "inputs", "params", "description"];
+
+/// Largest pipeline file accepted; far beyond any real pipeline, small enough that a runaway
+/// generated file can't exhaust memory.
+const MAX_FILE_BYTES: u64 = 64 << 20;
+
+/// Read and validate a pipeline file.
+pub fn load(path: &Path, registry: &Registry) -> Result<Pipeline, LoadError> {
+    let shown = path.display().to_string();
+    let unreadable = |source| LoadError::Unreadable { path: shown.clone(), source };
+    let meta = std::fs::metadata(path).map_err(unreadable)?;
+    if meta.is_dir() {
+        return Err(unreadable(std::io::Error::other("it is a directory")));
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(unreadable(std::io::Error::other(format!("it is {} bytes, more than the limit of {MAX_FILE_BYTES}", meta.len()))));
+    }
+    let bytes = std::fs::read(path).map_err(unreadable)?;
+    let text = String::from_utf8(bytes).map_err(|e| LoadError::NotUtf8 { path: shown.clone(), offset: e.utf8_error().valid_up_to() })?;
+    parse(&shown, path, text, registry).map_err(|p| LoadError::Invalid(Box::new(p)))
+}
+
+/// Validate pipeline text; `name` labels errors.
+pub fn parse(name: &str, path: &Path, text: String, registry: &Registry) -> Result<Pipeline, Problems> {
+    let text = Arc::new(text);
+    let fail = |problems: Vec<Problem>| Problems { source: NamedSource::new(name, text.clone()).with_language("yaml"), problems };
+    let doc: serde_yaml::Value = match serde_yaml::from_str(&text) {
+        Ok(v) => v,
+        Err(e) => return Err(fail(vec![syntax_problem(&text, &e)])),
+    };
+    let spans = Spans::index(&text);
+    let mut v = Validator { spans: &spans, problems: Vec::new() };
+    let doc = v.to_json(&doc, &[]);
+    let pipeline = v.pipeline(&doc, path, registry);
+    if !v.problems.is_empty() {
+        let mut problems = v.problems;
+        problems.sort_by_key(|p| p.span.start);
+        return Err(fail(problems));
+    }
+    let (name, store, stages) = pipeline.expect("no problems means a pipeline");
+    let digest = Digest::of(text.as_bytes());
+    Ok(Pipeline { name, path: path.to_owned(), digest, store, stages, text, spans })
+}
+
+impl Pipeline {
+    /// Wrap problems found after validation (cycles) so they render against this file.
+    pub fn problems(&self, problems: Vec<Problem>) -> Problems {
+        Problems { source: NamedSource::new(self.path.display().to_string(), self.text.clone()).with_language("yaml"), problems }
+    }
+
+    /// The byte range of a stage's key, for labels.
+    pub fn stage_span(&self, id: &str) -> std::ops::Range<usize> {
+        self.spans.key(&["stages", id])
+    }
+
+    /// The byte range of one input reference.
+    pub fn input_span(&self, id: &str, index: usize, input: &InputRef) -> std::ops::Range<usize> {
+        let by_index = self.spans.value(&["stages", id, "inputs", &index.to_string()]);
+        let by_role = self.spans.value(&["stages", id, "inputs", &input.name]);
+        if by_role.end > by_role.start && by_role != self.spans.value(&["stages", id, "inputs"]) { by_role } else { by_index }
+    }
+}
+
+fn syntax_problem(text: &str, e: &serde_yaml::Error) -> Problem {
+    let offset = e.location().map_or(0, |l| l.index().min(text.len()));
+    let msg = e.to_string();
+    // serde_yaml appends " at line L column C"; the label already shows where.
+    let msg = msg.split(" at line ").next().unwrap_or(&msg).to_owned();
+    let (code, help) = if msg.contains("duplicate entry") {
+        ("dflash::pipeline::duplicate_id", "each stage id (and each key of a map) may appear once; rename one of them")
+    } else if msg.contains("repetition limit") || msg.contains("recursion limit") {
+        ("dflash::pipeline::too_large", "the document expands (through anchors and aliases) beyond what a pipeline needs")
+    } else {
+        ("dflash::pipeline::syntax", "check the indentation and quoting near the marked position")
+    };
+    let end = (offset + 1).min(text.len()).max(offset);
+    Problem::new(code, format!("invalid YAML: {msg}"), offset..end, "here").help(help)
+}
+
+struct Validator<'a> {
+    spans: &'a Spans,
+    problems: Vec<Problem>,
+}
+
+type Parsed = (String, Option<String>, Vec<StageSpec>);
+
+impl Validator<'_> {
+    fn at(&self, path: &[&str]) -> std::ops::Range<usize> {
+        self.spans.value(path)
+    }
+
+    fn push(&mut self, p: Problem) {
+        self.problems.push(p);
+    }
+
+    /// YAML -> JSON values: map keys must be strings, no tags, no NaN.
+    fn to_json(&mut self, v: &serde_yaml::Value, path: &[String]) -> Value {
+        use serde_yaml::Value as Y;
+        let p: Vec<&str> = path.iter().map(String::as_str).collect();
+        match v {
+            Y::Null => Value::Null,
+            Y::Bool(b) => Value::Bool(*b),
+            Y::Number(n) => {
+                if let Some(i) = n.as_i64() {
+                    i.into()
+                } else if let Some(u) = n.as_u64() {
+                    u.into()
+                } else if let Some(num) = n.as_f64().and_then(serde_json::Number::from_f64) {
+                    Value::Number(num)
+                } else {
+                    let span = self.at(&p);
+                    self.push(Problem::new("dflash::pipeline::bad_number", format!("`{n}` is not a finite number"), span, "here"));
+                    Value::Null
+                }
+            }
+            Y::String(s) => Value::String(s.clone()),
+            Y::Sequence(items) => Value::Array(
+                items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, item)| {
+                        let mut sub = path.to_vec();
+                        sub.push(i.to_string());
+                        self.to_json(item, &sub)
+                    })
+                    .collect(),
+            ),
+            Y::Mapping(map) => {
+                let mut out = serde_json::Map::new();
+                for (k, item) in map {
+                    let key = match k {
+                        Y::String(s) => s.clone(),
+                        Y::Number(n) => n.to_string(),
+                        Y::Bool(b) => b.to_string(),
+                        other => {
+                            let span = self.at(&p);
+                            self.push(Problem::new("dflash::pipeline::bad_key", format!("map keys must be strings, found {other:?}"), span, "in this map"));
+                            continue;
+                        }
+                    };
+                    let mut sub = path.to_vec();
+                    sub.push(key.clone());
+                    let value = self.to_json(item, &sub);
+                    out.insert(key, value);
+                }
+                Value::Object(out)
+            }
+            Y::Tagged(t) => {
+                let span = self.at(&p);
+                self.push(Problem::new("dflash::pipeline::tag", format!("YAML tags are not supported (`{}`)", t.tag), span, "tagged value").help("remove the tag"));
+                Value::Null
+            }
+        }
+    }
+
+    fn unknown_keys(&mut self, map: &serde_json::Map<String, Value>, allowed: &[&str], at: &[&str], what: &str) {
+        for key in map.keys() {
+            if !allowed.contains(&key.as_str()) {
+                let mut path = at.to_vec();
+                path.push(key);
+                let span = self.spans.key(&path);
+                let mut p = Problem::new("dflash::pipeline::unknown_field", format!("unknown field `{key}` in {what}"), span, "unknown field");
+                p = match did_you_mean(key, allowed.iter().copied()) {
+                    Some(s) => p.help(format!("did you mean `{s}`?")),
+                    None => p.help(format!("expected one of {}", list(allowed))),
+                };
+                self.push(p);
+            }
+        }
+    }
+
+    fn pipeline(&mut self, doc: &Value, path: &Path, registry: &Registry) -> Option<Parsed> {
+        let Some(top) = doc.as_object() else {
+            let span = self.at(&[]);
+            self.push(Problem::new("dflash::pipeline::shape", "a pipeline file must be a map with `stages:`", span, "not a map").help("start from pipelines/quickstart.yaml"));
+            return None;
+        };
+        self.unknown_keys(top, TOP_KEYS, &[], "the pipeline");
+        let name = match top.get("name") {
+            None => path.file_stem().map_or_else(|| "pipeline".to_owned(), |s| s.to_string_lossy().into_owned()),
+            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+            Some(other) => {
+                let span = self.at(&["name"]);
+                self.push(Problem::new("dflash::pipeline::shape", format!("`name` must be a non-empty string, found {}", describe_value(other)), span, "here"));
+                String::new()
+            }
+        };
+        let store = match top.get("store") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(other) => {
+                let span = self.at(&["store"]);
+                self.push(Problem::new("dflash::pipeline::shape", format!("`store` must be a URL or path, found {}", describe_value(other)), span, "here").help("e.g. `store: s3://bucket/dflash` or `store: ./cache`"));
+                None
+            }
+        };
+        let Some(stages_v) = top.get("stages") else {
+            let span = self.at(&[]);
+            self.push(Problem::new("dflash::pipeline::shape", "the pipeline has no `stages:`", span.start..span.start, "expected `stages:` in this map").help("add `stages:` with at least one stage"));
+            return None;
+        };
+        let Some(stages_map) = stages_v.as_object() else {
+            let span = self.at(&["stages"]);
+            self.push(Problem::new("dflash::pipeline::shape", format!("`stages` must be a map of stage ids to stages, found {}", describe_value(stages_v)), span, "here"));
+            return None;
+        };
+        let mut stages = Vec::new();
+        for (id, spec) in stages_map {
+            if let Some(s) = self.stage(id, spec, registry) {
+                stages.push(s);
+            }
+        }
+        self.check_inputs(&stages);
+        Some((name, store, stages))
+    }
+
+    fn stage(&mut self, id: &str, spec: &Value, registry: &Registry) -> Option<StageSpec> {
+        if id.is_empty() || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.') {
+            let span = self.spans.key(&["stages", id]);
+            self.push(Problem::new("dflash::pipeline::bad_id", format!("stage id `{id}` may only hold letters, digits, `_`, `-` and `.`"), span, "this id").help("ids name stages on the command line and in `$DFLASH_IN_<ID>`"));
+        }
+        let Some(map) = spec.as_object() else {
+            let span = self.at(&["stages", id]);
+            self.push(Problem::new("dflash::pipeline::shape", format!("stage `{id}` must be a map with `kind:`, found {}", describe_value(spec)), span, "here"));
+            return None;
+        };
+        self.unknown_keys(map, STAGE_KEYS, &["stages", id], &format!("stage `{id}`"));
+        let kind_name = match map.get("kind") {
+            Some(Value::String(k)) => k.clone(),
+            other => {
+                let span = if other.is_some() { self.at(&["stages", id, "kind"]) } else { self.spans.key(&["stages", id]) };
+                self.push(Problem::new("dflash::pipeline::missing_kind", format!("stage `{id}` has no `kind`"), span, "needs `kind:`").help(format!("kinds: {}", list(&registry.names()))));
+                return None;
+            }
+        };
+        let inputs = self.inputs(id, map.get("inputs"));
+        let Some(kind) = registry.get(&kind_name) else {
+            let span = self.at(&["stages", id, "kind"]);
+            let names = registry.names();
+            let help = match did_you_mean(&kind_name, names.iter().copied()) {
+                Some(s) => format!("did you mean `{s}`? known kinds: {}", list(&names)),
+                None => format!("known kinds: {}", list(&names)),
+            };
+            self.push(Problem::new("dflash::pipeline::unknown_kind", format!("unknown stage kind `{kind_name}`"), span, "unknown kind").help(help));
+            return None;
+        };
+        let params = self.params(id, &kind_name, &kind.params(), map.get("params"));
+        Some(StageSpec { id: id.to_owned(), kind: kind_name, inputs, params })
+    }
+
+    fn inputs(&mut self, id: &str, v: Option<&Value>) -> Vec<InputRef> {
+        let bad = |this: &mut Self, at: &[&str], found: &Value| {
+            let span = this.at(at);
+            this.push(Problem::new("dflash::pipeline::shape", format!("`inputs` of `{id}` must be a list of stage ids or a map of names to stage ids, found {}", describe_value(found)), span, "here"));
+        };
+        match v {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .filter_map(|(i, item)| match item {
+                    Value::String(s) => Some(InputRef { name: s.clone(), stage: s.clone() }),
+                    other => {
+                        bad(self, &["stages", id, "inputs", &i.to_string()], other);
+                        None
+                    }
+                })
+                .collect(),
+            Some(Value::Object(map)) => map
+                .iter()
+                .filter_map(|(role, item)| match item {
+                    Value::String(s) => Some(InputRef { name: role.clone(), stage: s.clone() }),
+                    other => {
+                        bad(self, &["stages", id, "inputs", role], other);
+                        None
+                    }
+                })
+                .collect(),
+            Some(other) => {
+                bad(self, &["stages", id, "inputs"], other);
+                Vec::new()
+            }
+        }
+    }
+
+    fn params(&mut self, id: &str, kind: &str, schema: &[dflash_stage_api::Param], v: Option<&Value>) -> Value {
+        let empty = serde_json::Map::new();
+        let given = match v {
+            None | Some(Value::Null) => &empty,
+            Some(Value::Object(m)) => m,
+            Some(other) => {
+                let span = self.at(&["stages", id, "params"]);
+                self.push(Problem::new("dflash::pipeline::shape", format!("`params` must be a map, found {}", describe_value(other)), span, "here"));
+                &empty
+            }
+        };
+        let names: Vec<&str> = schema.iter().map(|p| p.name).collect();
+        for key in given.keys() {
+            if !names.contains(&key.as_str()) {
+                let span = self.spans.key(&["stages", id, "params", key]);
+                let mut p = Problem::new("dflash::pipeline::unknown_param", format!("`{kind}` has no param `{key}`"), span, "unknown param");
+                p = match did_you_mean(key, names.iter().copied()) {
+                    Some(s) => p.help(format!("did you mean `{s}`?")),
+                    None => p.help(format!("`{kind}` params: {}", list(&names))),
+                };
+                self.push(p);
+            }
+        }
+        let mut resolved = serde_json::Map::new();
+        for param in schema {
+            match given.get(param.name) {
+                Some(value) if !value.is_null() => match param.ty.check(value) {
+                    Ok(v) => {
+                        resolved.insert(param.name.to_owned(), v);
+                    }
+                    Err(m) => {
+                        let mut path: Vec<String> = vec!["stages".into(), id.into(), "params".into(), param.name.into()];
+                        path.extend(m.path.iter().map(|s| match s {
+                            PathSeg::Key(k) => k.clone(),
+                            PathSeg::Index(i) => i.to_string(),
+                        }));
+                        let p: Vec<&str> = path.iter().map(String::as_str).collect();
+                        let span = self.at(&p);
+                        let shown = path[3..].join(".");
+                        self.push(
+                            Problem::new("dflash::pipeline::param_type", format!("param `{shown}` of `{id}` must be {}, found {}", m.expected, m.found), span, format!("expected {}", m.expected))
+                                .help(param.help),
+                        );
+                    }
+                },
+                _ if param.required => {
+                    let span = if v.is_some() { self.spans.key(&["stages", id, "params"]) } else { self.spans.key(&["stages", id]) };
+                    self.push(Problem::new("dflash::pipeline::missing_param", format!("stage `{id}` (`{kind}`) needs param `{}`", param.name), span, format!("`{}` missing", param.name)).help(format!("`{}`: {}", param.name, param.help)));
+                }
+                _ => {
+                    resolved.insert(param.name.to_owned(), param.default.clone().unwrap_or(Value::Null));
+                }
+            }
+        }
+        Value::Object(resolved)
+    }
+
+    fn check_inputs(&mut self, stages: &[StageSpec]) {
+        let ids: Vec<&str> = stages.iter().map(|s| s.id.as_str()).collect();
+        for s in stages {
+            for (i, input) in s.inputs.iter().enumerate() {
+                if input.stage == s.id {
+                    let span = self.at(&["stages", &s.id, "inputs", &i.to_string()]);
+                    self.push(Problem::new("dflash::graph::cycle", format!("stage `{}` lists itself as an input", s.id), span, "self-reference"));
+                } else if !ids.contains(&input.stage.as_str()) {
+                    let by_index = self.at(&["stages", &s.id, "inputs", &i.to_string()]);
+                    let by_role = self.at(&["stages", &s.id, "inputs", &input.name]);
+                    let span = if input.name == input.stage { by_index } else { by_role };
+                    let mut p = Problem::new("dflash::pipeline::dangling_input", format!("stage `{}` takes input `{}`, but no stage has that id", s.id, input.stage), span, "no such stage");
+                    p = match did_you_mean(&input.stage, ids.iter().copied()) {
+                        Some(sug) => p.help(format!("did you mean `{sug}`?")),
+                        None => p.help(format!("stages: {}", list(&ids))),
+                    };
+                    self.push(p);
+                }
+            }
+        }
+    }
+}
+
+fn list(items: &[&str]) -> String {
+    items.iter().map(|i| format!("`{i}`")).collect::<Vec<_>>().join(", ")
+}

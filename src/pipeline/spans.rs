@@ -1,0 +1,159 @@
+//! Where each value of a YAML document sits in its text, so errors found after parsing (an
+//! unknown kind, a mistyped param) can point at the offending bytes.
+//!
+//! serde_yaml gives the values but no positions; this walks saphyr's event stream once and
+//! records, for every path (`stages.gen.params.max_tokens`), the byte range of its key and value.
+//! Aliases are not followed: a path below an alias resolves to the alias itself.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use saphyr_parser::{Event, Parser};
+
+/// Byte ranges of keys and values by path.
+#[derive(Default, Debug)]
+pub struct Spans {
+    by_path: HashMap<String, Entry>,
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    key: Option<Range<usize>>,
+    value: Range<usize>,
+}
+
+/// Join path segments the way [`Spans`] stores them.
+pub fn path_of(segs: &[&str]) -> String {
+    segs.join("\u{0}")
+}
+
+enum Frame {
+    Map { path: String, pending_key: Option<(String, Range<usize>)> },
+    Seq { path: String, next: usize },
+}
+
+impl Spans {
+    /// Index `text`. A document saphyr can't parse gives an empty index (serde_yaml reports the
+    /// syntax error itself).
+    pub fn index(text: &str) -> Self {
+        let bytes = CharToByte::new(text);
+        let mut spans = Self::default();
+        let mut stack: Vec<Frame> = Vec::new();
+        let mut open: Vec<(String, usize)> = Vec::new();
+        for item in Parser::new_from_str(text) {
+            let Ok((event, span)) = item else { break };
+            let range = bytes.at(span.start.index())..bytes.at(span.end.index());
+            match event {
+                Event::Scalar(value, ..) => {
+                    if let Some(Frame::Map { pending_key: pending @ None, .. }) = stack.last_mut() {
+                        *pending = Some((value.into_owned(), range));
+                        continue;
+                    }
+                    if let Some((path, key)) = next_path(&mut stack) {
+                        spans.by_path.insert(path, Entry { key, value: range });
+                    }
+                }
+                Event::Alias(_) => {
+                    if let Some((path, key)) = next_path(&mut stack) {
+                        spans.by_path.insert(path, Entry { key, value: range });
+                    }
+                }
+                Event::MappingStart(..) | Event::SequenceStart(..) => {
+                    let is_map = matches!(event, Event::MappingStart(..));
+                    let (path, key) = if stack.is_empty() { (String::new(), None) } else {
+                        next_path(&mut stack).unwrap_or_else(|| ("\u{1}complex".into(), None))
+                    };
+                    spans.by_path.insert(path.clone(), Entry { key, value: range.clone() });
+                    open.push((path.clone(), range.start));
+                    stack.push(if is_map { Frame::Map { path, pending_key: None } } else { Frame::Seq { path, next: 0 } });
+                }
+                Event::MappingEnd | Event::SequenceEnd => {
+                    stack.pop();
+                    if let Some((path, start)) = open.pop()
+                        && let Some(entry) = spans.by_path.get_mut(&path)
+                    {
+                        entry.value = start..range.end.max(start);
+                    }
+                }
+                _ => {}
+            }
+        }
+        spans
+    }
+
+    /// The byte range of the value at `path`, or of its nearest ancestor that has one.
+    pub fn value(&self, path: &[&str]) -> Range<usize> {
+        self.find(path, |e| Some(e.value.clone()))
+    }
+
+    /// The byte range of the key at `path` (falling back to its value, then to ancestors).
+    pub fn key(&self, path: &[&str]) -> Range<usize> {
+        self.find(path, |e| Some(e.key.clone().unwrap_or_else(|| e.value.clone())))
+    }
+
+    fn find(&self, path: &[&str], pick: impl Fn(&Entry) -> Option<Range<usize>>) -> Range<usize> {
+        (0..=path.len())
+            .rev()
+            .find_map(|n| self.by_path.get(&path_of(&path[..n])).and_then(&pick))
+            .unwrap_or(0..0)
+    }
+}
+
+fn next_path(stack: &mut [Frame]) -> Option<(String, Option<Range<usize>>)> {
+    match stack.last_mut()? {
+        Frame::Map { path, pending_key } => {
+            let (key, key_range) = pending_key.take()?;
+            Some((join(path, &key), Some(key_range)))
+        }
+        Frame::Seq { path, next } => {
+            let p = join(path, &next.to_string());
+            *next += 1;
+            Some((p, None))
+        }
+    }
+}
+
+fn join(parent: &str, seg: &str) -> String {
+    if parent.is_empty() { seg.to_owned() } else { format!("{parent}\u{0}{seg}") }
+}
+
+/// saphyr counts characters; miette wants bytes.
+struct CharToByte<'a> {
+    text: &'a str,
+    ascii: bool,
+}
+
+impl<'a> CharToByte<'a> {
+    fn new(text: &'a str) -> Self {
+        Self { text, ascii: text.is_ascii() }
+    }
+    fn at(&self, chars: usize) -> usize {
+        if self.ascii {
+            return chars.min(self.text.len());
+        }
+        self.text.char_indices().nth(chars).map_or(self.text.len(), |(b, _)| b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_nested_keys_and_values() {
+        let text = "stages:\n  a:\n    kind: comand\n    inputs: [b, c]\n";
+        let s = Spans::index(text);
+        assert_eq!(&text[s.value(&["stages", "a", "kind"])], "comand");
+        assert_eq!(&text[s.key(&["stages", "a", "kind"])], "kind");
+        assert_eq!(&text[s.value(&["stages", "a", "inputs", "1"])], "c");
+        // Unknown paths fall back to the nearest ancestor.
+        assert_eq!(&text[s.key(&["stages", "a", "nope"])], "a");
+    }
+
+    #[test]
+    fn non_ascii_offsets_are_bytes() {
+        let text = "name: é\nstages:\n  ü: {kind: x}\n";
+        let s = Spans::index(text);
+        assert_eq!(&text[s.value(&["stages", "ü", "kind"])], "x");
+    }
+}

@@ -1,0 +1,329 @@
+//! The executor: runs a pipeline's stages in dependency order, independent ones concurrently.
+//!
+//! A dispatcher ([`execute`]) owns all state and selects over three event sources: finished
+//! stage tasks, progress messages, and Ctrl-C. Each stage task ([`stage::run_stage`]) resolves
+//! its key, adopts a committed manifest if there is one, and otherwise materialises its inputs,
+//! runs the stage on a blocking thread, uploads its files and commits the manifest last.
+//! Events go to a [`Reporter`] (the CLI draws progress bars or prints lines).
+
+mod stage;
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use dflash_stage_api::{Cancel, Digest, Pin, Pinner, StageError};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use crate::graph::Graph;
+use crate::key::{Fingerprint, FingerprintInput, KEY_SCHEMA, Key};
+use crate::kinds::Registry;
+use crate::pipeline::{Pipeline, StageSpec};
+use crate::store::{RunRecord, StageResult, Status, Store};
+
+/// How to run.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Stages at once.
+    pub jobs: usize,
+    /// Run only these stages (and what they need); empty: all.
+    pub only: Vec<String>,
+    /// Run even on a store that failed the create-only probe.
+    pub allow_overwriting_store: bool,
+    /// Local working folder (logs, scratch, hash cache).
+    pub work_dir: PathBuf,
+    /// Where relative paths in params resolve.
+    pub cwd: PathBuf,
+}
+
+/// What the dispatcher tells the reporter.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// The run began.
+    RunStarted {
+        /// Its id.
+        run_id: String,
+    },
+    /// A stage started computing (not sent for cached stages).
+    Started {
+        /// Stage index.
+        stage: usize,
+    },
+    /// A stage reported progress.
+    Progress {
+        /// Stage index.
+        stage: usize,
+        /// Units done.
+        done: u64,
+        /// Units in all, when known.
+        total: Option<u64>,
+        /// What it is doing.
+        message: String,
+    },
+    /// A stage reached a final status.
+    Finished {
+        /// Stage index.
+        stage: usize,
+        /// The result.
+        result: StageResult,
+        /// Its log, when it failed and has one.
+        log: Option<PathBuf>,
+    },
+    /// Ctrl-C was pressed; running stages are being stopped.
+    Cancelling,
+}
+
+/// Receives events as the run goes.
+pub trait Reporter: Send {
+    /// One event.
+    fn event(&mut self, pipeline: &Pipeline, event: &Event);
+}
+
+/// The run could not start or was interrupted.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum RunError {
+    /// A store problem before or after the stages.
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Store(#[from] crate::store::StoreError),
+    /// An `--only` name that is not a stage.
+    #[error("`--only {0}`: no stage has that id")]
+    #[diagnostic(code(dflash::run::unknown_stage), help("`dflash plan PIPELINE` lists the stage ids"))]
+    UnknownStage(String),
+    /// The local working folder could not be created.
+    #[error("cannot create working folder `{0}`: {1}")]
+    #[diagnostic(code(dflash::run::work_dir))]
+    WorkDir(String, std::io::Error),
+}
+
+/// The result of one stage task.
+pub(crate) struct Outcome {
+    pub status: Status,
+    pub key: Option<Key>,
+    pub digest: Option<Digest>,
+    pub error: Option<StageError>,
+}
+
+/// Build a stage's fingerprint from its upstream digests (in input order) and its pins.
+pub fn fingerprint(spec: &StageSpec, registry: &Registry, upstream: &[Digest], pinner: &dyn Pinner) -> Result<Fingerprint, StageError> {
+    let kind = registry.get(&spec.kind).expect("validated pipelines name known kinds");
+    let pins: Vec<Pin> = kind.pin(&spec.params, pinner)?;
+    Ok(Fingerprint {
+        schema: KEY_SCHEMA,
+        kind: spec.kind.clone(),
+        kind_version: kind.version(),
+        params: spec.params.clone(),
+        inputs: spec.inputs.iter().zip(upstream).map(|(i, d)| FingerprintInput { name: i.name.clone(), digest: *d }).collect(),
+        pins,
+    })
+}
+
+/// A new time-sortable run id, e.g. `20261202T141019.123Z-3f9a1c`.
+pub fn new_run_id() -> String {
+    let now = std::time::SystemTime::now();
+    let stamp = humantime::format_rfc3339_millis(now).to_string().replace(['-', ':'], "");
+    let nanos = now.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let salt = Digest::of(format!("{nanos}-{}", std::process::id()).as_bytes()).short(6);
+    format!("{stamp}-{salt}")
+}
+
+/// Stages to run: the `--only` ones and everything upstream of them.
+fn selection(pipeline: &Pipeline, graph: &Graph, only: &[String]) -> Result<Vec<bool>, RunError> {
+    if only.is_empty() {
+        return Ok(vec![true; pipeline.stages.len()]);
+    }
+    let mut selected = vec![false; pipeline.stages.len()];
+    let mut stack = Vec::new();
+    for name in only {
+        let i = pipeline.stages.iter().position(|s| &s.id == name).ok_or_else(|| RunError::UnknownStage(name.clone()))?;
+        stack.push(i);
+    }
+    while let Some(i) = stack.pop() {
+        if !std::mem::replace(&mut selected[i], true) {
+            stack.extend(graph.upstream(i));
+        }
+    }
+    Ok(selected)
+}
+
+/// Shared by every stage task.
+pub(crate) struct Shared {
+    pub pipeline: Arc<Pipeline>,
+    pub registry: Registry,
+    pub store: Store,
+    pub opts: RunOptions,
+    pub run_id: String,
+    pub hashes: crate::hashcache::HashCache,
+    pub cancel: Cancel,
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+/// Run the pipeline; returns the run record (also stored) whatever the stages' outcomes.
+pub async fn execute(
+    pipeline: Arc<Pipeline>,
+    graph: &Graph,
+    registry: Registry,
+    store: Store,
+    opts: RunOptions,
+    reporter: &mut dyn Reporter,
+) -> Result<RunRecord, RunError> {
+    let selected = selection(&pipeline, graph, &opts.only)?;
+    std::fs::create_dir_all(&opts.work_dir).map_err(|e| RunError::WorkDir(opts.work_dir.display().to_string(), e))?;
+    let run_id = new_run_id();
+    let started = std::time::SystemTime::now();
+    let t0 = Instant::now();
+    store
+        .begin_run(
+            &run_id,
+            &serde_json::json!({
+                "run_id": run_id,
+                "pipeline": pipeline.name,
+                "pipeline_digest": pipeline.digest,
+                "started": humantime::format_rfc3339_millis(started).to_string(),
+                "tool_version": env!("CARGO_PKG_VERSION"),
+            }),
+            opts.allow_overwriting_store,
+        )
+        .await?;
+    reporter.event(&pipeline, &Event::RunStarted { run_id: run_id.clone() });
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let shared = Arc::new(Shared {
+        hashes: crate::hashcache::HashCache::load(&opts.work_dir, &opts.cwd),
+        pipeline: pipeline.clone(),
+        registry,
+        store: store.clone(),
+        opts,
+        run_id: run_id.clone(),
+        cancel: Cancel::new(),
+        events: tx,
+    });
+
+    let n = pipeline.stages.len();
+    let mut results: Vec<Option<StageResult>> = vec![None; n];
+    let mut digests: Vec<Option<Digest>> = vec![None; n];
+    let mut keys: Vec<Option<Key>> = vec![None; n];
+    let mut waiting: Vec<usize> = (0..n).map(|i| graph.upstream(i).count()).collect();
+    let mut ready: std::collections::VecDeque<usize> = graph.order.iter().copied().filter(|&i| waiting[i] == 0).collect();
+    let mut tasks: JoinSet<(usize, f64, Outcome)> = JoinSet::new();
+    let mut cancelled = false;
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+
+    let finish = |i: usize, result: StageResult, log: Option<PathBuf>, results: &mut Vec<Option<StageResult>>, reporter: &mut dyn Reporter| {
+        reporter.event(&pipeline, &Event::Finished { stage: i, result: result.clone(), log });
+        results[i] = Some(result);
+    };
+
+    loop {
+        while !cancelled && tasks.len() < shared.opts.jobs.max(1) {
+            let Some(i) = ready.pop_front() else { break };
+            let spec = &pipeline.stages[i];
+            if !selected[i] {
+                let result = StageResult { id: spec.id.clone(), kind: spec.kind.clone(), key: None, status: Status::Skipped, digest: None, seconds: 0.0, error: None };
+                finish(i, result, None, &mut results, reporter);
+                continue;
+            }
+            let upstream: Vec<Digest> = spec
+                .inputs
+                .iter()
+                .map(|inp| {
+                    let u = pipeline.stages.iter().position(|s| s.id == inp.stage).expect("validated");
+                    digests[u].expect("upstream finished before downstream is ready")
+                })
+                .collect();
+            let upstream_keys: Vec<Key> = spec
+                .inputs
+                .iter()
+                .map(|inp| keys[pipeline.stages.iter().position(|s| s.id == inp.stage).expect("validated")].expect("done"))
+                .collect();
+            let shared = shared.clone();
+            tasks.spawn(async move {
+                let t = Instant::now();
+                let outcome = stage::run_stage(&shared, i, upstream, upstream_keys).await;
+                (i, t.elapsed().as_secs_f64(), outcome)
+            });
+        }
+        if tasks.is_empty() {
+            break;
+        }
+        tokio::select! {
+            Some(joined) = tasks.join_next() => {
+                let (i, seconds, outcome) = match joined {
+                    Ok(v) => v,
+                    Err(e) => std::panic::resume_unwind(e.into_panic()),
+                };
+                let spec = &pipeline.stages[i];
+                let log = outcome.error.as_ref().and_then(|e| e.log.clone());
+                let result = StageResult {
+                    id: spec.id.clone(),
+                    kind: spec.kind.clone(),
+                    key: outcome.key,
+                    status: outcome.status,
+                    digest: outcome.digest,
+                    seconds,
+                    error: outcome.error.as_ref().map(|e| e.message.clone()),
+                };
+                keys[i] = outcome.key;
+                let ok = matches!(outcome.status, Status::Ran | Status::Cached | Status::Resumed);
+                finish(i, result, log, &mut results, reporter);
+                if ok {
+                    digests[i] = outcome.digest;
+                    for d in graph.downstream(i) {
+                        waiting[d] -= 1;
+                        if waiting[d] == 0 {
+                            ready.push_back(d);
+                        }
+                    }
+                }
+            }
+            Some(ev) = rx.recv() => reporter.event(&pipeline, &ev),
+            _ = &mut ctrl_c, if !cancelled => {
+                cancelled = true;
+                shared.cancel.cancel();
+                reporter.event(&pipeline, &Event::Cancelling);
+            }
+        }
+    }
+    while let Ok(ev) = rx.try_recv() {
+        reporter.event(&pipeline, &ev);
+    }
+    shared.hashes.save();
+
+    // Whatever never became ready was blocked by a failure, or by cancellation.
+    let mut stages = Vec::with_capacity(n);
+    for (i, r) in results.into_iter().enumerate() {
+        let r = r.unwrap_or_else(|| {
+            let spec = &pipeline.stages[i];
+            let why = if cancelled { "cancelled" } else { "an upstream stage failed" };
+            let result = StageResult { id: spec.id.clone(), kind: spec.kind.clone(), key: None, status: Status::Skipped, digest: None, seconds: 0.0, error: Some(why.into()) };
+            reporter.event(&pipeline, &Event::Finished { stage: i, result: result.clone(), log: None });
+            result
+        });
+        stages.push(r);
+    }
+    let record = RunRecord {
+        run_id,
+        pipeline: pipeline.name.clone(),
+        pipeline_path: pipeline.path.display().to_string(),
+        pipeline_digest: pipeline.digest,
+        started: humantime::format_rfc3339_millis(started).to_string(),
+        seconds: t0.elapsed().as_secs_f64(),
+        stages,
+    };
+    store.end_run(&record).await?;
+    Ok(record)
+}
+
+/// Ids of stages this run selected, for messages.
+pub fn selected_ids(pipeline: &Pipeline, graph: &Graph, only: &[String]) -> Result<HashSet<String>, RunError> {
+    let sel = selection(pipeline, graph, only)?;
+    Ok(pipeline.stages.iter().zip(sel).filter(|(_, s)| *s).map(|(st, _)| st.id.clone()).collect())
+}
+
+/// Join an artifact path under an export folder, refusing paths that would escape it.
+pub fn safe_join_for_export(dir: &std::path::Path, rel: &str) -> Result<PathBuf, StageError> {
+    stage::safe_join(dir, rel)
+}

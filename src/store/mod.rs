@@ -1,0 +1,328 @@
+//! The artifact store: create-only writes over `object_store`.
+//!
+//! Layout under the store root:
+//! - `blobs/<hh>/<digest>`: file contents, content-addressed, so a retried upload is harmless;
+//! - `shards/<key>/<name>.json`: a finished shard of a partial artifact ([`ShardRecord`]);
+//! - `manifests/<key>.json`: the commit of an artifact ([`Manifest`]), written last;
+//! - `runs/<run-id>/begin.json` and `runs/<run-id>/end.json`: run records.
+//!
+//! Every write is `PutMode::Create`; nothing is ever replaced or deleted. At start the store
+//! is probed: a second create of `begin.json` must be refused, or dflash will not run on it.
+
+pub mod manifest;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use dflash_stage_api::Digest;
+use futures::TryStreamExt;
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+
+use crate::key::Key;
+pub use manifest::{FileEntry, Manifest, RunRecord, ShardRecord, StageResult, Status};
+
+/// An error talking to the store.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum StoreError {
+    /// The store URL could not be understood or opened.
+    #[error("cannot open store `{url}`: {reason}")]
+    #[diagnostic(code(dflash::store::open), help("use a local path (`./cache`) or a URL like `s3://bucket/prefix`; set credentials through the standard environment variables (AWS_ACCESS_KEY_ID, ...)"))]
+    Open {
+        /// The URL, with any credentials removed.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// The store silently replaced an object on a create-only write.
+    #[error("store `{url}` overwrote an existing object on a create-only write; dflash will not run on it")]
+    #[diagnostic(code(dflash::store::overwrites), help("use a store that honours conditional puts (If-None-Match), or pass `--allow-overwriting-store` if you accept that a race may replace artifacts"))]
+    Overwrites {
+        /// The URL.
+        url: String,
+    },
+    /// A request failed.
+    #[error("store `{url}`: {op} `{path}` failed: {reason}")]
+    #[diagnostic(code(dflash::store::io))]
+    Io {
+        /// The URL.
+        url: String,
+        /// What was being done.
+        op: &'static str,
+        /// The object.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// An object's bytes do not match its digest.
+    #[error("store `{url}`: object `{path}` is corrupt: its bytes hash to {actual}, not {expected}")]
+    #[diagnostic(code(dflash::store::corrupt), help("run `dflash verify` to find every corrupt object"))]
+    Corrupt {
+        /// The URL.
+        url: String,
+        /// The object.
+        path: String,
+        /// The digest it should have.
+        expected: String,
+        /// The digest it has.
+        actual: String,
+    },
+    /// A stored record could not be decoded.
+    #[error("store `{url}`: `{path}` is not a valid record: {reason}")]
+    #[diagnostic(code(dflash::store::decode))]
+    Decode {
+        /// The URL.
+        url: String,
+        /// The object.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Whether a create-only write created the object or found it there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Put {
+    /// This call created it.
+    Created,
+    /// It existed already (left untouched).
+    Existed,
+}
+
+/// A create-only artifact store.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<dyn ObjectStore>,
+    root: ObjPath,
+    url: String,
+}
+
+impl Store {
+    /// Open a store from a local path or a URL (`s3://`, `gs://`, `az://`, `file://`,
+    /// `memory://`). Credentials come from the standard environment variables.
+    pub fn open(location: &str) -> Result<Self, StoreError> {
+        let shown = redact(location);
+        let err = |reason: String| StoreError::Open { url: shown.clone(), reason };
+        if location.starts_with("memory://") {
+            return Ok(Self { inner: Arc::new(object_store::memory::InMemory::new()), root: ObjPath::default(), url: shown });
+        }
+        if let Some(rest) = location.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                return Err(err("no bucket in the URL".into()));
+            }
+            let s3 = object_store::aws::AmazonS3Builder::from_env()
+                .with_bucket_name(bucket)
+                .with_retry(retry_config())
+                .build()
+                .map_err(|e| err(e.to_string()))?;
+            return Ok(Self { inner: Arc::new(s3), root: ObjPath::from(prefix), url: shown });
+        }
+        if location.contains("://") && !location.starts_with("file://") {
+            let url = url::Url::parse(location).map_err(|e| err(e.to_string()))?;
+            let env: Vec<(String, String)> = std::env::vars().collect();
+            let opts = env.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.clone()));
+            let (store, root) = object_store::parse_url_opts(&url, opts).map_err(|e| err(e.to_string()))?;
+            return Ok(Self { inner: Arc::from(store), root, url: shown });
+        }
+        let dir = location.strip_prefix("file://").unwrap_or(location);
+        std::fs::create_dir_all(dir).map_err(|e| err(format!("cannot create folder `{dir}`: {e}")))?;
+        let fs = object_store::local::LocalFileSystem::new_with_prefix(dir).map_err(|e| err(e.to_string()))?;
+        Ok(Self { inner: Arc::new(fs), root: ObjPath::default(), url: shown })
+    }
+
+    /// The store's URL for messages (credentials removed).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn path(&self, rel: &str) -> ObjPath {
+        let mut p = self.root.clone();
+        for part in rel.split('/') {
+            p = p.clone().join(part);
+        }
+        p
+    }
+
+    fn io(&self, op: &'static str, path: &str, e: &object_store::Error) -> StoreError {
+        StoreError::Io { url: self.url.clone(), op, path: path.to_owned(), reason: e.to_string() }
+    }
+
+    /// Create `rel` with `bytes` unless it exists; never replaces.
+    pub async fn put_create(&self, rel: &str, bytes: Bytes) -> Result<Put, StoreError> {
+        let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
+        match self.inner.put_opts(&self.path(rel), PutPayload::from_bytes(bytes), opts).await {
+            Ok(_) => Ok(Put::Created),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(Put::Existed),
+            Err(e) => Err(self.io("create", rel, &e)),
+        }
+    }
+
+    /// Read `rel`, or `None` when it does not exist.
+    pub async fn get(&self, rel: &str) -> Result<Option<Bytes>, StoreError> {
+        match self.inner.get(&self.path(rel)).await {
+            Ok(r) => r.bytes().await.map(Some).map_err(|e| self.io("read", rel, &e)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.io("read", rel, &e)),
+        }
+    }
+
+    /// Paths (relative to the root) under `prefix`.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        let base = self.path(prefix);
+        let root_parts = self.root.parts().count();
+        let metas: Vec<_> = self.inner.list(Some(&base)).try_collect().await.map_err(|e| self.io("list", prefix, &e))?;
+        Ok(metas
+            .into_iter()
+            .map(|m| m.location.parts().skip(root_parts).map(|p| p.as_ref().to_owned()).collect::<Vec<_>>().join("/"))
+            .collect())
+    }
+
+    /// Store bytes as a content-addressed blob.
+    pub async fn put_blob(&self, bytes: Bytes) -> Result<FileEntry, StoreError> {
+        let digest = Digest::of(&bytes);
+        let size = bytes.len() as u64;
+        self.put_create(&blob_path(&digest), bytes).await?;
+        Ok(FileEntry { path: String::new(), digest, size })
+    }
+
+    /// Read a blob and check its bytes against its digest.
+    pub async fn get_blob(&self, digest: &Digest) -> Result<Bytes, StoreError> {
+        let rel = blob_path(digest);
+        let bytes = self.get(&rel).await?.ok_or_else(|| StoreError::Io {
+            url: self.url.clone(),
+            op: "read",
+            path: rel.clone(),
+            reason: "missing".into(),
+        })?;
+        let actual = Digest::of(&bytes);
+        if actual != *digest {
+            return Err(StoreError::Corrupt { url: self.url.clone(), path: rel, expected: digest.to_hex(), actual: actual.to_hex() });
+        }
+        Ok(bytes)
+    }
+
+    async fn get_json<T: serde::de::DeserializeOwned>(&self, rel: &str) -> Result<Option<T>, StoreError> {
+        let Some(bytes) = self.get(rel).await? else { return Ok(None) };
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| StoreError::Decode { url: self.url.clone(), path: rel.to_owned(), reason: e.to_string() })
+    }
+
+    async fn put_json<T: serde::Serialize>(&self, rel: &str, value: &T) -> Result<Put, StoreError> {
+        let bytes = serde_json::to_vec_pretty(value).expect("records serialize");
+        self.put_create(rel, Bytes::from(bytes)).await
+    }
+
+    /// The manifest committed under `key`, if any.
+    pub async fn manifest(&self, key: &Key) -> Result<Option<Manifest>, StoreError> {
+        self.get_json(&format!("manifests/{key}.json")).await
+    }
+
+    /// Commit an artifact. If another run committed the key first, its manifest wins and is
+    /// returned; ours is dropped.
+    pub async fn commit(&self, manifest: &Manifest) -> Result<Manifest, StoreError> {
+        let rel = format!("manifests/{}.json", manifest.key);
+        match self.put_json(&rel, manifest).await? {
+            Put::Created => Ok(manifest.clone()),
+            Put::Existed => Ok(self.get_json(&rel).await?.unwrap_or_else(|| manifest.clone())),
+        }
+    }
+
+    /// Every committed key.
+    pub async fn keys(&self) -> Result<Vec<Key>, StoreError> {
+        Ok(self
+            .list("manifests")
+            .await?
+            .iter()
+            .filter_map(|p| p.strip_prefix("manifests/")?.strip_suffix(".json")?.parse().ok().map(Key))
+            .collect())
+    }
+
+    /// Shards committed under `key`.
+    pub async fn shards(&self, key: &Key) -> Result<Vec<ShardRecord>, StoreError> {
+        let mut out = Vec::new();
+        for p in self.list(&format!("shards/{key}")).await? {
+            if let Some(rec) = self.get_json::<ShardRecord>(&p).await? {
+                out.push(rec);
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Record a finished shard; an existing record of that name is an error.
+    pub async fn put_shard(&self, key: &Key, shard: &ShardRecord) -> Result<Put, StoreError> {
+        self.put_json(&format!("shards/{key}/{}.json", shard.name), shard).await
+    }
+
+    /// Write the run's begin record and prove the store refuses a second create of it.
+    pub async fn begin_run(&self, run_id: &str, record: &serde_json::Value, allow_overwrite: bool) -> Result<(), StoreError> {
+        let rel = format!("runs/{run_id}/begin.json");
+        if self.put_json(&rel, record).await? == Put::Existed {
+            return Err(StoreError::Io { url: self.url.clone(), op: "create", path: rel, reason: "run id already used".into() });
+        }
+        let probe = Bytes::from_static(b"{\"probe\": \"this must never replace the begin record\"}\n");
+        if self.put_create(&rel, probe).await? == Put::Created && !allow_overwrite {
+            return Err(StoreError::Overwrites { url: self.url.clone() });
+        }
+        Ok(())
+    }
+
+    /// Write the run's end record.
+    pub async fn end_run(&self, record: &RunRecord) -> Result<(), StoreError> {
+        self.put_json(&format!("runs/{}/end.json", record.run_id), record).await.map(|_| ())
+    }
+
+    /// Every finished run, oldest first.
+    pub async fn runs(&self) -> Result<Vec<RunRecord>, StoreError> {
+        let mut paths: Vec<String> = self.list("runs").await?.into_iter().filter(|p| p.ends_with("/end.json")).collect();
+        paths.sort();
+        let mut out = Vec::new();
+        for p in paths {
+            if let Some(r) = self.get_json(&p).await? {
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Where a blob lives.
+pub fn blob_path(digest: &Digest) -> String {
+    let hex = digest.to_hex();
+    format!("blobs/{}/{hex}", &hex[..2])
+}
+
+/// Bounded retries with backoff for transient store faults (timeouts, 5xx, resets).
+fn retry_config() -> object_store::RetryConfig {
+    object_store::RetryConfig {
+        max_retries: 5,
+        retry_timeout: std::time::Duration::from_secs(120),
+        backoff: object_store::BackoffConfig::default(),
+    }
+}
+
+/// Remove credentials and query strings from a store location before it is shown anywhere.
+pub fn redact(location: &str) -> String {
+    match url::Url::parse(location) {
+        Ok(mut u) if location.contains("://") => {
+            let _ = u.set_username("");
+            let _ = u.set_password(None);
+            u.set_query(None);
+            u.to_string()
+        }
+        _ => location.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_credentials() {
+        assert_eq!(redact("s3://AKIA:secret@bucket/p?token=x"), "s3://bucket/p");
+        assert_eq!(redact("./cache"), "./cache");
+    }
+}
