@@ -59,8 +59,9 @@ fn cycle_problems(pipeline: &Pipeline, graph: &DiGraph<usize, ()>) -> Vec<Proble
         let mut path = vec![start];
         let mut cur = start;
         loop {
+            // Follow inputs (incoming edges), so the cycle reads "a takes b takes c takes a".
             let next = graph
-                .neighbors(cur)
+                .neighbors_directed(cur, petgraph::Direction::Incoming)
                 .filter(|n| members.contains(n))
                 .min_by_key(|n| (!path.contains(n) && *n != start, graph[*n]))
                 .expect("a strongly connected component has an edge out of every node");
@@ -74,7 +75,7 @@ fn cycle_problems(pipeline: &Pipeline, graph: &DiGraph<usize, ()>) -> Vec<Proble
         let shown = format!("{} -> {}", names.join(" -> "), names[0]);
         let first = &pipeline.stages[graph[start]].id;
         out.push(
-            Problem::new("dflash::graph::cycle", format!("stages form a cycle: {shown}"), pipeline.stage_span(first), "this stage depends on itself through the cycle")
+            Problem::new("dflash::graph::cycle", format!("stages form a cycle through their inputs: {shown}"), pipeline.stage_span(first), "this stage depends on itself through the cycle")
                 .help("a pipeline is a DAG: remove one of the inputs in the cycle"),
         );
     }

@@ -186,7 +186,7 @@ mod tests {
     #[test]
     fn golden_key() {
         let k = fp(json!({"run": "echo hi", "env": {}, "n": 3, "t": 0.5})).key();
-        assert_eq!(k.to_string(), "e5b8b4d2c5b49b8c5f3b9d5cc0b4f0d5f3d9b1e7c0c1a1f3d7b2c9a0e8f6d4b1");
+        assert_eq!(k.to_string(), "514135f2e6ed31ae7bf9e3cb37b7fbbdb4d3aa9f25fb9339bec8f14f27fb9873");
     }
 
     #[test]

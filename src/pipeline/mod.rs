@@ -301,7 +301,8 @@ impl Validator<'_> {
                 stages.push(s);
             }
         }
-        self.check_inputs(&stages);
+        let ids: Vec<&str> = stages_map.keys().map(String::as_str).collect();
+        self.check_inputs(&stages, &ids);
         Some((name, store, stages))
     }
 
@@ -431,8 +432,8 @@ impl Validator<'_> {
         Value::Object(resolved)
     }
 
-    fn check_inputs(&mut self, stages: &[StageSpec]) {
-        let ids: Vec<&str> = stages.iter().map(|s| s.id.as_str()).collect();
+    /// `ids`: every declared stage id, including stages that failed validation.
+    fn check_inputs(&mut self, stages: &[StageSpec], ids: &[&str]) {
         for s in stages {
             for (i, input) in s.inputs.iter().enumerate() {
                 if input.stage == s.id {
