@@ -17,8 +17,12 @@ pub struct Graph {
 impl Graph {
     /// Build the DAG; a cycle is an error naming it.
     pub fn build(pipeline: &Pipeline) -> Result<Self, Box<Problems>> {
-        let index: std::collections::HashMap<&str, usize> =
-            pipeline.stages.iter().enumerate().map(|(i, s)| (s.id.as_str(), i)).collect();
+        let index: std::collections::HashMap<&str, usize> = pipeline
+            .stages
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.id.as_str(), i))
+            .collect();
         let mut graph = DiGraph::with_capacity(pipeline.stages.len(), pipeline.stages.len());
         for i in 0..pipeline.stages.len() {
             graph.add_node(i);
@@ -31,19 +35,28 @@ impl Graph {
             }
         }
         match toposort(&graph, None) {
-            Ok(order) => Ok(Self { order: order.into_iter().map(|n| graph[n]).collect(), graph }),
-            Err(_) => Err(Box::new(pipeline.problems(cycle_problems(pipeline, &graph)))),
+            Ok(order) => Ok(Self {
+                order: order.into_iter().map(|n| graph[n]).collect(),
+                graph,
+            }),
+            Err(_) => Err(Box::new(
+                pipeline.problems(cycle_problems(pipeline, &graph)),
+            )),
         }
     }
 
     /// Indices of the stages that take `stage`'s output.
     pub fn downstream(&self, stage: usize) -> impl Iterator<Item = usize> + '_ {
-        self.graph.neighbors_directed(NodeIndex::new(stage), petgraph::Direction::Outgoing).map(|n| self.graph[n])
+        self.graph
+            .neighbors_directed(NodeIndex::new(stage), petgraph::Direction::Outgoing)
+            .map(|n| self.graph[n])
     }
 
     /// Indices of `stage`'s inputs.
     pub fn upstream(&self, stage: usize) -> impl Iterator<Item = usize> + '_ {
-        self.graph.neighbors_directed(NodeIndex::new(stage), petgraph::Direction::Incoming).map(|n| self.graph[n])
+        self.graph
+            .neighbors_directed(NodeIndex::new(stage), petgraph::Direction::Incoming)
+            .map(|n| self.graph[n])
     }
 }
 
@@ -71,12 +84,20 @@ fn cycle_problems(pipeline: &Pipeline, graph: &DiGraph<usize, ()>) -> Vec<Proble
             path.push(next);
             cur = next;
         }
-        let names: Vec<&str> = path.iter().map(|n| pipeline.stages[graph[*n]].id.as_str()).collect();
+        let names: Vec<&str> = path
+            .iter()
+            .map(|n| pipeline.stages[graph[*n]].id.as_str())
+            .collect();
         let shown = format!("{} -> {}", names.join(" -> "), names[0]);
         let first = &pipeline.stages[graph[start]].id;
         out.push(
-            Problem::new("dflash::graph::cycle", format!("stages form a cycle through their inputs: {shown}"), pipeline.stage_span(first), "this stage depends on itself through the cycle")
-                .help("a pipeline is a DAG: remove one of the inputs in the cycle"),
+            Problem::new(
+                "dflash::graph::cycle",
+                format!("stages form a cycle through their inputs: {shown}"),
+                pipeline.stage_span(first),
+                "this stage depends on itself through the cycle",
+            )
+            .help("a pipeline is a DAG: remove one of the inputs in the cycle"),
         );
     }
     out

@@ -38,24 +38,40 @@ fn mtime_ns(m: &std::fs::Metadata) -> i128 {
 }
 
 fn now_ns() -> i128 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i128)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i128::try_from(d.as_nanos()).unwrap_or(i128::MAX))
 }
 
 impl HashCache {
     /// Load the cache kept in `work_dir` (a missing or unreadable cache is simply empty).
     pub fn load(work_dir: &Path, cwd: &Path) -> Self {
         let file = work_dir.join("hashes.json");
-        let entries = std::fs::read(&file).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-        Self { file, cwd: cwd.to_owned(), entries: Mutex::new(entries), dirty: Mutex::new(false) }
+        let entries = std::fs::read(&file)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        Self {
+            file,
+            cwd: cwd.to_owned(),
+            entries: Mutex::new(entries),
+            dirty: Mutex::new(false),
+        }
     }
 
     /// The digest of a file (relative paths against the working directory).
     pub fn digest(&self, path: &Path) -> Result<Digest, StageError> {
         let full = self.cwd.join(path);
-        let canon = full.canonicalize().map_err(|e| StageError::new(format!("cannot read `{}`: {e}", path.display())))?;
-        let meta = std::fs::metadata(&canon).map_err(|e| StageError::new(format!("cannot read `{}`: {e}", path.display())))?;
+        let canon = full
+            .canonicalize()
+            .map_err(|e| StageError::new(format!("cannot read `{}`: {e}", path.display())))?;
+        let meta = std::fs::metadata(&canon)
+            .map_err(|e| StageError::new(format!("cannot read `{}`: {e}", path.display())))?;
         if !meta.is_file() {
-            return Err(StageError::new(format!("`{}` is not a file", path.display())));
+            return Err(StageError::new(format!(
+                "`{}` is not a file",
+                path.display()
+            )));
         }
         let (size, mtime, ino) = (meta.len(), mtime_ns(&meta), meta.ino());
         if let Some(e) = self.entries.lock().expect("not poisoned").get(&canon)
@@ -67,8 +83,18 @@ impl HashCache {
             return Ok(e.digest);
         }
         let recorded_ns = now_ns();
-        let digest = hash_file(&canon).map_err(|e| StageError::new(format!("cannot read `{}`: {e}", path.display())))?;
-        self.entries.lock().expect("not poisoned").insert(canon, Entry { size, mtime_ns: mtime, ino, recorded_ns, digest });
+        let digest = hash_file(&canon)
+            .map_err(|e| StageError::new(format!("cannot read `{}`: {e}", path.display())))?;
+        self.entries.lock().expect("not poisoned").insert(
+            canon,
+            Entry {
+                size,
+                mtime_ns: mtime,
+                ino,
+                recorded_ns,
+                digest,
+            },
+        );
         *self.dirty.lock().expect("not poisoned") = true;
         Ok(digest)
     }
@@ -80,8 +106,12 @@ impl HashCache {
             return;
         }
         let entries = self.entries.lock().expect("not poisoned");
-        let Ok(bytes) = serde_json::to_vec(&*entries) else { return };
-        let tmp = self.file.with_extension(format!("tmp{}", std::process::id()));
+        let Ok(bytes) = serde_json::to_vec(&*entries) else {
+            return;
+        };
+        let tmp = self
+            .file
+            .with_extension(format!("tmp{}", std::process::id()));
         if std::fs::write(&tmp, bytes).is_ok() {
             let _ = std::fs::rename(&tmp, &self.file);
         }
@@ -111,11 +141,20 @@ mod tests {
         let f = dir.path().join("a.txt");
         std::fs::write(&f, b"one").unwrap();
         let cache = HashCache::load(dir.path(), dir.path());
-        assert_eq!(cache.digest(Path::new("a.txt")).unwrap(), Digest::of(b"one"));
+        assert_eq!(
+            cache.digest(Path::new("a.txt")).unwrap(),
+            Digest::of(b"one")
+        );
         std::fs::write(&f, b"two!").unwrap();
-        assert_eq!(cache.digest(Path::new("a.txt")).unwrap(), Digest::of(b"two!"));
+        assert_eq!(
+            cache.digest(Path::new("a.txt")).unwrap(),
+            Digest::of(b"two!")
+        );
         cache.save();
         let again = HashCache::load(dir.path(), dir.path());
-        assert_eq!(again.digest(Path::new("a.txt")).unwrap(), Digest::of(b"two!"));
+        assert_eq!(
+            again.digest(Path::new("a.txt")).unwrap(),
+            Digest::of(b"two!")
+        );
     }
 }

@@ -177,8 +177,14 @@ mod tests {
             kind: "command".into(),
             kind_version: 1,
             params,
-            inputs: vec![FingerprintInput { name: "a".into(), digest: Digest::of(b"a") }],
-            pins: vec![Pin { name: "file:x".into(), identity: "00".into() }],
+            inputs: vec![FingerprintInput {
+                name: "a".into(),
+                digest: Digest::of(b"a"),
+            }],
+            pins: vec![Pin {
+                name: "file:x".into(),
+                identity: "00".into(),
+            }],
         }
     }
 
@@ -186,7 +192,10 @@ mod tests {
     #[test]
     fn golden_key() {
         let k = fp(json!({"run": "echo hi", "env": {}, "n": 3, "t": 0.5})).key();
-        assert_eq!(k.to_string(), "514135f2e6ed31ae7bf9e3cb37b7fbbdb4d3aa9f25fb9339bec8f14f27fb9873");
+        assert_eq!(
+            k.to_string(),
+            "514135f2e6ed31ae7bf9e3cb37b7fbbdb4d3aa9f25fb9339bec8f14f27fb9873"
+        );
     }
 
     #[test]
@@ -210,13 +219,19 @@ mod tests {
         assert_ne!(base.key(), other.key());
         assert_ne!(base.key(), fp(json!({"x": 2})).key());
         assert_ne!(fp(json!({"x": "1"})).key(), fp(json!({"x": 1})).key());
-        assert_ne!(fp(json!({"x": ["ab"]})).key(), fp(json!({"x": ["a", "b"]})).key());
+        assert_ne!(
+            fp(json!({"x": ["ab"]})).key(),
+            fp(json!({"x": ["a", "b"]})).key()
+        );
     }
 
     #[test]
     fn artifact_digest_ignores_order() {
         let a = ("a".to_owned(), Digest::of(b"1"), 1);
         let b = ("b".to_owned(), Digest::of(b"2"), 1);
-        assert_eq!(artifact_digest(&[a.clone(), b.clone()]), artifact_digest(&[b, a]));
+        assert_eq!(
+            artifact_digest(&[a.clone(), b.clone()]),
+            artifact_digest(&[b, a])
+        );
     }
 }

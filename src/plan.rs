@@ -45,26 +45,55 @@ pub struct PlannedStage {
 }
 
 /// Compute the plan.
-pub async fn plan(pipeline: &Pipeline, graph: &Graph, registry: &Registry, store: &Store, hashes: &HashCache) -> Result<Vec<PlannedStage>, StoreError> {
+pub async fn plan(
+    pipeline: &Pipeline,
+    graph: &Graph,
+    registry: &Registry,
+    store: &Store,
+    hashes: &HashCache,
+) -> Result<Vec<PlannedStage>, StoreError> {
     let n = pipeline.stages.len();
-    let index: HashMap<&str, usize> = pipeline.stages.iter().enumerate().map(|(i, s)| (s.id.as_str(), i)).collect();
+    let index: HashMap<&str, usize> = pipeline
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.id.as_str(), i))
+        .collect();
     let mut digests: Vec<Option<Digest>> = vec![None; n];
     let mut out: Vec<Option<PlannedStage>> = vec![None; n];
     let history = History::load(pipeline, store).await?;
     for &i in &graph.order {
         let spec = &pipeline.stages[i];
-        let ups: Vec<usize> = spec.inputs.iter().map(|inp| index[inp.stage.as_str()]).collect();
-        let line = |key, state, reason| PlannedStage { id: spec.id.clone(), kind: spec.kind.clone(), key, state, reason };
+        let ups: Vec<usize> = spec
+            .inputs
+            .iter()
+            .map(|inp| index[inp.stage.as_str()])
+            .collect();
+        let line = |key, state, reason| PlannedStage {
+            id: spec.id.clone(),
+            kind: spec.kind.clone(),
+            key,
+            state,
+            reason,
+        };
         if let Some(&blocked) = ups.iter().find(|&&u| digests[u].is_none()) {
             let up = &pipeline.stages[blocked].id;
-            out[i] = Some(line(None, State::Pending, Some(format!("upstream `{up}` must run first"))));
+            out[i] = Some(line(
+                None,
+                State::Pending,
+                Some(format!("upstream `{up}` must run first")),
+            ));
             continue;
         }
         let upstream: Vec<Digest> = ups.iter().map(|&u| digests[u].expect("checked")).collect();
         let fp = match crate::run::fingerprint(spec, registry, &upstream, hashes) {
             Ok(fp) => fp,
             Err(e) => {
-                out[i] = Some(line(None, State::Pending, Some(format!("cannot compute key: {}", e.message))));
+                out[i] = Some(line(
+                    None,
+                    State::Pending,
+                    Some(format!("cannot compute key: {}", e.message)),
+                ));
                 continue;
             }
         };
@@ -74,23 +103,38 @@ pub async fn plan(pipeline: &Pipeline, graph: &Graph, registry: &Registry, store
             out[i] = Some(line(Some(key), State::Done, None));
             continue;
         }
-        let state = if store.shards(&key).await?.is_empty() { State::Pending } else { State::Partial };
+        let state = if store.shards(&key).await?.is_empty() {
+            State::Pending
+        } else {
+            State::Partial
+        };
         let reason = match history.previous(store, &spec.id).await? {
             None => "never run".to_owned(),
             Some(old) => why(&old, &fp, pipeline, spec),
         };
         out[i] = Some(line(Some(key), state, Some(reason)));
     }
-    Ok(out.into_iter().map(|s| s.expect("every stage planned")).collect())
+    Ok(out
+        .into_iter()
+        .map(|s| s.expect("every stage planned"))
+        .collect())
 }
 
 /// The first difference between an old and a new fingerprint, in words.
-pub fn why(old: &Fingerprint, new: &Fingerprint, pipeline: &Pipeline, spec: &crate::pipeline::StageSpec) -> String {
+pub fn why(
+    old: &Fingerprint,
+    new: &Fingerprint,
+    pipeline: &Pipeline,
+    spec: &crate::pipeline::StageSpec,
+) -> String {
     if old.kind != new.kind {
         return format!("kind changed: `{}` -> `{}`", old.kind, new.kind);
     }
     if old.kind_version != new.kind_version {
-        return format!("`{}` version changed: {} -> {}", new.kind, old.kind_version, new.kind_version);
+        return format!(
+            "`{}` version changed: {} -> {}",
+            new.kind, old.kind_version, new.kind_version
+        );
     }
     if old.schema != new.schema {
         return format!("key schema changed: {} -> {}", old.schema, new.schema);
@@ -98,31 +142,56 @@ pub fn why(old: &Fingerprint, new: &Fingerprint, pipeline: &Pipeline, spec: &cra
     let mut changes = Vec::new();
     diff_values("", &old.params, &new.params, &mut changes);
     if let Some(first) = changes.first() {
-        let more = if changes.len() > 1 { format!(" (and {} more)", changes.len() - 1) } else { String::new() };
+        let more = if changes.len() > 1 {
+            format!(" (and {} more)", changes.len() - 1)
+        } else {
+            String::new()
+        };
         return format!("param {first}{more}");
     }
     let old_names: Vec<&str> = old.inputs.iter().map(|i| i.name.as_str()).collect();
     let new_names: Vec<&str> = new.inputs.iter().map(|i| i.name.as_str()).collect();
     if old_names != new_names {
-        return format!("inputs changed: [{}] -> [{}]", old_names.join(", "), new_names.join(", "));
+        return format!(
+            "inputs changed: [{}] -> [{}]",
+            old_names.join(", "),
+            new_names.join(", ")
+        );
     }
     for (o, n) in old.inputs.iter().zip(&new.inputs) {
         if o.digest != n.digest {
-            let up = spec.inputs.iter().find(|i| i.name == n.name).map_or(n.name.as_str(), |i| i.stage.as_str());
+            let up = spec
+                .inputs
+                .iter()
+                .find(|i| i.name == n.name)
+                .map_or(n.name.as_str(), |i| i.stage.as_str());
             let _ = pipeline;
-            return format!("input `{up}` changed: {} -> {}", o.digest.short(12), n.digest.short(12));
+            return format!(
+                "input `{up}` changed: {} -> {}",
+                o.digest.short(12),
+                n.digest.short(12)
+            );
         }
     }
     for n in &new.pins {
         match old.pins.iter().find(|o| o.name == n.name) {
             None => return format!("new source `{}`", n.name),
             Some(o) if o.identity != n.identity => {
-                return format!("source `{}` changed: {} -> {}", n.name, short(&o.identity), short(&n.identity));
+                return format!(
+                    "source `{}` changed: {} -> {}",
+                    n.name,
+                    short(&o.identity),
+                    short(&n.identity)
+                );
             }
             _ => {}
         }
     }
-    if let Some(o) = old.pins.iter().find(|o| !new.pins.iter().any(|n| n.name == o.name)) {
+    if let Some(o) = old
+        .pins
+        .iter()
+        .find(|o| !new.pins.iter().any(|n| n.name == o.name))
+    {
         return format!("source `{}` removed", o.name);
     }
     "not in the store (same inputs as the last run; its artifact was never committed)".to_owned()
@@ -140,8 +209,17 @@ pub fn diff_values(path: &str, old: &Value, new: &Value, out: &mut Vec<String>) 
             keys.sort();
             keys.dedup();
             for k in keys {
-                let sub = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
-                diff_values(&sub, a.get(k.as_str()).unwrap_or(&Value::Null), b.get(k.as_str()).unwrap_or(&Value::Null), out);
+                let sub = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                diff_values(
+                    &sub,
+                    a.get(k.as_str()).unwrap_or(&Value::Null),
+                    b.get(k.as_str()).unwrap_or(&Value::Null),
+                    out,
+                );
             }
         }
         (a, b) if a != b => out.push(format!("`{path}`: {} -> {}", compact(a), compact(b))),
@@ -151,7 +229,11 @@ pub fn diff_values(path: &str, old: &Value, new: &Value, out: &mut Vec<String>) 
 
 fn compact(v: &Value) -> String {
     let s = v.to_string();
-    if s.chars().count() > 60 { format!("{}…", s.chars().take(57).collect::<String>()) } else { s }
+    if s.chars().count() > 60 {
+        format!("{}…", s.chars().take(57).collect::<String>())
+    } else {
+        s
+    }
 }
 
 /// The last recorded key of each stage id of this pipeline.
@@ -167,7 +249,12 @@ impl History {
                 continue;
             }
             for s in run.stages {
-                let committed = matches!(s.status, crate::store::Status::Ran | crate::store::Status::Cached | crate::store::Status::Resumed);
+                let committed = matches!(
+                    s.status,
+                    crate::store::Status::Ran
+                        | crate::store::Status::Cached
+                        | crate::store::Status::Resumed
+                );
                 if let (true, Some(k)) = (committed, s.key) {
                     last.insert(s.id, k);
                 }
@@ -177,7 +264,9 @@ impl History {
     }
 
     async fn previous(&self, store: &Store, id: &str) -> Result<Option<Fingerprint>, StoreError> {
-        let Some(key) = self.last.get(id) else { return Ok(None) };
+        let Some(key) = self.last.get(id) else {
+            return Ok(None);
+        };
         Ok(store.manifest(key).await?.map(|m| m.fingerprint))
     }
 }

@@ -1,6 +1,7 @@
 //! End-to-end tests of the `dflash` binary: real processes, a real local store in a temp folder.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -13,7 +14,9 @@ struct Env {
 
 impl Env {
     fn new() -> Self {
-        Self { dir: tempfile::tempdir().unwrap() }
+        Self {
+            dir: tempfile::tempdir().unwrap(),
+        }
     }
 
     fn path(&self) -> &Path {
@@ -41,9 +44,24 @@ impl Env {
     /// `dflash run --json`, asserting the exit code; returns status by stage id.
     fn run(&self, pipeline: &str, code: i32) -> (BTreeMap<String, String>, Value) {
         let out = self.dflash(&["run", pipeline, "--json"]);
-        assert_eq!(out.status.code(), Some(code), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-        let statuses = v["stages"].as_array().unwrap().iter().map(|s| (s["id"].as_str().unwrap().to_owned(), s["status"].as_str().unwrap().to_owned())).collect();
+        let statuses = v["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                (
+                    s["id"].as_str().unwrap().to_owned(),
+                    s["status"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
         (statuses, v)
     }
 
@@ -52,7 +70,14 @@ impl Env {
         let mut out = BTreeMap::new();
         for e in walk(&self.path().join("cache")) {
             let m = std::fs::metadata(&e).unwrap();
-            out.insert(e.strip_prefix(self.path()).unwrap().display().to_string(), (std::fs::read(&e).unwrap(), m.ino(), m.mtime_nsec() + m.mtime() * 1_000_000_000));
+            out.insert(
+                e.strip_prefix(self.path()).unwrap().display().to_string(),
+                (
+                    std::fs::read(&e).unwrap(),
+                    m.ino(),
+                    m.mtime_nsec() + m.mtime() * 1_000_000_000,
+                ),
+            );
         }
         out
     }
@@ -60,16 +85,25 @@ impl Env {
 
 fn walk(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(dir) else { return out };
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return out;
+    };
     for e in rd {
         let p = e.unwrap().path();
-        if p.is_dir() { out.extend(walk(&p)) } else { out.push(p) }
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
     }
     out
 }
 
 fn statuses(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs.iter().map(|(a, b)| ((*a).to_owned(), (*b).to_owned())).collect()
+    pairs
+        .iter()
+        .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+        .collect()
 }
 
 const CHAIN: &str = r#"
@@ -96,13 +130,31 @@ fn second_run_is_all_cached_and_outputs_are_right() {
     let env = Env::new();
     env.write("p.yaml", CHAIN);
     let (first, _) = env.run("p.yaml", 0);
-    assert_eq!(first, statuses(&[("a", "ran"), ("b", "ran"), ("c", "ran"), ("side", "ran")]));
+    assert_eq!(
+        first,
+        statuses(&[("a", "ran"), ("b", "ran"), ("c", "ran"), ("side", "ran")])
+    );
     let (second, json) = env.run("p.yaml", 0);
-    assert_eq!(second, statuses(&[("a", "cached"), ("b", "cached"), ("c", "cached"), ("side", "cached")]));
+    assert_eq!(
+        second,
+        statuses(&[
+            ("a", "cached"),
+            ("b", "cached"),
+            ("c", "cached"),
+            ("side", "cached")
+        ])
+    );
     assert!(json["run_id"].as_str().is_some());
     let out = env.dflash(&["export", "c", "-p", "p.yaml", "exported"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(std::fs::read_to_string(env.path().join("exported/c.txt")).unwrap(), "ALPHA\nALPHA\n");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(env.path().join("exported/c.txt")).unwrap(),
+        "ALPHA\nALPHA\n"
+    );
 }
 
 #[test]
@@ -114,15 +166,31 @@ fn changed_param_reruns_only_the_stage_and_its_dependants_and_plan_says_why() {
     let plan = env.dflash(&["plan", "p.yaml", "--json"]);
     assert_eq!(plan.status.code(), Some(0));
     let v: Value = serde_json::from_slice(&plan.stdout).unwrap();
-    let b = v["stages"].as_array().unwrap().iter().find(|s| s["id"] == "b").unwrap();
+    let b = v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == "b")
+        .unwrap();
     assert_eq!(b["state"], "pending");
     assert_eq!(b["reason"], "param `env.MODE`: \"one\" -> \"two\"");
     let (st, _) = env.run("p.yaml", 0);
     // b's output bytes are unchanged by MODE, so c is cut off early and stays cached.
-    assert_eq!(st, statuses(&[("a", "cached"), ("b", "ran"), ("c", "cached"), ("side", "cached")]));
+    assert_eq!(
+        st,
+        statuses(&[
+            ("a", "cached"),
+            ("b", "ran"),
+            ("c", "cached"),
+            ("side", "cached")
+        ])
+    );
     env.write("p.yaml", &CHAIN.replace("echo alpha", "echo beta"));
     let (st, _) = env.run("p.yaml", 0);
-    assert_eq!(st, statuses(&[("a", "ran"), ("b", "ran"), ("c", "ran"), ("side", "cached")]));
+    assert_eq!(
+        st,
+        statuses(&[("a", "ran"), ("b", "ran"), ("c", "ran"), ("side", "cached")])
+    );
 }
 
 #[test]
@@ -130,7 +198,13 @@ fn spelling_out_a_default_keeps_the_key() {
     let env = Env::new();
     env.write("p.yaml", CHAIN);
     let (_, first) = env.run("p.yaml", 0);
-    env.write("p.yaml", &CHAIN.replace("params: {run: \"echo side > $DFLASH_OUT/s.txt\"}", "params: {run: \"echo side > $DFLASH_OUT/s.txt\", env: {}, files: [], pass_env: []}"));
+    env.write(
+        "p.yaml",
+        &CHAIN.replace(
+            "params: {run: \"echo side > $DFLASH_OUT/s.txt\"}",
+            "params: {run: \"echo side > $DFLASH_OUT/s.txt\", env: {}, files: [], pass_env: []}",
+        ),
+    );
     let (st, second) = env.run("p.yaml", 0);
     assert_eq!(st["side"], "cached");
     assert_eq!(first["stages"][3]["key"], second["stages"][3]["key"]);
@@ -142,7 +216,10 @@ fn keys_are_stable_across_machines() {
     let env = Env::new();
     env.write("p.yaml", CHAIN);
     let (_, v) = env.run("p.yaml", 0);
-    assert_eq!(v["stages"][0]["key"], "bf56886029fefc402559b06a66823c62ea388c667c8f57dcb3230d91deb9f91e");
+    assert_eq!(
+        v["stages"][0]["key"],
+        "bf56886029fefc402559b06a66823c62ea388c667c8f57dcb3230d91deb9f91e"
+    );
 }
 
 #[test]
@@ -164,17 +241,32 @@ fn no_object_is_ever_replaced() {
 #[test]
 fn a_failing_stage_fails_the_run_but_independent_stages_finish() {
     let env = Env::new();
-    env.write("p.yaml", &CHAIN.replace("echo alpha > $DFLASH_OUT/a.txt", "echo boom >&2; exit 3"));
+    env.write(
+        "p.yaml",
+        &CHAIN.replace("echo alpha > $DFLASH_OUT/a.txt", "echo boom >&2; exit 3"),
+    );
     let (st, v) = env.run("p.yaml", 1);
-    assert_eq!(st, statuses(&[("a", "failed"), ("b", "skipped"), ("c", "skipped"), ("side", "ran")]));
+    assert_eq!(
+        st,
+        statuses(&[
+            ("a", "failed"),
+            ("b", "skipped"),
+            ("c", "skipped"),
+            ("side", "ran")
+        ])
+    );
     let err = v["stages"][0]["error"].as_str().unwrap();
     assert!(err.contains("exited with status 3"), "{err}");
     let out = env.dflash(&["run", "p.yaml"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let log = stderr.lines().find_map(|l| l.trim().strip_prefix("log: ")).expect("log path shown");
+    let log = stderr
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("log: "))
+        .expect("log path shown");
     assert!(std::fs::read_to_string(log).unwrap().contains("boom"));
     // Nothing was committed for the failed stage.
-    let plan: Value = serde_json::from_slice(&env.dflash(&["plan", "p.yaml", "--json"]).stdout).unwrap();
+    let plan: Value =
+        serde_json::from_slice(&env.dflash(&["plan", "p.yaml", "--json"]).stdout).unwrap();
     assert_eq!(plan["stages"][0]["state"], "pending");
 }
 
@@ -182,27 +274,34 @@ fn a_failing_stage_fails_the_run_but_independent_stages_finish() {
 fn sharded_command_resumes_without_redoing_finished_shards() {
     let env = Env::new();
     // Shard 2 fails until the flag file exists; every shard execution is counted in runs.log.
-    let p = r#"
+    let p = r"
 stages:
   gen:
     kind: command
     params:
       shards: 3
       run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = 2 ] && [ ! -f ok ]; then exit 1; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/part$DFLASH_SHARD.txt'
-"#;
+";
     env.write("p.yaml", p);
     let (st, _) = env.run("p.yaml", 1);
     assert_eq!(st["gen"], "failed");
-    let plan: Value = serde_json::from_slice(&env.dflash(&["plan", "p.yaml", "--json"]).stdout).unwrap();
+    let plan: Value =
+        serde_json::from_slice(&env.dflash(&["plan", "p.yaml", "--json"]).stdout).unwrap();
     assert_eq!(plan["stages"][0]["state"], "partial");
     env.write("ok", "");
     let (st, _) = env.run("p.yaml", 0);
     assert_eq!(st["gen"], "resumed");
-    assert_eq!(std::fs::read_to_string(env.path().join("runs.log")).unwrap(), "0\n1\n2\n2\n");
+    assert_eq!(
+        std::fs::read_to_string(env.path().join("runs.log")).unwrap(),
+        "0\n1\n2\n2\n"
+    );
     let out = env.dflash(&["export", "gen", "-p", "p.yaml", "x"]);
     assert!(out.status.success());
     for i in 0..3 {
-        assert_eq!(std::fs::read_to_string(env.path().join(format!("x/part{i}.txt"))).unwrap(), format!("row{i}\n"));
+        assert_eq!(
+            std::fs::read_to_string(env.path().join(format!("x/part{i}.txt"))).unwrap(),
+            format!("row{i}\n")
+        );
     }
 }
 
@@ -221,12 +320,22 @@ stages:
     env.write("p.yaml", p);
     env.run("p.yaml", 0);
     env.write("script.sh", "echo v2");
-    let plan: Value = serde_json::from_slice(&env.dflash(&["plan", "p.yaml", "--json"]).stdout).unwrap();
-    assert!(plan["stages"][1]["reason"].as_str().unwrap().starts_with("source `file:script.sh` changed"), "{plan}");
+    let plan: Value =
+        serde_json::from_slice(&env.dflash(&["plan", "p.yaml", "--json"]).stdout).unwrap();
+    assert!(
+        plan["stages"][1]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("source `file:script.sh` changed"),
+        "{plan}"
+    );
     let (st, _) = env.run("p.yaml", 0);
     assert_eq!(st["down"], "ran");
     env.dflash(&["export", "down", "-p", "p.yaml", "x"]);
-    assert_eq!(std::fs::read_to_string(env.path().join("x/o.txt")).unwrap(), "v2\ndata\n");
+    assert_eq!(
+        std::fs::read_to_string(env.path().join("x/o.txt")).unwrap(),
+        "v2\ndata\n"
+    );
 }
 
 #[test]
@@ -237,7 +346,10 @@ fn export_never_writes_over_files() {
     env.write("x/keep.txt", "mine");
     let out = env.dflash(&["export", "a", "-p", "p.yaml", "x"]);
     assert_eq!(out.status.code(), Some(2));
-    assert_eq!(std::fs::read_to_string(env.path().join("x/keep.txt")).unwrap(), "mine");
+    assert_eq!(
+        std::fs::read_to_string(env.path().join("x/keep.txt")).unwrap(),
+        "mine"
+    );
 }
 
 #[test]
@@ -246,9 +358,19 @@ fn only_runs_the_stage_and_what_it_needs() {
     env.write("p.yaml", CHAIN);
     let out = env.dflash(&["run", "p.yaml", "--only", "b", "--json"]);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let st: Vec<&str> = v["stages"].as_array().unwrap().iter().map(|s| s["status"].as_str().unwrap()).collect();
+    let st: Vec<&str> = v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["status"].as_str().unwrap())
+        .collect();
     assert_eq!(st, ["ran", "ran", "skipped", "skipped"]);
-    assert_eq!(env.dflash(&["run", "p.yaml", "--only", "nope"]).status.code(), Some(2));
+    assert_eq!(
+        env.dflash(&["run", "p.yaml", "--only", "nope"])
+            .status
+            .code(),
+        Some(2)
+    );
 }
 
 fn errors_of(env: &Env, name: &str, text: &str) -> String {
@@ -277,10 +399,19 @@ fn cycles_are_shown() {
 fn syntax_duplicates_and_bombs_are_errors_not_panics() {
     let env = Env::new();
     insta::assert_snapshot!("syntax", errors_of(&env, "syn.yaml", "stages: [\n"));
-    insta::assert_snapshot!("duplicate", errors_of(&env, "dup.yaml", "stages:\n  a: {kind: command, params: {run: x}}\n  a: {kind: command}\n"));
+    insta::assert_snapshot!(
+        "duplicate",
+        errors_of(
+            &env,
+            "dup.yaml",
+            "stages:\n  a: {kind: command, params: {run: x}}\n  a: {kind: command}\n"
+        )
+    );
     let mut bomb = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
-    for i in 1..12 {
-        bomb.push_str(&format!("{}: &{} [*{}, *{}, *{}, *{}, *{}, *{}, *{}, *{}, *{}, *{}]\n", (b'a' + i) as char, (b'a' + i) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char));
+    for i in 1..12u8 {
+        let (name, prev) = ((b'a' + i) as char, (b'a' + i - 1) as char);
+        let refs = vec![format!("*{prev}"); 10].join(", ");
+        writeln!(bomb, "{name}: &{name} [{refs}]").unwrap();
     }
     bomb.push_str("stages: {}\n");
     let err = errors_of(&env, "bomb.yaml", &bomb);

@@ -121,7 +121,10 @@ struct Failure {
 
 impl<E: Diagnostic + Send + Sync + 'static> From<E> for Failure {
     fn from(e: E) -> Self {
-        Self { code: 2, report: Some(miette::Report::new(e)) }
+        Self {
+            code: 2,
+            report: Some(miette::Report::new(e)),
+        }
     }
 }
 
@@ -129,13 +132,19 @@ impl<E: Diagnostic + Send + Sync + 'static> From<E> for Failure {
 #[derive(Debug, thiserror::Error, Diagnostic)]
 enum CliError {
     #[error("no artifact matches `{0}`")]
-    #[diagnostic(code(dflash::cli::no_match), help("`dflash ls` lists artifacts; a stage id needs `--pipeline FILE`"))]
+    #[diagnostic(
+        code(dflash::cli::no_match),
+        help("`dflash ls` lists artifacts; a stage id needs `--pipeline FILE`")
+    )]
     NoMatch(String),
     #[error("`{0}` matches {1} artifacts")]
     #[diagnostic(code(dflash::cli::ambiguous), help("give more characters of the key"))]
     Ambiguous(String, usize),
     #[error("stage `{0}` is not done yet, so it has no artifact")]
-    #[diagnostic(code(dflash::cli::not_done), help("run the pipeline first: `dflash run PIPELINE`"))]
+    #[diagnostic(
+        code(dflash::cli::not_done),
+        help("run the pipeline first: `dflash run PIPELINE`")
+    )]
     NotDone(String),
     #[error("`{0}` exists and is not empty; export never writes over files")]
     #[diagnostic(code(dflash::cli::export_target), help("pick a new folder"))]
@@ -158,7 +167,14 @@ pub fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
-    miette::set_hook(Box::new(|_| Box::new(miette::MietteHandlerOpts::new().terminal_links(false).build()))).ok();
+    miette::set_hook(Box::new(|_| {
+        Box::new(
+            miette::MietteHandlerOpts::new()
+                .terminal_links(false)
+                .build(),
+        )
+    }))
+    .ok();
     match dispatch(cli) {
         Ok(code) => ExitCode::from(code),
         Err(f) => {
@@ -171,7 +187,10 @@ pub fn main() -> ExitCode {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, Failure> {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| CliError::Runtime(e).into())
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CliError::Runtime(e).into())
 }
 
 fn work_dir() -> PathBuf {
@@ -183,7 +202,11 @@ fn cwd() -> PathBuf {
 }
 
 fn open_store(arg: &StoreArg, pipeline: Option<&Pipeline>) -> Result<Store, Failure> {
-    let loc = arg.store.clone().or_else(|| pipeline.and_then(|p| p.store.clone())).unwrap_or_else(|| "cache".to_owned());
+    let loc = arg
+        .store
+        .clone()
+        .or_else(|| pipeline.and_then(|p| p.store.clone()))
+        .unwrap_or_else(|| "cache".to_owned());
     Ok(Store::open(&loc)?)
 }
 
@@ -201,14 +224,38 @@ fn out(s: &str) {
 fn dispatch(cli: Cli) -> Result<u8, Failure> {
     let registry = Registry::builtin();
     match cli.command {
-        Command::Run { pipeline, only, jobs, json, allow_overwriting_store, store } => {
+        Command::Run {
+            pipeline,
+            only,
+            jobs,
+            json,
+            allow_overwriting_store,
+            store,
+        } => {
             let (p, g) = load(&pipeline, &registry)?;
             let store = open_store(&store, Some(&p))?;
-            let opts = RunOptions { jobs, only, allow_overwriting_store, work_dir: work_dir(), cwd: cwd() };
+            let opts = RunOptions {
+                jobs,
+                only,
+                allow_overwriting_store,
+                work_dir: work_dir(),
+                cwd: cwd(),
+            };
             let mut reporter = report::for_stderr();
-            let record = runtime()?.block_on(execute(p.clone(), &g, registry, store, opts, reporter.as_mut()))?;
+            let record = runtime()?.block_on(execute(
+                p.clone(),
+                &g,
+                registry,
+                store,
+                opts,
+                reporter.as_mut(),
+            ))?;
             let failed = record.stages.iter().any(|s| s.status == Status::Failed);
-            let computed = record.stages.iter().filter(|s| matches!(s.status, Status::Ran | Status::Resumed)).count();
+            let computed = record
+                .stages
+                .iter()
+                .filter(|s| matches!(s.status, Status::Ran | Status::Resumed))
+                .count();
             if json {
                 let stages: Vec<_> = record
                     .stages
@@ -218,35 +265,69 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                 out(&serde_json::json!({"run_id": record.run_id, "stages": stages}).to_string());
             }
             if failed {
-                eprintln!("run {} failed: {} of {} stages failed", record.run_id, record.stages.iter().filter(|s| s.status == Status::Failed).count(), record.stages.len());
+                eprintln!(
+                    "run {} failed: {} of {} stages failed",
+                    record.run_id,
+                    record
+                        .stages
+                        .iter()
+                        .filter(|s| s.status == Status::Failed)
+                        .count(),
+                    record.stages.len()
+                );
                 return Ok(1);
             }
             if computed == 0 {
-                eprintln!("nothing to do: every stage is cached ({:.0} ms)", record.seconds * 1000.0);
+                eprintln!(
+                    "nothing to do: every stage is cached ({:.0} ms)",
+                    record.seconds * 1000.0
+                );
             }
             Ok(0)
         }
-        Command::Plan { pipeline, json, store } => {
+        Command::Plan {
+            pipeline,
+            json,
+            store,
+        } => {
             let (p, g) = load(&pipeline, &registry)?;
             let store = open_store(&store, Some(&p))?;
             let hashes = HashCache::load(&work_dir(), &cwd());
-            let plan = runtime()?.block_on(crate::plan::plan(&p, &g, &registry, &store, &hashes))?;
+            let plan =
+                runtime()?.block_on(crate::plan::plan(&p, &g, &registry, &store, &hashes))?;
             if json {
                 out(&serde_json::json!({ "stages": plan }).to_string());
             } else {
                 for s in &plan {
-                    let key = s.key.map(|k| k.0.short(12)).unwrap_or_else(|| "-".into());
-                    let state = serde_json::to_value(s.state).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
-                    out(&format!("{:<8} {:<24} {:<10} {key:<12} {}", state, s.id, s.kind, s.reason.as_deref().unwrap_or("")));
+                    let key = s.key.map_or_else(|| "-".into(), |k| k.0.short(12));
+                    let state = serde_json::to_value(s.state)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default();
+                    out(&format!(
+                        "{:<8} {:<24} {:<10} {key:<12} {}",
+                        state,
+                        s.id,
+                        s.kind,
+                        s.reason.as_deref().unwrap_or("")
+                    ));
                 }
-                let todo = plan.iter().filter(|s| s.state != crate::plan::State::Done).count();
+                let todo = plan
+                    .iter()
+                    .filter(|s| s.state != crate::plan::State::Done)
+                    .count();
                 eprintln!("{todo} of {} stages to run", plan.len());
             }
             Ok(0)
         }
-        Command::Show { reference, pipeline, store } => {
+        Command::Show {
+            reference,
+            pipeline,
+            store,
+        } => {
             let rt = runtime()?;
-            let (store, m) = rt.block_on(resolve(&reference, pipeline.as_deref(), &store, &registry))?;
+            let (store, m) =
+                rt.block_on(resolve(&reference, pipeline.as_deref(), &store, &registry))?;
             let _ = store;
             out(&serde_json::to_string_pretty(&m).expect("serializable"));
             Ok(0)
@@ -273,30 +354,59 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             } else {
                 for m in &manifests {
                     let bytes: u64 = m.files.iter().map(|f| f.size).sum();
-                    out(&format!("{}  {:<24} {:<10} {:>4} files {:>10} B  {}", m.key.0.short(12), format!("{}/{}", m.lineage.pipeline, m.lineage.stage_id), m.fingerprint.kind, m.files.len(), bytes, m.lineage.started));
+                    out(&format!(
+                        "{}  {:<24} {:<10} {:>4} files {:>10} B  {}",
+                        m.key.0.short(12),
+                        format!("{}/{}", m.lineage.pipeline, m.lineage.stage_id),
+                        m.fingerprint.kind,
+                        m.files.len(),
+                        bytes,
+                        m.lineage.started
+                    ));
                 }
             }
             Ok(0)
         }
-        Command::Export { reference, dir, pipeline, store } => {
+        Command::Export {
+            reference,
+            dir,
+            pipeline,
+            store,
+        } => {
             if dir.exists() && std::fs::read_dir(&dir).map_or(true, |mut d| d.next().is_some()) {
                 return Err(CliError::ExportTarget(dir.display().to_string()).into());
             }
             let rt = runtime()?;
-            let (store, m) = rt.block_on(resolve(&reference, pipeline.as_deref(), &store, &registry))?;
+            let (store, m) =
+                rt.block_on(resolve(&reference, pipeline.as_deref(), &store, &registry))?;
             rt.block_on(async {
                 for f in &m.files {
                     let bytes = store.get_blob(&f.digest).await?;
-                    let target = crate::run::safe_join_for_export(&dir, &f.path).map_err(|e| Failure { code: 2, report: Some(miette::Report::new(e)) })?;
+                    let target =
+                        crate::run::safe_join_for_export(&dir, &f.path).map_err(|e| Failure {
+                            code: 2,
+                            report: Some(miette::Report::new(e)),
+                        })?;
                     if let Some(parent) = target.parent() {
-                        std::fs::create_dir_all(parent).map_err(|e| CliError::Write(parent.display().to_string(), e))?;
+                        std::fs::create_dir_all(parent)
+                            .map_err(|e| CliError::Write(parent.display().to_string(), e))?;
                     }
-                    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).open(&target).map_err(|e| CliError::Write(target.display().to_string(), e))?;
-                    file.write_all(&bytes).map_err(|e| CliError::Write(target.display().to_string(), e))?;
+                    let mut file = std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .open(&target)
+                        .map_err(|e| CliError::Write(target.display().to_string(), e))?;
+                    file.write_all(&bytes)
+                        .map_err(|e| CliError::Write(target.display().to_string(), e))?;
                 }
                 Ok::<_, Failure>(())
             })?;
-            eprintln!("exported {} files of {} to {}", m.files.len(), m.key.0.short(12), dir.display());
+            eprintln!(
+                "exported {} files of {} to {}",
+                m.files.len(),
+                m.key.0.short(12),
+                dir.display()
+            );
             Ok(0)
         }
         Command::Runs { json, store } => {
@@ -325,8 +435,19 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                 let k = registry.get(name).expect("listed");
                 out(&format!("{name} (v{}): {}", k.version(), k.summary()));
                 for p in k.params() {
-                    let req = if p.required { "required".to_owned() } else { p.default.as_ref().map_or_else(|| "optional".to_owned(), |d| format!("default {d}")) };
-                    out(&format!("  {:<10} {} ({req}): {}", p.name, p.ty.describe(), p.help));
+                    let req = if p.required {
+                        "required".to_owned()
+                    } else {
+                        p.default
+                            .as_ref()
+                            .map_or_else(|| "optional".to_owned(), |d| format!("default {d}"))
+                    };
+                    out(&format!(
+                        "  {:<10} {} ({req}): {}",
+                        p.name,
+                        p.ty.describe(),
+                        p.help
+                    ));
                 }
             }
             Ok(0)
@@ -335,7 +456,12 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
 }
 
 /// Find the manifest a reference names.
-async fn resolve(reference: &str, pipeline: Option<&Path>, arg: &StoreArg, registry: &Registry) -> Result<(Store, Manifest), Failure> {
+async fn resolve(
+    reference: &str,
+    pipeline: Option<&Path>,
+    arg: &StoreArg,
+    registry: &Registry,
+) -> Result<(Store, Manifest), Failure> {
     if let Some(path) = pipeline {
         let (p, g) = load(path, registry)?;
         let store = open_store(arg, Some(&p))?;
@@ -347,7 +473,9 @@ async fn resolve(reference: &str, pipeline: Option<&Path>, arg: &StoreArg, regis
                 Some(k) if line.state == crate::plan::State::Done => store.manifest(&k).await?,
                 _ => None,
             };
-            return m.map(|m| (store, m)).ok_or_else(|| CliError::NotDone(reference.to_owned()).into());
+            return m
+                .map(|m| (store, m))
+                .ok_or_else(|| CliError::NotDone(reference.to_owned()).into());
         }
         return by_prefix(store, reference).await;
     }
@@ -360,12 +488,18 @@ async fn by_prefix(store: Store, reference: &str) -> Result<(Store, Manifest), F
         return Err(CliError::NoMatch(reference.to_owned()).into());
     }
     let keys: Vec<Key> = store.keys().await?;
-    let by_key: Vec<&Key> = keys.iter().filter(|k| k.to_string().starts_with(&r)).collect();
+    let by_key: Vec<&Key> = keys
+        .iter()
+        .filter(|k| k.to_string().starts_with(&r))
+        .collect();
     if by_key.len() > 1 {
         return Err(CliError::Ambiguous(reference.to_owned(), by_key.len()).into());
     }
     if let Some(k) = by_key.first() {
-        let m = store.manifest(k).await?.ok_or_else(|| CliError::NoMatch(reference.to_owned()))?;
+        let m = store
+            .manifest(k)
+            .await?
+            .ok_or_else(|| CliError::NoMatch(reference.to_owned()))?;
         return Ok((store, m));
     }
     let mut found = Vec::new();

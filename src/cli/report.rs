@@ -1,6 +1,7 @@
 //! Reporters: how a run looks on stderr — progress bars on a terminal, one line per event
 //! otherwise.
 
+use std::fmt::Write as _;
 use std::io::{IsTerminal, Write};
 use std::time::Duration;
 
@@ -12,18 +13,33 @@ use crate::store::Status;
 
 /// Pick the reporter for this stderr.
 pub fn for_stderr() -> Box<dyn Reporter> {
-    if std::io::stderr().is_terminal() { Box::new(Bars::default()) } else { Box::new(Lines) }
+    if std::io::stderr().is_terminal() {
+        Box::new(Bars::default())
+    } else {
+        Box::new(Lines)
+    }
 }
 
-fn finished_line(pipeline: &Pipeline, stage: usize, result: &crate::store::StageResult, log: Option<&std::path::Path>) -> String {
+fn finished_line(
+    pipeline: &Pipeline,
+    stage: usize,
+    result: &crate::store::StageResult,
+    log: Option<&std::path::Path>,
+) -> String {
     let spec = &pipeline.stages[stage];
     let key = result.key.map(|k| k.0.short(12)).unwrap_or_default();
-    let mut line = format!("{:<8} {:<24} {:<10} {key:<12} {:>7.2}s", result.status.as_str(), spec.id, spec.kind, result.seconds);
+    let mut line = format!(
+        "{:<8} {:<24} {:<10} {key:<12} {:>7.2}s",
+        result.status.as_str(),
+        spec.id,
+        spec.kind,
+        result.seconds
+    );
     if let Some(e) = &result.error {
-        line.push_str(&format!("  {e}"));
+        let _ = write!(line, "  {e}");
     }
     if let (Status::Failed, Some(log)) = (result.status, log) {
-        line.push_str(&format!("\n         log: {}", log.display()));
+        let _ = write!(line, "\n         log: {}", log.display());
     }
     line
 }
@@ -35,11 +51,23 @@ impl Reporter for Lines {
     fn event(&mut self, pipeline: &Pipeline, event: &Event) {
         let mut err = std::io::stderr().lock();
         let _ = match event {
-            Event::RunStarted { run_id } => writeln!(err, "run {run_id}: {} ({} stages)", pipeline.name, pipeline.stages.len()),
+            Event::RunStarted { run_id } => writeln!(
+                err,
+                "run {run_id}: {} ({} stages)",
+                pipeline.name,
+                pipeline.stages.len()
+            ),
             Event::Started { stage } => writeln!(err, "started  {}", pipeline.stages[*stage].id),
             Event::Progress { .. } => Ok(()),
-            Event::Finished { stage, result, log } => writeln!(err, "{}", finished_line(pipeline, *stage, result, log.as_deref())),
-            Event::Cancelling => writeln!(err, "cancelling: stopping running stages; finished shards are kept"),
+            Event::Finished { stage, result, log } => writeln!(
+                err,
+                "{}",
+                finished_line(pipeline, *stage, result, log.as_deref())
+            ),
+            Event::Cancelling => writeln!(
+                err,
+                "cancelling: stopping running stages; finished shards are kept"
+            ),
         };
     }
 }
@@ -55,16 +83,30 @@ impl Reporter for Bars {
     fn event(&mut self, pipeline: &Pipeline, event: &Event) {
         match event {
             Event::RunStarted { run_id } => {
-                let _ = self.multi.println(format!("run {run_id}: {} ({} stages)", pipeline.name, pipeline.stages.len()));
+                let _ = self.multi.println(format!(
+                    "run {run_id}: {} ({} stages)",
+                    pipeline.name,
+                    pipeline.stages.len()
+                ));
             }
             Event::Started { stage } => {
                 let bar = self.multi.add(ProgressBar::new_spinner());
-                bar.set_style(ProgressStyle::with_template("{spinner} {prefix:<24} {wide_bar} {pos}/{len} {msg} {elapsed}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+                bar.set_style(
+                    ProgressStyle::with_template(
+                        "{spinner} {prefix:<24} {wide_bar} {pos}/{len} {msg} {elapsed}",
+                    )
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+                );
                 bar.set_prefix(pipeline.stages[*stage].id.clone());
                 bar.enable_steady_tick(Duration::from_millis(120));
                 self.bars.insert(*stage, bar);
             }
-            Event::Progress { stage, done, total, message } => {
+            Event::Progress {
+                stage,
+                done,
+                total,
+                message,
+            } => {
                 if let Some(bar) = self.bars.get(stage) {
                     if let Some(t) = total {
                         bar.set_length(*t);
@@ -77,10 +119,14 @@ impl Reporter for Bars {
                 if let Some(bar) = self.bars.remove(stage) {
                     bar.finish_and_clear();
                 }
-                let _ = self.multi.println(finished_line(pipeline, *stage, result, log.as_deref()));
+                let _ = self
+                    .multi
+                    .println(finished_line(pipeline, *stage, result, log.as_deref()));
             }
             Event::Cancelling => {
-                let _ = self.multi.println("cancelling: stopping running stages; finished shards are kept");
+                let _ = self
+                    .multi
+                    .println("cancelling: stopping running stages; finished shards are kept");
             }
         }
     }

@@ -66,7 +66,10 @@ pub struct InputRef {
 pub enum LoadError {
     /// The file could not be read.
     #[error("cannot read pipeline `{path}`: {source}")]
-    #[diagnostic(code(dflash::pipeline::unreadable), help("check the path; pipelines live under `pipelines/`"))]
+    #[diagnostic(
+        code(dflash::pipeline::unreadable),
+        help("check the path; pipelines live under `pipelines/`")
+    )]
     Unreadable {
         /// The path.
         path: String,
@@ -98,30 +101,50 @@ const MAX_FILE_BYTES: u64 = 64 << 20;
 /// Read and validate a pipeline file.
 pub fn load(path: &Path, registry: &Registry) -> Result<Pipeline, LoadError> {
     let shown = path.display().to_string();
-    let unreadable = |source| LoadError::Unreadable { path: shown.clone(), source };
+    let unreadable = |source| LoadError::Unreadable {
+        path: shown.clone(),
+        source,
+    };
     let meta = std::fs::metadata(path).map_err(unreadable)?;
     if meta.is_dir() {
         return Err(unreadable(std::io::Error::other("it is a directory")));
     }
     if meta.len() > MAX_FILE_BYTES {
-        return Err(unreadable(std::io::Error::other(format!("it is {} bytes, more than the limit of {MAX_FILE_BYTES}", meta.len()))));
+        return Err(unreadable(std::io::Error::other(format!(
+            "it is {} bytes, more than the limit of {MAX_FILE_BYTES}",
+            meta.len()
+        ))));
     }
     let bytes = std::fs::read(path).map_err(unreadable)?;
-    let text = String::from_utf8(bytes).map_err(|e| LoadError::NotUtf8 { path: shown.clone(), offset: e.utf8_error().valid_up_to() })?;
+    let text = String::from_utf8(bytes).map_err(|e| LoadError::NotUtf8 {
+        path: shown.clone(),
+        offset: e.utf8_error().valid_up_to(),
+    })?;
     parse(&shown, path, text, registry).map_err(|p| LoadError::Invalid(Box::new(p)))
 }
 
 /// Validate pipeline text; `name` labels errors.
-pub fn parse(name: &str, path: &Path, text: String, registry: &Registry) -> Result<Pipeline, Problems> {
+pub fn parse(
+    name: &str,
+    path: &Path,
+    text: String,
+    registry: &Registry,
+) -> Result<Pipeline, Problems> {
     let text = Arc::new(text);
-    let fail = |problems: Vec<Problem>| Problems { source: NamedSource::new(name, text.clone()).with_language("yaml"), problems };
+    let fail = |problems: Vec<Problem>| Problems {
+        source: NamedSource::new(name, text.clone()).with_language("yaml"),
+        problems,
+    };
     let doc: serde_yaml::Value = match serde_yaml::from_str(&text) {
         Ok(v) => v,
         Err(e) => return Err(fail(vec![syntax_problem(&text, &e)])),
     };
     let spans = Spans::index(&text);
-    let mut v = Validator { spans: &spans, problems: Vec::new() };
-    let doc = v.to_json(&doc, &[]);
+    let mut v = Validator {
+        spans: &spans,
+        problems: Vec::new(),
+    };
+    let doc = v.yaml_to_json(&doc, &[]);
     let pipeline = v.pipeline(&doc, path, registry);
     if !v.problems.is_empty() {
         let mut problems = v.problems;
@@ -130,13 +153,25 @@ pub fn parse(name: &str, path: &Path, text: String, registry: &Registry) -> Resu
     }
     let (name, store, stages) = pipeline.expect("no problems means a pipeline");
     let digest = Digest::of(text.as_bytes());
-    Ok(Pipeline { name, path: path.to_owned(), digest, store, stages, text, spans })
+    Ok(Pipeline {
+        name,
+        path: path.to_owned(),
+        digest,
+        store,
+        stages,
+        text,
+        spans,
+    })
 }
 
 impl Pipeline {
     /// Wrap problems found after validation (cycles) so they render against this file.
     pub fn problems(&self, problems: Vec<Problem>) -> Problems {
-        Problems { source: NamedSource::new(self.path.display().to_string(), self.text.clone()).with_language("yaml"), problems }
+        Problems {
+            source: NamedSource::new(self.path.display().to_string(), self.text.clone())
+                .with_language("yaml"),
+            problems,
+        }
     }
 
     /// The byte range of a stage's key, for labels.
@@ -146,9 +181,15 @@ impl Pipeline {
 
     /// The byte range of one input reference.
     pub fn input_span(&self, id: &str, index: usize, input: &InputRef) -> std::ops::Range<usize> {
-        let by_index = self.spans.value(&["stages", id, "inputs", &index.to_string()]);
+        let by_index = self
+            .spans
+            .value(&["stages", id, "inputs", &index.to_string()]);
         let by_role = self.spans.value(&["stages", id, "inputs", &input.name]);
-        if by_role.end > by_role.start && by_role != self.spans.value(&["stages", id, "inputs"]) { by_role } else { by_index }
+        if by_role.end > by_role.start && by_role != self.spans.value(&["stages", id, "inputs"]) {
+            by_role
+        } else {
+            by_index
+        }
     }
 }
 
@@ -158,11 +199,20 @@ fn syntax_problem(text: &str, e: &serde_yaml::Error) -> Problem {
     // serde_yaml appends " at line L column C"; the label already shows where.
     let msg = msg.split(" at line ").next().unwrap_or(&msg).to_owned();
     let (code, help) = if msg.contains("duplicate entry") {
-        ("dflash::pipeline::duplicate_id", "each stage id (and each key of a map) may appear once; rename one of them")
+        (
+            "dflash::pipeline::duplicate_id",
+            "each stage id (and each key of a map) may appear once; rename one of them",
+        )
     } else if msg.contains("repetition limit") || msg.contains("recursion limit") {
-        ("dflash::pipeline::too_large", "the document expands (through anchors and aliases) beyond what a pipeline needs")
+        (
+            "dflash::pipeline::too_large",
+            "the document expands (through anchors and aliases) beyond what a pipeline needs",
+        )
     } else {
-        ("dflash::pipeline::syntax", "check the indentation and quoting near the marked position")
+        (
+            "dflash::pipeline::syntax",
+            "check the indentation and quoting near the marked position",
+        )
     };
     let end = (offset + 1).min(text.len()).max(offset);
     Problem::new(code, format!("invalid YAML: {msg}"), offset..end, "here").help(help)
@@ -185,7 +235,7 @@ impl Validator<'_> {
     }
 
     /// YAML -> JSON values: map keys must be strings, no tags, no NaN.
-    fn to_json(&mut self, v: &serde_yaml::Value, path: &[String]) -> Value {
+    fn yaml_to_json(&mut self, v: &serde_yaml::Value, path: &[String]) -> Value {
         use serde_yaml::Value as Y;
         let p: Vec<&str> = path.iter().map(String::as_str).collect();
         match v {
@@ -200,7 +250,12 @@ impl Validator<'_> {
                     Value::Number(num)
                 } else {
                     let span = self.at(&p);
-                    self.push(Problem::new("dflash::pipeline::bad_number", format!("`{n}` is not a finite number"), span, "here"));
+                    self.push(Problem::new(
+                        "dflash::pipeline::bad_number",
+                        format!("`{n}` is not a finite number"),
+                        span,
+                        "here",
+                    ));
                     Value::Null
                 }
             }
@@ -212,7 +267,7 @@ impl Validator<'_> {
                     .map(|(i, item)| {
                         let mut sub = path.to_vec();
                         sub.push(i.to_string());
-                        self.to_json(item, &sub)
+                        self.yaml_to_json(item, &sub)
                     })
                     .collect(),
             ),
@@ -225,32 +280,56 @@ impl Validator<'_> {
                         Y::Bool(b) => b.to_string(),
                         other => {
                             let span = self.at(&p);
-                            self.push(Problem::new("dflash::pipeline::bad_key", format!("map keys must be strings, found {other:?}"), span, "in this map"));
+                            self.push(Problem::new(
+                                "dflash::pipeline::bad_key",
+                                format!("map keys must be strings, found {other:?}"),
+                                span,
+                                "in this map",
+                            ));
                             continue;
                         }
                     };
                     let mut sub = path.to_vec();
                     sub.push(key.clone());
-                    let value = self.to_json(item, &sub);
+                    let value = self.yaml_to_json(item, &sub);
                     out.insert(key, value);
                 }
                 Value::Object(out)
             }
             Y::Tagged(t) => {
                 let span = self.at(&p);
-                self.push(Problem::new("dflash::pipeline::tag", format!("YAML tags are not supported (`{}`)", t.tag), span, "tagged value").help("remove the tag"));
+                self.push(
+                    Problem::new(
+                        "dflash::pipeline::tag",
+                        format!("YAML tags are not supported (`{}`)", t.tag),
+                        span,
+                        "tagged value",
+                    )
+                    .help("remove the tag"),
+                );
                 Value::Null
             }
         }
     }
 
-    fn unknown_keys(&mut self, map: &serde_json::Map<String, Value>, allowed: &[&str], at: &[&str], what: &str) {
+    fn unknown_keys(
+        &mut self,
+        map: &serde_json::Map<String, Value>,
+        allowed: &[&str],
+        at: &[&str],
+        what: &str,
+    ) {
         for key in map.keys() {
             if !allowed.contains(&key.as_str()) {
                 let mut path = at.to_vec();
                 path.push(key);
                 let span = self.spans.key(&path);
-                let mut p = Problem::new("dflash::pipeline::unknown_field", format!("unknown field `{key}` in {what}"), span, "unknown field");
+                let mut p = Problem::new(
+                    "dflash::pipeline::unknown_field",
+                    format!("unknown field `{key}` in {what}"),
+                    span,
+                    "unknown field",
+                );
                 p = match did_you_mean(key, allowed.iter().copied()) {
                     Some(s) => p.help(format!("did you mean `{s}`?")),
                     None => p.help(format!("expected one of {}", list(allowed))),
@@ -263,16 +342,35 @@ impl Validator<'_> {
     fn pipeline(&mut self, doc: &Value, path: &Path, registry: &Registry) -> Option<Parsed> {
         let Some(top) = doc.as_object() else {
             let span = self.at(&[]);
-            self.push(Problem::new("dflash::pipeline::shape", "a pipeline file must be a map with `stages:`", span, "not a map").help("start from pipelines/quickstart.yaml"));
+            self.push(
+                Problem::new(
+                    "dflash::pipeline::shape",
+                    "a pipeline file must be a map with `stages:`",
+                    span,
+                    "not a map",
+                )
+                .help("start from pipelines/quickstart.yaml"),
+            );
             return None;
         };
         self.unknown_keys(top, TOP_KEYS, &[], "the pipeline");
         let name = match top.get("name") {
-            None => path.file_stem().map_or_else(|| "pipeline".to_owned(), |s| s.to_string_lossy().into_owned()),
+            None => path.file_stem().map_or_else(
+                || "pipeline".to_owned(),
+                |s| s.to_string_lossy().into_owned(),
+            ),
             Some(Value::String(s)) if !s.is_empty() => s.clone(),
             Some(other) => {
                 let span = self.at(&["name"]);
-                self.push(Problem::new("dflash::pipeline::shape", format!("`name` must be a non-empty string, found {}", describe_value(other)), span, "here"));
+                self.push(Problem::new(
+                    "dflash::pipeline::shape",
+                    format!(
+                        "`name` must be a non-empty string, found {}",
+                        describe_value(other)
+                    ),
+                    span,
+                    "here",
+                ));
                 String::new()
             }
         };
@@ -281,18 +379,45 @@ impl Validator<'_> {
             Some(Value::String(s)) => Some(s.clone()),
             Some(other) => {
                 let span = self.at(&["store"]);
-                self.push(Problem::new("dflash::pipeline::shape", format!("`store` must be a URL or path, found {}", describe_value(other)), span, "here").help("e.g. `store: s3://bucket/dflash` or `store: ./cache`"));
+                self.push(
+                    Problem::new(
+                        "dflash::pipeline::shape",
+                        format!(
+                            "`store` must be a URL or path, found {}",
+                            describe_value(other)
+                        ),
+                        span,
+                        "here",
+                    )
+                    .help("e.g. `store: s3://bucket/dflash` or `store: ./cache`"),
+                );
                 None
             }
         };
         let Some(stages_v) = top.get("stages") else {
             let span = self.at(&[]);
-            self.push(Problem::new("dflash::pipeline::shape", "the pipeline has no `stages:`", span.start..span.start, "expected `stages:` in this map").help("add `stages:` with at least one stage"));
+            self.push(
+                Problem::new(
+                    "dflash::pipeline::shape",
+                    "the pipeline has no `stages:`",
+                    span.start..span.start,
+                    "expected `stages:` in this map",
+                )
+                .help("add `stages:` with at least one stage"),
+            );
             return None;
         };
         let Some(stages_map) = stages_v.as_object() else {
             let span = self.at(&["stages"]);
-            self.push(Problem::new("dflash::pipeline::shape", format!("`stages` must be a map of stage ids to stages, found {}", describe_value(stages_v)), span, "here"));
+            self.push(Problem::new(
+                "dflash::pipeline::shape",
+                format!(
+                    "`stages` must be a map of stage ids to stages, found {}",
+                    describe_value(stages_v)
+                ),
+                span,
+                "here",
+            ));
             return None;
         };
         let mut stages = Vec::new();
@@ -307,21 +432,53 @@ impl Validator<'_> {
     }
 
     fn stage(&mut self, id: &str, spec: &Value, registry: &Registry) -> Option<StageSpec> {
-        if id.is_empty() || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.') {
+        if id.is_empty()
+            || !id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+        {
             let span = self.spans.key(&["stages", id]);
-            self.push(Problem::new("dflash::pipeline::bad_id", format!("stage id `{id}` may only hold letters, digits, `_`, `-` and `.`"), span, "this id").help("ids name stages on the command line and in `$DFLASH_IN_<ID>`"));
+            self.push(
+                Problem::new(
+                    "dflash::pipeline::bad_id",
+                    format!("stage id `{id}` may only hold letters, digits, `_`, `-` and `.`"),
+                    span,
+                    "this id",
+                )
+                .help("ids name stages on the command line and in `$DFLASH_IN_<ID>`"),
+            );
         }
         let Some(map) = spec.as_object() else {
             let span = self.at(&["stages", id]);
-            self.push(Problem::new("dflash::pipeline::shape", format!("stage `{id}` must be a map with `kind:`, found {}", describe_value(spec)), span, "here"));
+            self.push(Problem::new(
+                "dflash::pipeline::shape",
+                format!(
+                    "stage `{id}` must be a map with `kind:`, found {}",
+                    describe_value(spec)
+                ),
+                span,
+                "here",
+            ));
             return None;
         };
         self.unknown_keys(map, STAGE_KEYS, &["stages", id], &format!("stage `{id}`"));
         let kind_name = match map.get("kind") {
             Some(Value::String(k)) => k.clone(),
             other => {
-                let span = if other.is_some() { self.at(&["stages", id, "kind"]) } else { self.spans.key(&["stages", id]) };
-                self.push(Problem::new("dflash::pipeline::missing_kind", format!("stage `{id}` has no `kind`"), span, "needs `kind:`").help(format!("kinds: {}", list(&registry.names()))));
+                let span = if other.is_some() {
+                    self.at(&["stages", id, "kind"])
+                } else {
+                    self.spans.key(&["stages", id])
+                };
+                self.push(
+                    Problem::new(
+                        "dflash::pipeline::missing_kind",
+                        format!("stage `{id}` has no `kind`"),
+                        span,
+                        "needs `kind:`",
+                    )
+                    .help(format!("kinds: {}", list(&registry.names()))),
+                );
                 return None;
             }
         };
@@ -333,11 +490,24 @@ impl Validator<'_> {
                 Some(s) => format!("did you mean `{s}`? known kinds: {}", list(&names)),
                 None => format!("known kinds: {}", list(&names)),
             };
-            self.push(Problem::new("dflash::pipeline::unknown_kind", format!("unknown stage kind `{kind_name}`"), span, "unknown kind").help(help));
+            self.push(
+                Problem::new(
+                    "dflash::pipeline::unknown_kind",
+                    format!("unknown stage kind `{kind_name}`"),
+                    span,
+                    "unknown kind",
+                )
+                .help(help),
+            );
             return None;
         };
         let params = self.params(id, &kind_name, &kind.params(), map.get("params"));
-        Some(StageSpec { id: id.to_owned(), kind: kind_name, inputs, params })
+        Some(StageSpec {
+            id: id.to_owned(),
+            kind: kind_name,
+            inputs,
+            params,
+        })
     }
 
     fn inputs(&mut self, id: &str, v: Option<&Value>) -> Vec<InputRef> {
@@ -351,7 +521,10 @@ impl Validator<'_> {
                 .iter()
                 .enumerate()
                 .filter_map(|(i, item)| match item {
-                    Value::String(s) => Some(InputRef { name: s.clone(), stage: s.clone() }),
+                    Value::String(s) => Some(InputRef {
+                        name: s.clone(),
+                        stage: s.clone(),
+                    }),
                     other => {
                         bad(self, &["stages", id, "inputs", &i.to_string()], other);
                         None
@@ -361,7 +534,10 @@ impl Validator<'_> {
             Some(Value::Object(map)) => map
                 .iter()
                 .filter_map(|(role, item)| match item {
-                    Value::String(s) => Some(InputRef { name: role.clone(), stage: s.clone() }),
+                    Value::String(s) => Some(InputRef {
+                        name: role.clone(),
+                        stage: s.clone(),
+                    }),
                     other => {
                         bad(self, &["stages", id, "inputs", role], other);
                         None
@@ -375,14 +551,25 @@ impl Validator<'_> {
         }
     }
 
-    fn params(&mut self, id: &str, kind: &str, schema: &[dflash_stage_api::Param], v: Option<&Value>) -> Value {
+    fn params(
+        &mut self,
+        id: &str,
+        kind: &str,
+        schema: &[dflash_stage_api::Param],
+        v: Option<&Value>,
+    ) -> Value {
         let empty = serde_json::Map::new();
         let given = match v {
             None | Some(Value::Null) => &empty,
             Some(Value::Object(m)) => m,
             Some(other) => {
                 let span = self.at(&["stages", id, "params"]);
-                self.push(Problem::new("dflash::pipeline::shape", format!("`params` must be a map, found {}", describe_value(other)), span, "here"));
+                self.push(Problem::new(
+                    "dflash::pipeline::shape",
+                    format!("`params` must be a map, found {}", describe_value(other)),
+                    span,
+                    "here",
+                ));
                 &empty
             }
         };
@@ -390,7 +577,12 @@ impl Validator<'_> {
         for key in given.keys() {
             if !names.contains(&key.as_str()) {
                 let span = self.spans.key(&["stages", id, "params", key]);
-                let mut p = Problem::new("dflash::pipeline::unknown_param", format!("`{kind}` has no param `{key}`"), span, "unknown param");
+                let mut p = Problem::new(
+                    "dflash::pipeline::unknown_param",
+                    format!("`{kind}` has no param `{key}`"),
+                    span,
+                    "unknown param",
+                );
                 p = match did_you_mean(key, names.iter().copied()) {
                     Some(s) => p.help(format!("did you mean `{s}`?")),
                     None => p.help(format!("`{kind}` params: {}", list(&names))),
@@ -406,7 +598,12 @@ impl Validator<'_> {
                         resolved.insert(param.name.to_owned(), v);
                     }
                     Err(m) => {
-                        let mut path: Vec<String> = vec!["stages".into(), id.into(), "params".into(), param.name.into()];
+                        let mut path: Vec<String> = vec![
+                            "stages".into(),
+                            id.into(),
+                            "params".into(),
+                            param.name.into(),
+                        ];
                         path.extend(m.path.iter().map(|s| match s {
                             PathSeg::Key(k) => k.clone(),
                             PathSeg::Index(i) => i.to_string(),
@@ -415,17 +612,40 @@ impl Validator<'_> {
                         let span = self.at(&p);
                         let shown = path[3..].join(".");
                         self.push(
-                            Problem::new("dflash::pipeline::param_type", format!("param `{shown}` of `{id}` must be {}, found {}", m.expected, m.found), span, format!("expected {}", m.expected))
-                                .help(param.help),
+                            Problem::new(
+                                "dflash::pipeline::param_type",
+                                format!(
+                                    "param `{shown}` of `{id}` must be {}, found {}",
+                                    m.expected, m.found
+                                ),
+                                span,
+                                format!("expected {}", m.expected),
+                            )
+                            .help(param.help),
                         );
                     }
                 },
                 _ if param.required => {
-                    let span = if v.is_some() { self.spans.key(&["stages", id, "params"]) } else { self.spans.key(&["stages", id]) };
-                    self.push(Problem::new("dflash::pipeline::missing_param", format!("stage `{id}` (`{kind}`) needs param `{}`", param.name), span, format!("`{}` missing", param.name)).help(format!("`{}`: {}", param.name, param.help)));
+                    let span = if v.is_some() {
+                        self.spans.key(&["stages", id, "params"])
+                    } else {
+                        self.spans.key(&["stages", id])
+                    };
+                    self.push(
+                        Problem::new(
+                            "dflash::pipeline::missing_param",
+                            format!("stage `{id}` (`{kind}`) needs param `{}`", param.name),
+                            span,
+                            format!("`{}` missing", param.name),
+                        )
+                        .help(format!("`{}`: {}", param.name, param.help)),
+                    );
                 }
                 _ => {
-                    resolved.insert(param.name.to_owned(), param.default.clone().unwrap_or(Value::Null));
+                    resolved.insert(
+                        param.name.to_owned(),
+                        param.default.clone().unwrap_or(Value::Null),
+                    );
                 }
             }
         }
@@ -438,15 +658,32 @@ impl Validator<'_> {
             for (i, input) in s.inputs.iter().enumerate() {
                 if input.stage == s.id {
                     let span = self.at(&["stages", &s.id, "inputs", &i.to_string()]);
-                    self.push(Problem::new("dflash::graph::cycle", format!("stage `{}` lists itself as an input", s.id), span, "self-reference"));
+                    self.push(Problem::new(
+                        "dflash::graph::cycle",
+                        format!("stage `{}` lists itself as an input", s.id),
+                        span,
+                        "self-reference",
+                    ));
                 } else if !ids.contains(&input.stage.as_str()) {
                     let by_index = self.at(&["stages", &s.id, "inputs", &i.to_string()]);
                     let by_role = self.at(&["stages", &s.id, "inputs", &input.name]);
-                    let span = if input.name == input.stage { by_index } else { by_role };
-                    let mut p = Problem::new("dflash::pipeline::dangling_input", format!("stage `{}` takes input `{}`, but no stage has that id", s.id, input.stage), span, "no such stage");
+                    let span = if input.name == input.stage {
+                        by_index
+                    } else {
+                        by_role
+                    };
+                    let mut p = Problem::new(
+                        "dflash::pipeline::dangling_input",
+                        format!(
+                            "stage `{}` takes input `{}`, but no stage has that id",
+                            s.id, input.stage
+                        ),
+                        span,
+                        "no such stage",
+                    );
                     p = match did_you_mean(&input.stage, ids.iter().copied()) {
                         Some(sug) => p.help(format!("did you mean `{sug}`?")),
-                        None => p.help(format!("stages: {}", list(&ids))),
+                        None => p.help(format!("stages: {}", list(ids))),
                     };
                     self.push(p);
                 }
@@ -456,5 +693,9 @@ impl Validator<'_> {
 }
 
 fn list(items: &[&str]) -> String {
-    items.iter().map(|i| format!("`{i}`")).collect::<Vec<_>>().join(", ")
+    items
+        .iter()
+        .map(|i| format!("`{i}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

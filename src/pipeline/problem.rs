@@ -23,8 +23,19 @@ pub struct Problem {
 
 impl Problem {
     /// A problem at `span`.
-    pub fn new(code: &'static str, message: impl Into<String>, span: Range<usize>, label: impl Into<String>) -> Self {
-        Self { code, message: message.into(), span, label: label.into(), help: None }
+    pub fn new(
+        code: &'static str,
+        message: impl Into<String>,
+        span: Range<usize>,
+        label: impl Into<String>,
+    ) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            span,
+            label: label.into(),
+            help: None,
+        }
     }
 
     /// Add a hint.
@@ -48,10 +59,15 @@ impl Diagnostic for Problem {
         Some(Box::new(self.code))
     }
     fn help<'a>(&'a self) -> Option<Box<dyn fmt::Display + 'a>> {
-        self.help.as_ref().map(|h| Box::new(h) as Box<dyn fmt::Display>)
+        self.help
+            .as_ref()
+            .map(|h| Box::new(h) as Box<dyn fmt::Display>)
     }
     fn labels(&self) -> Option<Box<dyn Iterator<Item = LabeledSpan> + '_>> {
-        Some(Box::new(std::iter::once(LabeledSpan::new_with_span(Some(self.label.clone()), self.span.clone()))))
+        Some(Box::new(std::iter::once(LabeledSpan::new_with_span(
+            Some(self.label.clone()),
+            self.span.clone(),
+        ))))
     }
 }
 
@@ -67,7 +83,12 @@ pub struct Problems {
 impl fmt::Display for Problems {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let n = self.problems.len();
-        write!(f, "{} has {n} error{}", self.source.name(), if n == 1 { "" } else { "s" })
+        write!(
+            f,
+            "{} has {n} error{}",
+            self.source.name(),
+            if n == 1 { "" } else { "s" }
+        )
     }
 }
 

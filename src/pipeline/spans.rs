@@ -28,8 +28,14 @@ pub fn path_of(segs: &[&str]) -> String {
 }
 
 enum Frame {
-    Map { path: String, pending_key: Option<(String, Range<usize>)> },
-    Seq { path: String, next: usize },
+    Map {
+        path: String,
+        pending_key: Option<(String, Range<usize>)>,
+    },
+    Seq {
+        path: String,
+        next: usize,
+    },
 }
 
 impl Spans {
@@ -45,7 +51,11 @@ impl Spans {
             let range = bytes.at(span.start.index())..bytes.at(span.end.index());
             match event {
                 Event::Scalar(value, ..) => {
-                    if let Some(Frame::Map { pending_key: pending @ None, .. }) = stack.last_mut() {
+                    if let Some(Frame::Map {
+                        pending_key: pending @ None,
+                        ..
+                    }) = stack.last_mut()
+                    {
                         *pending = Some((value.into_owned(), range));
                         continue;
                     }
@@ -60,12 +70,27 @@ impl Spans {
                 }
                 Event::MappingStart(..) | Event::SequenceStart(..) => {
                     let is_map = matches!(event, Event::MappingStart(..));
-                    let (path, key) = if stack.is_empty() { (String::new(), None) } else {
+                    let (path, key) = if stack.is_empty() {
+                        (String::new(), None)
+                    } else {
                         next_path(&mut stack).unwrap_or_else(|| ("\u{1}complex".into(), None))
                     };
-                    spans.by_path.insert(path.clone(), Entry { key, value: range.clone() });
+                    spans.by_path.insert(
+                        path.clone(),
+                        Entry {
+                            key,
+                            value: range.clone(),
+                        },
+                    );
                     open.push((path.clone(), range.start));
-                    stack.push(if is_map { Frame::Map { path, pending_key: None } } else { Frame::Seq { path, next: 0 } });
+                    stack.push(if is_map {
+                        Frame::Map {
+                            path,
+                            pending_key: None,
+                        }
+                    } else {
+                        Frame::Seq { path, next: 0 }
+                    });
                 }
                 Event::MappingEnd | Event::SequenceEnd => {
                     stack.pop();
@@ -88,7 +113,9 @@ impl Spans {
 
     /// The byte range of the key at `path` (falling back to its value, then to ancestors).
     pub fn key(&self, path: &[&str]) -> Range<usize> {
-        self.find(path, |e| Some(e.key.clone().unwrap_or_else(|| e.value.clone())))
+        self.find(path, |e| {
+            Some(e.key.clone().unwrap_or_else(|| e.value.clone()))
+        })
     }
 
     fn find(&self, path: &[&str], pick: impl Fn(&Entry) -> Option<Range<usize>>) -> Range<usize> {
@@ -114,7 +141,11 @@ fn next_path(stack: &mut [Frame]) -> Option<(String, Option<Range<usize>>)> {
 }
 
 fn join(parent: &str, seg: &str) -> String {
-    if parent.is_empty() { seg.to_owned() } else { format!("{parent}\u{0}{seg}") }
+    if parent.is_empty() {
+        seg.to_owned()
+    } else {
+        format!("{parent}\u{0}{seg}")
+    }
 }
 
 /// saphyr counts characters; miette wants bytes.
@@ -125,13 +156,19 @@ struct CharToByte<'a> {
 
 impl<'a> CharToByte<'a> {
     fn new(text: &'a str) -> Self {
-        Self { text, ascii: text.is_ascii() }
+        Self {
+            text,
+            ascii: text.is_ascii(),
+        }
     }
     fn at(&self, chars: usize) -> usize {
         if self.ascii {
             return chars.min(self.text.len());
         }
-        self.text.char_indices().nth(chars).map_or(self.text.len(), |(b, _)| b)
+        self.text
+            .char_indices()
+            .nth(chars)
+            .map_or(self.text.len(), |(b, _)| b)
     }
 }
 

@@ -90,7 +90,10 @@ pub enum RunError {
     Store(#[from] crate::store::StoreError),
     /// An `--only` name that is not a stage.
     #[error("`--only {0}`: no stage has that id")]
-    #[diagnostic(code(dflash::run::unknown_stage), help("`dflash plan PIPELINE` lists the stage ids"))]
+    #[diagnostic(
+        code(dflash::run::unknown_stage),
+        help("`dflash plan PIPELINE` lists the stage ids")
+    )]
     UnknownStage(String),
     /// The local working folder could not be created.
     #[error("cannot create working folder `{0}`: {1}")]
@@ -107,15 +110,30 @@ pub(crate) struct Outcome {
 }
 
 /// Build a stage's fingerprint from its upstream digests (in input order) and its pins.
-pub fn fingerprint(spec: &StageSpec, registry: &Registry, upstream: &[Digest], pinner: &dyn Pinner) -> Result<Fingerprint, StageError> {
-    let kind = registry.get(&spec.kind).expect("validated pipelines name known kinds");
+pub fn fingerprint(
+    spec: &StageSpec,
+    registry: &Registry,
+    upstream: &[Digest],
+    pinner: &dyn Pinner,
+) -> Result<Fingerprint, StageError> {
+    let kind = registry
+        .get(&spec.kind)
+        .expect("validated pipelines name known kinds");
     let pins: Vec<Pin> = kind.pin(&spec.params, pinner)?;
     Ok(Fingerprint {
         schema: KEY_SCHEMA,
         kind: spec.kind.clone(),
         kind_version: kind.version(),
         params: spec.params.clone(),
-        inputs: spec.inputs.iter().zip(upstream).map(|(i, d)| FingerprintInput { name: i.name.clone(), digest: *d }).collect(),
+        inputs: spec
+            .inputs
+            .iter()
+            .zip(upstream)
+            .map(|(i, d)| FingerprintInput {
+                name: i.name.clone(),
+                digest: *d,
+            })
+            .collect(),
         pins,
     })
 }
@@ -123,8 +141,12 @@ pub fn fingerprint(spec: &StageSpec, registry: &Registry, upstream: &[Digest], p
 /// A new time-sortable run id, e.g. `20261202T141019.123Z-3f9a1c`.
 pub fn new_run_id() -> String {
     let now = std::time::SystemTime::now();
-    let stamp = humantime::format_rfc3339_millis(now).to_string().replace(['-', ':'], "");
-    let nanos = now.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let stamp = humantime::format_rfc3339_millis(now)
+        .to_string()
+        .replace(['-', ':'], "");
+    let nanos = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
     let salt = Digest::of(format!("{nanos}-{}", std::process::id()).as_bytes()).short(6);
     format!("{stamp}-{salt}")
 }
@@ -137,7 +159,11 @@ fn selection(pipeline: &Pipeline, graph: &Graph, only: &[String]) -> Result<Vec<
     let mut selected = vec![false; pipeline.stages.len()];
     let mut stack = Vec::new();
     for name in only {
-        let i = pipeline.stages.iter().position(|s| &s.id == name).ok_or_else(|| RunError::UnknownStage(name.clone()))?;
+        let i = pipeline
+            .stages
+            .iter()
+            .position(|s| &s.id == name)
+            .ok_or_else(|| RunError::UnknownStage(name.clone()))?;
         stack.push(i);
     }
     while let Some(i) = stack.pop() {
@@ -170,7 +196,8 @@ pub async fn execute(
     reporter: &mut dyn Reporter,
 ) -> Result<RunRecord, RunError> {
     let selected = selection(&pipeline, graph, &opts.only)?;
-    std::fs::create_dir_all(&opts.work_dir).map_err(|e| RunError::WorkDir(opts.work_dir.display().to_string(), e))?;
+    std::fs::create_dir_all(&opts.work_dir)
+        .map_err(|e| RunError::WorkDir(opts.work_dir.display().to_string(), e))?;
     let run_id = new_run_id();
     let started = std::time::SystemTime::now();
     let t0 = Instant::now();
@@ -187,7 +214,12 @@ pub async fn execute(
             opts.allow_overwriting_store,
         )
         .await?;
-    reporter.event(&pipeline, &Event::RunStarted { run_id: run_id.clone() });
+    reporter.event(
+        &pipeline,
+        &Event::RunStarted {
+            run_id: run_id.clone(),
+        },
+    );
 
     let (tx, mut rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
@@ -206,14 +238,30 @@ pub async fn execute(
     let mut digests: Vec<Option<Digest>> = vec![None; n];
     let mut keys: Vec<Option<Key>> = vec![None; n];
     let mut waiting: Vec<usize> = (0..n).map(|i| graph.upstream(i).count()).collect();
-    let mut ready: std::collections::VecDeque<usize> = graph.order.iter().copied().filter(|&i| waiting[i] == 0).collect();
+    let mut ready: std::collections::VecDeque<usize> = graph
+        .order
+        .iter()
+        .copied()
+        .filter(|&i| waiting[i] == 0)
+        .collect();
     let mut tasks: JoinSet<(usize, f64, Outcome)> = JoinSet::new();
     let mut cancelled = false;
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
 
-    let finish = |i: usize, result: StageResult, log: Option<PathBuf>, results: &mut Vec<Option<StageResult>>, reporter: &mut dyn Reporter| {
-        reporter.event(&pipeline, &Event::Finished { stage: i, result: result.clone(), log });
+    let finish = |i: usize,
+                  result: StageResult,
+                  log: Option<PathBuf>,
+                  results: &mut Vec<Option<StageResult>>,
+                  reporter: &mut dyn Reporter| {
+        reporter.event(
+            &pipeline,
+            &Event::Finished {
+                stage: i,
+                result: result.clone(),
+                log,
+            },
+        );
         results[i] = Some(result);
     };
 
@@ -222,7 +270,15 @@ pub async fn execute(
             let Some(i) = ready.pop_front() else { break };
             let spec = &pipeline.stages[i];
             if !selected[i] {
-                let result = StageResult { id: spec.id.clone(), kind: spec.kind.clone(), key: None, status: Status::Skipped, digest: None, seconds: 0.0, error: None };
+                let result = StageResult {
+                    id: spec.id.clone(),
+                    kind: spec.kind.clone(),
+                    key: None,
+                    status: Status::Skipped,
+                    digest: None,
+                    seconds: 0.0,
+                    error: None,
+                };
                 finish(i, result, None, &mut results, reporter);
                 continue;
             }
@@ -230,14 +286,25 @@ pub async fn execute(
                 .inputs
                 .iter()
                 .map(|inp| {
-                    let u = pipeline.stages.iter().position(|s| s.id == inp.stage).expect("validated");
+                    let u = pipeline
+                        .stages
+                        .iter()
+                        .position(|s| s.id == inp.stage)
+                        .expect("validated");
                     digests[u].expect("upstream finished before downstream is ready")
                 })
                 .collect();
             let upstream_keys: Vec<Key> = spec
                 .inputs
                 .iter()
-                .map(|inp| keys[pipeline.stages.iter().position(|s| s.id == inp.stage).expect("validated")].expect("done"))
+                .map(|inp| {
+                    keys[pipeline
+                        .stages
+                        .iter()
+                        .position(|s| s.id == inp.stage)
+                        .expect("validated")]
+                    .expect("done")
+                })
                 .collect();
             let shared = shared.clone();
             tasks.spawn(async move {
@@ -297,9 +364,28 @@ pub async fn execute(
     for (i, r) in results.into_iter().enumerate() {
         let r = r.unwrap_or_else(|| {
             let spec = &pipeline.stages[i];
-            let why = if cancelled { "cancelled" } else { "an upstream stage failed" };
-            let result = StageResult { id: spec.id.clone(), kind: spec.kind.clone(), key: None, status: Status::Skipped, digest: None, seconds: 0.0, error: Some(why.into()) };
-            reporter.event(&pipeline, &Event::Finished { stage: i, result: result.clone(), log: None });
+            let why = if cancelled {
+                "cancelled"
+            } else {
+                "an upstream stage failed"
+            };
+            let result = StageResult {
+                id: spec.id.clone(),
+                kind: spec.kind.clone(),
+                key: None,
+                status: Status::Skipped,
+                digest: None,
+                seconds: 0.0,
+                error: Some(why.into()),
+            };
+            reporter.event(
+                &pipeline,
+                &Event::Finished {
+                    stage: i,
+                    result: result.clone(),
+                    log: None,
+                },
+            );
             result
         });
         stages.push(r);
@@ -318,9 +404,19 @@ pub async fn execute(
 }
 
 /// Ids of stages this run selected, for messages.
-pub fn selected_ids(pipeline: &Pipeline, graph: &Graph, only: &[String]) -> Result<HashSet<String>, RunError> {
+pub fn selected_ids(
+    pipeline: &Pipeline,
+    graph: &Graph,
+    only: &[String],
+) -> Result<HashSet<String>, RunError> {
     let sel = selection(pipeline, graph, only)?;
-    Ok(pipeline.stages.iter().zip(sel).filter(|(_, s)| *s).map(|(st, _)| st.id.clone()).collect())
+    Ok(pipeline
+        .stages
+        .iter()
+        .zip(sel)
+        .filter(|(_, s)| *s)
+        .map(|(st, _)| st.id.clone())
+        .collect())
 }
 
 /// Join an artifact path under an export folder, refusing paths that would escape it.

@@ -13,14 +13,24 @@ use crate::store::manifest::{Lineage, LineageInput, MANIFEST_SCHEMA};
 use crate::store::{FileEntry, Manifest, ShardRecord, Status, Store, StoreError};
 
 fn failed(key: Option<Key>, e: StageError) -> Outcome {
-    Outcome { status: Status::Failed, key, digest: None, error: Some(e) }
+    Outcome {
+        status: Status::Failed,
+        key,
+        digest: None,
+        error: Some(e),
+    }
 }
 
 fn store_err(e: &StoreError) -> StageError {
     StageError::new(e.to_string())
 }
 
-pub(crate) async fn run_stage(shared: &Shared, i: usize, upstream: Vec<Digest>, upstream_keys: Vec<Key>) -> Outcome {
+pub(crate) async fn run_stage(
+    shared: &Shared,
+    i: usize,
+    upstream: Vec<Digest>,
+    upstream_keys: Vec<Key>,
+) -> Outcome {
     let spec = &shared.pipeline.stages[i];
     let fp = match super::fingerprint(spec, &shared.registry, &upstream, &shared.hashes) {
         Ok(fp) => fp,
@@ -28,7 +38,14 @@ pub(crate) async fn run_stage(shared: &Shared, i: usize, upstream: Vec<Digest>, 
     };
     let key = fp.key();
     match shared.store.manifest(&key).await {
-        Ok(Some(m)) => return Outcome { status: Status::Cached, key: Some(key), digest: Some(m.digest), error: None },
+        Ok(Some(m)) => {
+            return Outcome {
+                status: Status::Cached,
+                key: Some(key),
+                digest: Some(m.digest),
+                error: None,
+            };
+        }
         Ok(None) => {}
         Err(e) => return failed(Some(key), store_err(&e)),
     }
@@ -42,29 +59,58 @@ pub(crate) async fn run_stage(shared: &Shared, i: usize, upstream: Vec<Digest>, 
     };
     let resumed = !earlier.is_empty();
 
-    let work = shared.opts.work_dir.join("work").join(format!("{}-{}", key.0.short(16), shared.run_id));
+    let work =
+        shared
+            .opts
+            .work_dir
+            .join("work")
+            .join(format!("{}-{}", key.0.short(16), shared.run_id));
     let log_dir = shared.opts.work_dir.join("logs").join(&shared.run_id);
     let log_path = log_dir.join(format!("{}.log", spec.id));
     let out_dir = work.join("out");
     let scratch = work.join("scratch");
     let result = async {
         for d in [&out_dir, &scratch, &log_dir] {
-            std::fs::create_dir_all(d).map_err(|e| StageError::new(format!("cannot create `{}`: {e}", d.display())))?;
+            std::fs::create_dir_all(d)
+                .map_err(|e| StageError::new(format!("cannot create `{}`: {e}", d.display())))?;
         }
         std::fs::write(&log_path, b"").map_err(StageError::from)?;
         let mut inputs = Vec::new();
         for ((inp, digest), ukey) in spec.inputs.iter().zip(&upstream).zip(&upstream_keys) {
             let dir = work.join("in").join(&inp.name);
             materialise(&shared.store, ukey, &dir).await?;
-            inputs.push(Input { name: inp.name.clone(), stage_id: inp.stage.clone(), dir, digest: *digest });
+            inputs.push(Input {
+                name: inp.name.clone(),
+                stage_id: inp.stage.clone(),
+                dir,
+                digest: *digest,
+            });
         }
         let started = std::time::SystemTime::now();
         let t0 = std::time::Instant::now();
-        let sink = Shards { store: shared.store.clone(), key, handle: Handle::current(), done: earlier.iter().map(|s| s.name.clone()).collect(), committed: Mutex::new(earlier) };
-        let progress = Reporter { stage: i, events: shared.events.clone() };
+        let sink = Shards {
+            store: shared.store.clone(),
+            key,
+            handle: Handle::current(),
+            done: earlier.iter().map(|s| s.name.clone()).collect(),
+            committed: Mutex::new(earlier),
+        };
+        let progress = Reporter {
+            stage: i,
+            events: shared.events.clone(),
+        };
         let kind = shared.registry.get(&spec.kind).expect("validated").clone();
-        let (params, cwd, cancel) = (spec.params.clone(), shared.opts.cwd.clone(), shared.cancel.clone());
-        let (out2, scratch2, log2, id) = (out_dir.clone(), scratch.clone(), log_path.clone(), spec.id.clone());
+        let (params, cwd, cancel) = (
+            spec.params.clone(),
+            shared.opts.cwd.clone(),
+            shared.cancel.clone(),
+        );
+        let (out2, scratch2, log2, id) = (
+            out_dir.clone(),
+            scratch.clone(),
+            log_path.clone(),
+            spec.id.clone(),
+        );
         let (output, sink) = tokio::task::spawn_blocking(move || {
             let ctx = StageContext {
                 stage_id: &id,
@@ -82,22 +128,44 @@ pub(crate) async fn run_stage(shared: &Shared, i: usize, upstream: Vec<Digest>, 
         })
         .await
         .map_err(|e| StageError::new(format!("stage panicked: {e}")))?;
-        let output = output.map_err(|e| if e.log.is_none() && !e.cancelled { e.with_log(&log_path) } else { e })?;
+        let output = output.map_err(|e| {
+            if e.log.is_none() && !e.cancelled {
+                e.with_log(&log_path)
+            } else {
+                e
+            }
+        })?;
         if shared.cancel.is_cancelled() {
             return Err(StageError::cancelled());
         }
         // Files: every committed shard's, then the output folder's.
-        let mut files: Vec<FileEntry> = sink.committed.into_inner().expect("not poisoned").into_iter().flat_map(|s| s.files).collect();
+        let mut files: Vec<FileEntry> = sink
+            .committed
+            .into_inner()
+            .expect("not poisoned")
+            .into_iter()
+            .flat_map(|s| s.files)
+            .collect();
         for f in upload_dir(&shared.store, &out_dir).await? {
             if files.iter().any(|g| g.path == f.path) {
-                return Err(StageError::new(format!("`{}` is written both by a shard and to the output folder", f.path)));
+                return Err(StageError::new(format!(
+                    "`{}` is written both by a shard and to the output folder",
+                    f.path
+                )));
             }
             files.push(f);
         }
         files.sort_by(|a, b| a.path.cmp(&b.path));
         let log_bytes = std::fs::read(&log_path).unwrap_or_default();
-        let log = shared.store.put_blob(Bytes::from(log_bytes)).await.map_err(|e| store_err(&e))?;
-        let listed: Vec<(String, Digest, u64)> = files.iter().map(|f| (f.path.clone(), f.digest, f.size)).collect();
+        let log = shared
+            .store
+            .put_blob(Bytes::from(log_bytes))
+            .await
+            .map_err(|e| store_err(&e))?;
+        let listed: Vec<(String, Digest, u64)> = files
+            .iter()
+            .map(|f| (f.path.clone(), f.digest, f.size))
+            .collect();
         let manifest = Manifest {
             schema: MANIFEST_SCHEMA,
             key,
@@ -113,24 +181,45 @@ pub(crate) async fn run_stage(shared: &Shared, i: usize, upstream: Vec<Digest>, 
                     .iter()
                     .zip(&upstream)
                     .zip(&upstream_keys)
-                    .map(|((inp, d), k)| LineageInput { name: inp.name.clone(), stage_id: inp.stage.clone(), key: *k, digest: *d })
+                    .map(|((inp, d), k)| LineageInput {
+                        name: inp.name.clone(),
+                        stage_id: inp.stage.clone(),
+                        key: *k,
+                        digest: *d,
+                    })
                     .collect(),
                 tool_version: env!("CARGO_PKG_VERSION").to_owned(),
                 started: humantime::format_rfc3339_millis(started).to_string(),
                 seconds: t0.elapsed().as_secs_f64(),
                 host: gethostname::gethostname().to_string_lossy().into_owned(),
                 run_id: shared.run_id.clone(),
-                log: Some(FileEntry { path: format!("{}.log", spec.id), ..log }),
+                log: Some(FileEntry {
+                    path: format!("{}.log", spec.id),
+                    ..log
+                }),
             },
         };
         // Create-only: if a racing run committed first, adopt its manifest.
-        let committed = shared.store.commit(&manifest).await.map_err(|e| store_err(&e))?;
+        let committed = shared
+            .store
+            .commit(&manifest)
+            .await
+            .map_err(|e| store_err(&e))?;
         Ok::<Digest, StageError>(committed.digest)
     }
     .await;
     let _ = std::fs::remove_dir_all(&work);
     match result {
-        Ok(digest) => Outcome { status: if resumed { Status::Resumed } else { Status::Ran }, key: Some(key), digest: Some(digest), error: None },
+        Ok(digest) => Outcome {
+            status: if resumed {
+                Status::Resumed
+            } else {
+                Status::Ran
+            },
+            key: Some(key),
+            digest: Some(digest),
+            error: None,
+        },
         Err(e) => failed(Some(key), e),
     }
 }
@@ -157,8 +246,12 @@ async fn materialise(store: &Store, key: &Key, dir: &Path) -> Result<(), StageEr
 /// Join an artifact-relative path under `dir`, refusing anything that would escape it.
 pub(crate) fn safe_join(dir: &Path, rel: &str) -> Result<PathBuf, StageError> {
     let p = Path::new(rel);
-    if p.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
-        return Err(StageError::new(format!("artifact path `{rel}` is not a plain relative path")));
+    if p.components()
+        .any(|c| !matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err(StageError::new(format!(
+            "artifact path `{rel}` is not a plain relative path"
+        )));
     }
     Ok(dir.join(p))
 }
@@ -172,12 +265,22 @@ async fn upload_dir(store: &Store, dir: &Path) -> Result<Vec<FileEntry>, StageEr
             continue;
         }
         let rel = entry.path().strip_prefix(dir).expect("under dir");
-        let rel = rel.to_str().ok_or_else(|| StageError::new(format!("output file name `{}` is not UTF-8", rel.display())))?.to_owned();
+        let rel = rel
+            .to_str()
+            .ok_or_else(|| {
+                StageError::new(format!("output file name `{}` is not UTF-8", rel.display()))
+            })?
+            .to_owned();
         if !entry.file_type().is_file() {
-            return Err(StageError::new(format!("output `{rel}` is not a regular file (links are not stored)")));
+            return Err(StageError::new(format!(
+                "output `{rel}` is not a regular file (links are not stored)"
+            )));
         }
         let bytes = tokio::fs::read(entry.path()).await?;
-        let blob = store.put_blob(Bytes::from(bytes)).await.map_err(|e| store_err(&e))?;
+        let blob = store
+            .put_blob(Bytes::from(bytes))
+            .await
+            .map_err(|e| store_err(&e))?;
         out.push(FileEntry { path: rel, ..blob });
     }
     Ok(out)
@@ -197,14 +300,26 @@ impl ShardSink for Shards {
     }
 
     fn commit(&self, name: &str, dir: &Path) -> Result<(), StageError> {
-        if self.committed.lock().expect("not poisoned").iter().any(|s| s.name == name) {
+        if self
+            .committed
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .any(|s| s.name == name)
+        {
             return Err(StageError::new(format!("shard `{name}` committed twice")));
         }
         let record = self.handle.block_on(async {
             let files = upload_dir(&self.store, dir).await?;
-            let record = ShardRecord { name: name.to_owned(), files };
+            let record = ShardRecord {
+                name: name.to_owned(),
+                files,
+            };
             // Existed: a racing run finished this shard first; its record is as good as ours.
-            self.store.put_shard(&self.key, &record).await.map_err(|e| store_err(&e))?;
+            self.store
+                .put_shard(&self.key, &record)
+                .await
+                .map_err(|e| store_err(&e))?;
             Ok::<_, StageError>(record)
         })?;
         self.committed.lock().expect("not poisoned").push(record);
@@ -219,6 +334,11 @@ struct Reporter {
 
 impl Progress for Reporter {
     fn set(&self, done: u64, total: Option<u64>, message: &str) {
-        let _ = self.events.send(Event::Progress { stage: self.stage, done, total, message: message.to_owned() });
+        let _ = self.events.send(Event::Progress {
+            stage: self.stage,
+            done,
+            total,
+            message: message.to_owned(),
+        });
     }
 }

@@ -27,7 +27,12 @@ pub use manifest::{FileEntry, Manifest, RunRecord, ShardRecord, StageResult, Sta
 pub enum StoreError {
     /// The store URL could not be understood or opened.
     #[error("cannot open store `{url}`: {reason}")]
-    #[diagnostic(code(dflash::store::open), help("use a local path (`./cache`) or a URL like `s3://bucket/prefix`; set credentials through the standard environment variables (AWS_ACCESS_KEY_ID, ...)"))]
+    #[diagnostic(
+        code(dflash::store::open),
+        help(
+            "use a local path (`./cache`) or a URL like `s3://bucket/prefix`; set credentials through the standard environment variables (AWS_ACCESS_KEY_ID, ...)"
+        )
+    )]
     Open {
         /// The URL, with any credentials removed.
         url: String,
@@ -35,8 +40,15 @@ pub enum StoreError {
         reason: String,
     },
     /// The store silently replaced an object on a create-only write.
-    #[error("store `{url}` overwrote an existing object on a create-only write; dflash will not run on it")]
-    #[diagnostic(code(dflash::store::overwrites), help("use a store that honours conditional puts (If-None-Match), or pass `--allow-overwriting-store` if you accept that a race may replace artifacts"))]
+    #[error(
+        "store `{url}` overwrote an existing object on a create-only write; dflash will not run on it"
+    )]
+    #[diagnostic(
+        code(dflash::store::overwrites),
+        help(
+            "use a store that honours conditional puts (If-None-Match), or pass `--allow-overwriting-store` if you accept that a race may replace artifacts"
+        )
+    )]
     Overwrites {
         /// The URL.
         url: String,
@@ -55,8 +67,13 @@ pub enum StoreError {
         reason: String,
     },
     /// An object's bytes do not match its digest.
-    #[error("store `{url}`: object `{path}` is corrupt: its bytes hash to {actual}, not {expected}")]
-    #[diagnostic(code(dflash::store::corrupt), help("run `dflash verify` to find every corrupt object"))]
+    #[error(
+        "store `{url}`: object `{path}` is corrupt: its bytes hash to {actual}, not {expected}"
+    )]
+    #[diagnostic(
+        code(dflash::store::corrupt),
+        help("run `dflash verify` to find every corrupt object")
+    )]
     Corrupt {
         /// The URL.
         url: String,
@@ -101,34 +118,69 @@ impl Store {
     /// Open a store from a local path or a URL (`s3://`, `gs://`, `az://`, `file://`,
     /// `memory://`). Credentials come from the standard environment variables.
     pub fn open(location: &str) -> Result<Self, StoreError> {
+        Self::open_with(location, &[])
+    }
+
+    /// [`Store::open`] with S3 settings given explicitly (`aws_endpoint`, `aws_allow_http`, ...)
+    /// on top of the environment's.
+    pub fn open_with(location: &str, s3_options: &[(&str, &str)]) -> Result<Self, StoreError> {
         let shown = redact(location);
-        let err = |reason: String| StoreError::Open { url: shown.clone(), reason };
+        let err = |reason: String| StoreError::Open {
+            url: shown.clone(),
+            reason,
+        };
         if location.starts_with("memory://") {
-            return Ok(Self { inner: Arc::new(object_store::memory::InMemory::new()), root: ObjPath::default(), url: shown });
+            return Ok(Self {
+                inner: Arc::new(object_store::memory::InMemory::new()),
+                root: ObjPath::default(),
+                url: shown,
+            });
         }
         if let Some(rest) = location.strip_prefix("s3://") {
             let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
             if bucket.is_empty() {
                 return Err(err("no bucket in the URL".into()));
             }
-            let s3 = object_store::aws::AmazonS3Builder::from_env()
+            let mut builder = object_store::aws::AmazonS3Builder::from_env();
+            for (k, v) in s3_options {
+                let key = k
+                    .parse()
+                    .map_err(|e: object_store::Error| err(e.to_string()))?;
+                builder = builder.with_config(key, *v);
+            }
+            let s3 = builder
                 .with_bucket_name(bucket)
                 .with_retry(retry_config())
                 .build()
                 .map_err(|e| err(e.to_string()))?;
-            return Ok(Self { inner: Arc::new(s3), root: ObjPath::from(prefix), url: shown });
+            return Ok(Self {
+                inner: Arc::new(s3),
+                root: ObjPath::from(prefix),
+                url: shown,
+            });
         }
         if location.contains("://") && !location.starts_with("file://") {
             let url = url::Url::parse(location).map_err(|e| err(e.to_string()))?;
             let env: Vec<(String, String)> = std::env::vars().collect();
             let opts = env.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.clone()));
-            let (store, root) = object_store::parse_url_opts(&url, opts).map_err(|e| err(e.to_string()))?;
-            return Ok(Self { inner: Arc::from(store), root, url: shown });
+            let (store, root) =
+                object_store::parse_url_opts(&url, opts).map_err(|e| err(e.to_string()))?;
+            return Ok(Self {
+                inner: Arc::from(store),
+                root,
+                url: shown,
+            });
         }
         let dir = location.strip_prefix("file://").unwrap_or(location);
-        std::fs::create_dir_all(dir).map_err(|e| err(format!("cannot create folder `{dir}`: {e}")))?;
-        let fs = object_store::local::LocalFileSystem::new_with_prefix(dir).map_err(|e| err(e.to_string()))?;
-        Ok(Self { inner: Arc::new(fs), root: ObjPath::default(), url: shown })
+        std::fs::create_dir_all(dir)
+            .map_err(|e| err(format!("cannot create folder `{dir}`: {e}")))?;
+        let fs = object_store::local::LocalFileSystem::new_with_prefix(dir)
+            .map_err(|e| err(e.to_string()))?;
+        Ok(Self {
+            inner: Arc::new(fs),
+            root: ObjPath::default(),
+            url: shown,
+        })
     }
 
     /// The store's URL for messages (credentials removed).
@@ -145,13 +197,25 @@ impl Store {
     }
 
     fn io(&self, op: &'static str, path: &str, e: &object_store::Error) -> StoreError {
-        StoreError::Io { url: self.url.clone(), op, path: path.to_owned(), reason: e.to_string() }
+        StoreError::Io {
+            url: self.url.clone(),
+            op,
+            path: path.to_owned(),
+            reason: e.to_string(),
+        }
     }
 
     /// Create `rel` with `bytes` unless it exists; never replaces.
     pub async fn put_create(&self, rel: &str, bytes: Bytes) -> Result<Put, StoreError> {
-        let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
-        match self.inner.put_opts(&self.path(rel), PutPayload::from_bytes(bytes), opts).await {
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..Default::default()
+        };
+        match self
+            .inner
+            .put_opts(&self.path(rel), PutPayload::from_bytes(bytes), opts)
+            .await
+        {
             Ok(_) => Ok(Put::Created),
             Err(object_store::Error::AlreadyExists { .. }) => Ok(Put::Existed),
             Err(e) => Err(self.io("create", rel, &e)),
@@ -161,7 +225,11 @@ impl Store {
     /// Read `rel`, or `None` when it does not exist.
     pub async fn get(&self, rel: &str) -> Result<Option<Bytes>, StoreError> {
         match self.inner.get(&self.path(rel)).await {
-            Ok(r) => r.bytes().await.map(Some).map_err(|e| self.io("read", rel, &e)),
+            Ok(r) => r
+                .bytes()
+                .await
+                .map(Some)
+                .map_err(|e| self.io("read", rel, &e)),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(self.io("read", rel, &e)),
         }
@@ -171,10 +239,22 @@ impl Store {
     pub async fn list(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
         let base = self.path(prefix);
         let root_parts = self.root.parts().count();
-        let metas: Vec<_> = self.inner.list(Some(&base)).try_collect().await.map_err(|e| self.io("list", prefix, &e))?;
+        let metas: Vec<_> = self
+            .inner
+            .list(Some(&base))
+            .try_collect()
+            .await
+            .map_err(|e| self.io("list", prefix, &e))?;
         Ok(metas
             .into_iter()
-            .map(|m| m.location.parts().skip(root_parts).map(|p| p.as_ref().to_owned()).collect::<Vec<_>>().join("/"))
+            .map(|m| {
+                m.location
+                    .parts()
+                    .skip(root_parts)
+                    .map(|p| p.as_ref().to_owned())
+                    .collect::<Vec<_>>()
+                    .join("/")
+            })
             .collect())
     }
 
@@ -183,7 +263,11 @@ impl Store {
         let digest = Digest::of(&bytes);
         let size = bytes.len() as u64;
         self.put_create(&blob_path(&digest), bytes).await?;
-        Ok(FileEntry { path: String::new(), digest, size })
+        Ok(FileEntry {
+            path: String::new(),
+            digest,
+            size,
+        })
     }
 
     /// Read a blob and check its bytes against its digest.
@@ -197,16 +281,30 @@ impl Store {
         })?;
         let actual = Digest::of(&bytes);
         if actual != *digest {
-            return Err(StoreError::Corrupt { url: self.url.clone(), path: rel, expected: digest.to_hex(), actual: actual.to_hex() });
+            return Err(StoreError::Corrupt {
+                url: self.url.clone(),
+                path: rel,
+                expected: digest.to_hex(),
+                actual: actual.to_hex(),
+            });
         }
         Ok(bytes)
     }
 
-    async fn get_json<T: serde::de::DeserializeOwned>(&self, rel: &str) -> Result<Option<T>, StoreError> {
-        let Some(bytes) = self.get(rel).await? else { return Ok(None) };
+    async fn get_json<T: serde::de::DeserializeOwned>(
+        &self,
+        rel: &str,
+    ) -> Result<Option<T>, StoreError> {
+        let Some(bytes) = self.get(rel).await? else {
+            return Ok(None);
+        };
         serde_json::from_slice(&bytes)
             .map(Some)
-            .map_err(|e| StoreError::Decode { url: self.url.clone(), path: rel.to_owned(), reason: e.to_string() })
+            .map_err(|e| StoreError::Decode {
+                url: self.url.clone(),
+                path: rel.to_owned(),
+                reason: e.to_string(),
+            })
     }
 
     async fn put_json<T: serde::Serialize>(&self, rel: &str, value: &T) -> Result<Put, StoreError> {
@@ -225,7 +323,10 @@ impl Store {
         let rel = format!("manifests/{}.json", manifest.key);
         match self.put_json(&rel, manifest).await? {
             Put::Created => Ok(manifest.clone()),
-            Put::Existed => Ok(self.get_json(&rel).await?.unwrap_or_else(|| manifest.clone())),
+            Put::Existed => Ok(self
+                .get_json(&rel)
+                .await?
+                .unwrap_or_else(|| manifest.clone())),
         }
     }
 
@@ -235,7 +336,13 @@ impl Store {
             .list("manifests")
             .await?
             .iter()
-            .filter_map(|p| p.strip_prefix("manifests/")?.strip_suffix(".json")?.parse().ok().map(Key))
+            .filter_map(|p| {
+                p.strip_prefix("manifests/")?
+                    .strip_suffix(".json")?
+                    .parse()
+                    .ok()
+                    .map(Key)
+            })
             .collect())
     }
 
@@ -253,30 +360,51 @@ impl Store {
 
     /// Record a finished shard; an existing record of that name is an error.
     pub async fn put_shard(&self, key: &Key, shard: &ShardRecord) -> Result<Put, StoreError> {
-        self.put_json(&format!("shards/{key}/{}.json", shard.name), shard).await
+        self.put_json(&format!("shards/{key}/{}.json", shard.name), shard)
+            .await
     }
 
     /// Write the run's begin record and prove the store refuses a second create of it.
-    pub async fn begin_run(&self, run_id: &str, record: &serde_json::Value, allow_overwrite: bool) -> Result<(), StoreError> {
+    pub async fn begin_run(
+        &self,
+        run_id: &str,
+        record: &serde_json::Value,
+        allow_overwrite: bool,
+    ) -> Result<(), StoreError> {
         let rel = format!("runs/{run_id}/begin.json");
         if self.put_json(&rel, record).await? == Put::Existed {
-            return Err(StoreError::Io { url: self.url.clone(), op: "create", path: rel, reason: "run id already used".into() });
+            return Err(StoreError::Io {
+                url: self.url.clone(),
+                op: "create",
+                path: rel,
+                reason: "run id already used".into(),
+            });
         }
-        let probe = Bytes::from_static(b"{\"probe\": \"this must never replace the begin record\"}\n");
+        let probe =
+            Bytes::from_static(b"{\"probe\": \"this must never replace the begin record\"}\n");
         if self.put_create(&rel, probe).await? == Put::Created && !allow_overwrite {
-            return Err(StoreError::Overwrites { url: self.url.clone() });
+            return Err(StoreError::Overwrites {
+                url: self.url.clone(),
+            });
         }
         Ok(())
     }
 
     /// Write the run's end record.
     pub async fn end_run(&self, record: &RunRecord) -> Result<(), StoreError> {
-        self.put_json(&format!("runs/{}/end.json", record.run_id), record).await.map(|_| ())
+        self.put_json(&format!("runs/{}/end.json", record.run_id), record)
+            .await
+            .map(|_| ())
     }
 
     /// Every finished run, oldest first.
     pub async fn runs(&self) -> Result<Vec<RunRecord>, StoreError> {
-        let mut paths: Vec<String> = self.list("runs").await?.into_iter().filter(|p| p.ends_with("/end.json")).collect();
+        let mut paths: Vec<String> = self
+            .list("runs")
+            .await?
+            .into_iter()
+            .filter(|p| p.ends_with("/end.json"))
+            .collect();
         paths.sort();
         let mut out = Vec::new();
         for p in paths {

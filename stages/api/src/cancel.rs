@@ -16,19 +16,27 @@ impl Cancel {
     /// Set the flag and wake every waiter.
     pub fn cancel(&self) {
         let (lock, cvar) = &*self.0;
-        *lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        *lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = true;
         cvar.notify_all();
     }
 
     /// Whether the flag is set.
     pub fn is_cancelled(&self) -> bool {
-        *self.0.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        *self
+            .0
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Block until the flag is set or `timeout` passes; returns whether it is set.
     pub fn wait_timeout(&self, timeout: Duration) -> bool {
         let (lock, cvar) = &*self.0;
-        let guard = lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let guard = lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (guard, _) = cvar
             .wait_timeout_while(guard, timeout, |set| !*set)
             .unwrap_or_else(std::sync::PoisonError::into_inner);

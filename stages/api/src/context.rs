@@ -82,8 +82,12 @@ pub struct StageContext<'a> {
 impl StageContext<'_> {
     /// Deserialize the resolved params into the stage's own struct.
     pub fn params<T: DeserializeOwned>(&self) -> Result<T, StageError> {
-        serde_json::from_value(self.params.clone())
-            .map_err(|e| StageError::new(format!("params of stage `{}` do not fit: {e}", self.stage_id)))
+        serde_json::from_value(self.params.clone()).map_err(|e| {
+            StageError::new(format!(
+                "params of stage `{}` do not fit: {e}",
+                self.stage_id
+            ))
+        })
     }
 }
 

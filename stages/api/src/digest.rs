@@ -62,7 +62,9 @@ pub struct DigestParseError(String);
 impl FromStr for Digest {
     type Err = DigestParseError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        blake3::Hash::from_hex(s).map(Self::from).map_err(|_| DigestParseError(s.to_owned()))
+        blake3::Hash::from_hex(s)
+            .map(Self::from)
+            .map_err(|_| DigestParseError(s.to_owned()))
     }
 }
 

@@ -20,12 +20,20 @@ pub struct StageError {
 impl StageError {
     /// A failure with a message.
     pub fn new(message: impl Into<String>) -> Self {
-        Self { message: message.into(), help: None, log: None, cancelled: false }
+        Self {
+            message: message.into(),
+            help: None,
+            log: None,
+            cancelled: false,
+        }
     }
 
     /// The stage stopped because the run was cancelled.
     pub fn cancelled() -> Self {
-        Self { cancelled: true, ..Self::new("cancelled") }
+        Self {
+            cancelled: true,
+            ..Self::new("cancelled")
+        }
     }
 
     /// Attach a hint.

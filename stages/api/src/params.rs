@@ -50,16 +50,24 @@ impl ParamType {
     /// Check `value` against this type, returning the canonical value (floats for `Float`).
     /// On a mismatch, returns the path below this value where it failed and what was expected.
     pub fn check(&self, value: &Value) -> Result<Value, Mismatch> {
-        let mismatch = || Mismatch { path: Vec::new(), expected: self.describe(), found: describe_value(value) };
+        let mismatch = || Mismatch {
+            path: Vec::new(),
+            expected: self.describe(),
+            found: describe_value(value),
+        };
         match (self, value) {
             (Self::Any, v) => Ok(v.clone()),
             (Self::Str, Value::String(_)) | (Self::Bool, Value::Bool(_)) => Ok(value.clone()),
             (Self::Int, Value::Number(n)) if n.is_i64() || n.is_u64() => Ok(value.clone()),
             (Self::Float, Value::Number(n)) => {
                 let f = n.as_f64().ok_or_else(mismatch)?;
-                serde_json::Number::from_f64(f).map(Value::Number).ok_or_else(mismatch)
+                serde_json::Number::from_f64(f)
+                    .map(Value::Number)
+                    .ok_or_else(mismatch)
             }
-            (Self::Enum(options), Value::String(s)) if options.contains(&s.as_str()) => Ok(value.clone()),
+            (Self::Enum(options), Value::String(s)) if options.contains(&s.as_str()) => {
+                Ok(value.clone())
+            }
             (Self::List(item), Value::Array(items)) => items
                 .iter()
                 .enumerate()
@@ -68,7 +76,13 @@ impl ParamType {
                 .map(Value::Array),
             (Self::Map(item), Value::Object(map)) => map
                 .iter()
-                .map(|(k, v)| Ok((k.clone(), item.check(v).map_err(|m| m.under(PathSeg::Key(k.clone())))?)))
+                .map(|(k, v)| {
+                    Ok((
+                        k.clone(),
+                        item.check(v)
+                            .map_err(|m| m.under(PathSeg::Key(k.clone())))?,
+                    ))
+                })
                 .collect::<Result<serde_json::Map<_, _>, Mismatch>>()
                 .map(Value::Object),
             _ => Err(mismatch()),
@@ -78,7 +92,11 @@ impl ParamType {
 
 fn plural(desc: &str) -> String {
     let bare = desc.trim_start_matches("a ").trim_start_matches("an ");
-    if bare.starts_with('`') || bare.starts_with("one of") || bare.starts_with("map") || bare.starts_with("list") {
+    if bare.starts_with('`')
+        || bare.starts_with("one of")
+        || bare.starts_with("map")
+        || bare.starts_with("list")
+    {
         format!("values that are {desc}")
     } else {
         format!("{bare}s")
@@ -143,7 +161,13 @@ pub struct Param {
 impl Param {
     /// An optional param whose absence is `null`.
     pub fn new(name: &'static str, ty: ParamType, help: &'static str) -> Self {
-        Self { name, ty, default: None, required: false, help }
+        Self {
+            name,
+            ty,
+            default: None,
+            required: false,
+            help,
+        }
     }
 
     /// Make it required.
@@ -168,7 +192,10 @@ mod tests {
 
     #[test]
     fn float_accepts_integers_canonically() {
-        assert_eq!(ParamType::Float.check(&json!(1)).unwrap(), ParamType::Float.check(&json!(1.0)).unwrap());
+        assert_eq!(
+            ParamType::Float.check(&json!(1)).unwrap(),
+            ParamType::Float.check(&json!(1.0)).unwrap()
+        );
     }
 
     #[test]
@@ -184,11 +211,17 @@ mod tests {
     fn enum_lists_options() {
         let t = ParamType::Enum(&["keep", "drop"]);
         assert!(t.check(&json!("keep")).is_ok());
-        assert_eq!(t.check(&json!("x")).unwrap_err().expected, "one of `keep`, `drop`");
+        assert_eq!(
+            t.check(&json!("x")).unwrap_err().expected,
+            "one of `keep`, `drop`"
+        );
     }
 
     #[test]
     fn list_description_reads_well() {
-        assert_eq!(ParamType::List(Box::new(ParamType::Str)).describe(), "a list of strings");
+        assert_eq!(
+            ParamType::List(Box::new(ParamType::Str)).describe(),
+            "a list of strings"
+        );
     }
 }

@@ -16,7 +16,9 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dflash_stage_api::{Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput};
+use dflash_stage_api::{
+    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
+};
 use serde::Deserialize;
 
 /// The `command` stage kind.
@@ -35,7 +37,13 @@ struct Params {
 pub fn input_var(name: &str) -> String {
     let id: String = name
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
         .collect();
     format!("DFLASH_IN_{id}")
 }
@@ -75,13 +83,17 @@ impl StageKind for CommandKind {
     }
 
     fn pin(&self, params: &serde_json::Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
-        let params: Params = serde_json::from_value(params.clone()).map_err(|e| StageError::new(e.to_string()))?;
+        let params: Params =
+            serde_json::from_value(params.clone()).map_err(|e| StageError::new(e.to_string()))?;
         params
             .files
             .iter()
             .map(|f| {
                 let digest = pinner.file_digest(Path::new(f))?;
-                Ok(Pin { name: format!("file:{f}"), identity: digest.to_hex() })
+                Ok(Pin {
+                    name: format!("file:{f}"),
+                    identity: digest.to_hex(),
+                })
             })
             .collect()
     }
@@ -104,7 +116,8 @@ impl StageKind for CommandKind {
                     std::fs::create_dir_all(&dir)?;
                     run_once(&params, ctx, &dir, Some(i))?;
                     ctx.shards.commit(&name, &dir)?;
-                    ctx.progress.set(u64::from(i) + 1, Some(u64::from(n)), &name);
+                    ctx.progress
+                        .set(u64::from(i) + 1, Some(u64::from(n)), &name);
                 }
                 stats.insert("shards".into(), n.into());
                 stats.insert("shards_reused".into(), skipped.into());
@@ -114,13 +127,25 @@ impl StageKind for CommandKind {
     }
 }
 
-fn run_once(params: &Params, ctx: &StageContext<'_>, out: &Path, shard: Option<u32>) -> Result<(), StageError> {
-    let mut log = OpenOptions::new().create(true).append(true).open(ctx.log_path)?;
+fn run_once(
+    params: &Params,
+    ctx: &StageContext<'_>,
+    out: &Path,
+    shard: Option<u32>,
+) -> Result<(), StageError> {
+    let mut log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(ctx.log_path)?;
     writeln!(log, "$ {}", params.run)?;
     let mut cmd = Command::new("sh");
     cmd.arg("-c").arg(&params.run).current_dir(ctx.cwd);
-    cmd.stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log.try_clone()?);
-    cmd.env("DFLASH_OUT", out).env("DFLASH_STAGE", ctx.stage_id).env("DFLASH_SCRATCH", ctx.scratch_dir);
+    cmd.stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log.try_clone()?);
+    cmd.env("DFLASH_OUT", out)
+        .env("DFLASH_STAGE", ctx.stage_id)
+        .env("DFLASH_SCRATCH", ctx.scratch_dir);
     if let Some(i) = shard {
         cmd.env("DFLASH_SHARD", i.to_string());
     }
@@ -138,7 +163,9 @@ fn run_once(params: &Params, ctx: &StageContext<'_>, out: &Path, shard: Option<u
     // Its own process group, so Ctrl-C at the terminal reaches dflash, which then stops the whole
     // group (the shell and everything it started) instead of leaving orphans.
     cmd.process_group(0);
-    let child = cmd.spawn().map_err(|e| StageError::new(format!("could not start `sh`: {e}")))?;
+    let child = cmd
+        .spawn()
+        .map_err(|e| StageError::new(format!("could not start `sh`: {e}")))?;
     let pid = child.id();
     let status = wait_or_cancel(child, ctx)?;
     let log_path = PathBuf::from(ctx.log_path);
@@ -158,8 +185,11 @@ fn run_once(params: &Params, ctx: &StageContext<'_>, out: &Path, shard: Option<u
 
 /// Wait for the child; if the run is cancelled first, stop its process group (TERM, then KILL
 /// after a grace period) and report cancellation.
-fn wait_or_cancel(mut child: std::process::Child, ctx: &StageContext<'_>) -> Result<std::process::ExitStatus, StageError> {
-    let pid = child.id() as i32;
+fn wait_or_cancel(
+    mut child: std::process::Child,
+    ctx: &StageContext<'_>,
+) -> Result<std::process::ExitStatus, StageError> {
+    let pid = i32::try_from(child.id()).expect("pids fit in i32");
     let finished = Arc::new(Mutex::new(false));
     let cancel = ctx.cancel.clone();
     let watcher = {
@@ -169,7 +199,10 @@ fn wait_or_cancel(mut child: std::process::Child, ctx: &StageContext<'_>) -> Res
             // the child is gone.
             loop {
                 if cancel.wait_timeout(Duration::from_millis(200)) {
-                    if !*finished.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+                    if !*finished
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    {
                         kill_group(pid, libc::SIGTERM);
                         if !cancel_grace(&finished) {
                             kill_group(pid, libc::SIGKILL);
@@ -177,14 +210,19 @@ fn wait_or_cancel(mut child: std::process::Child, ctx: &StageContext<'_>) -> Res
                     }
                     return;
                 }
-                if *finished.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+                if *finished
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                {
                     return;
                 }
             }
         })
     };
     let status = child.wait();
-    *finished.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+    *finished
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = true;
     // Not joined: the watcher sees `finished` at its next wake and ends by itself; joining would
     // add up to one wake interval to every command.
     drop(watcher);
@@ -197,7 +235,10 @@ fn wait_or_cancel(mut child: std::process::Child, ctx: &StageContext<'_>) -> Res
 
 fn cancel_grace(finished: &Mutex<bool>) -> bool {
     for _ in 0..50 {
-        if *finished.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+        if *finished
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
             return true;
         }
         std::thread::sleep(Duration::from_millis(100));

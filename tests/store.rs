@@ -1,0 +1,185 @@
+//! The store conformance suite, run against every backend: the local folder, object_store's
+//! in-memory store, and a real S3-compatible server (SeaweedFS on 127.0.0.1).
+
+mod support;
+
+use bytes::Bytes;
+use dflash::store::{Put, Store};
+
+async fn conformance(store: &Store) {
+    // Create-only: a second create of one path is refused and leaves the first bytes.
+    assert_eq!(
+        store
+            .put_create("x/one", Bytes::from_static(b"first"))
+            .await
+            .unwrap(),
+        Put::Created
+    );
+    assert_eq!(
+        store
+            .put_create("x/one", Bytes::from_static(b"second"))
+            .await
+            .unwrap(),
+        Put::Existed
+    );
+    assert_eq!(
+        store.get("x/one").await.unwrap().unwrap(),
+        Bytes::from_static(b"first")
+    );
+    assert!(store.get("x/missing").await.unwrap().is_none());
+
+    // Racing creates of one path: exactly one wins and its bytes are what is stored.
+    let racers: Vec<_> = (0..16)
+        .map(|i| {
+            let s = store.clone();
+            tokio::spawn(async move {
+                (
+                    i,
+                    s.put_create("x/race", Bytes::from(format!("writer {i}")))
+                        .await
+                        .unwrap(),
+                )
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for r in racers {
+        let (i, put) = r.await.unwrap();
+        if put == Put::Created {
+            winners.push(i);
+        }
+    }
+    assert_eq!(winners.len(), 1, "winners: {winners:?}");
+    assert_eq!(
+        store.get("x/race").await.unwrap().unwrap(),
+        Bytes::from(format!("writer {}", winners[0]))
+    );
+
+    // Blobs are content-addressed and checked on read.
+    let blob = store
+        .put_blob(Bytes::from_static(b"payload"))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .put_blob(Bytes::from_static(b"payload"))
+            .await
+            .unwrap()
+            .digest,
+        blob.digest
+    );
+    assert_eq!(
+        store.get_blob(&blob.digest).await.unwrap(),
+        Bytes::from_static(b"payload")
+    );
+
+    let mut listed = store.list("x").await.unwrap();
+    listed.sort();
+    assert_eq!(listed, ["x/one", "x/race"]);
+
+    // The create-only probe passes on an honest store, and a run id can't be reused.
+    store
+        .begin_run("r1", &serde_json::json!({"run": 1}), false)
+        .await
+        .unwrap();
+    assert!(
+        store
+            .begin_run("r1", &serde_json::json!({"run": 2}), false)
+            .await
+            .is_err()
+    );
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn local_folder_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("store").to_str().unwrap()).unwrap();
+    rt().block_on(conformance(&store));
+}
+
+#[test]
+fn memory_conforms() {
+    rt().block_on(conformance(&Store::open("memory://").unwrap()));
+}
+
+#[test]
+fn local_corruption_is_detected_on_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("store");
+    let store = Store::open(root.to_str().unwrap()).unwrap();
+    let rt = rt();
+    let blob = rt
+        .block_on(store.put_blob(Bytes::from_static(b"good bytes")))
+        .unwrap();
+    std::fs::write(
+        root.join(dflash::store::blob_path(&blob.digest)),
+        b"bad bytes",
+    )
+    .unwrap();
+    let err = rt
+        .block_on(store.get_blob(&blob.digest))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("is corrupt"), "{err}");
+}
+
+#[test]
+fn s3_seaweedfs_conforms_and_runs_pipelines() {
+    let server = support::Seaweed::start();
+    let url = server.url();
+    let store = Store::open_with(&url, &server.options()).unwrap();
+    rt().block_on(conformance(&store));
+
+    // The binary against S3: a run, then a rerun that is all cached.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("p.yaml"),
+        "stages:\n  a: {kind: command, params: {run: 'echo hi > $DFLASH_OUT/a.txt'}}\n  b: {kind: command, inputs: [a], params: {run: 'cat $DFLASH_IN_A/a.txt $DFLASH_IN_A/a.txt > $DFLASH_OUT/b.txt'}}\n",
+    )
+    .unwrap();
+    let run_url = server.url();
+    let run = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .args(["run", "p.yaml", "--json", "--store", &run_url])
+            .envs(server.env())
+            .env("DFLASH_WORK", dir.path().join(".work"))
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            !stdout.contains(support::SECRET_KEY) && !stderr.contains(support::SECRET_KEY),
+            "a secret leaked"
+        );
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        v["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["status"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(), ["ran", "ran"]);
+    assert_eq!(run(), ["cached", "cached"]);
+
+    // Nothing stored (manifests, run records) carries the secret.
+    let s3 = Store::open_with(&run_url, &server.options()).unwrap();
+    let rt = rt();
+    for path in rt.block_on(s3.list("")).unwrap() {
+        let bytes = rt.block_on(s3.get(&path)).unwrap().unwrap();
+        assert!(
+            !String::from_utf8_lossy(&bytes).contains(support::SECRET_KEY),
+            "{path} holds the secret"
+        );
+    }
+}
