@@ -425,3 +425,88 @@ fn syntax_duplicates_and_bombs_are_errors_not_panics() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read pipeline `missing.yaml`"));
 }
+
+#[test]
+fn verify_reports_corrupt_objects_and_a_corrupt_input_fails_the_stage() {
+    let env = Env::new();
+    env.write("p.yaml", CHAIN);
+    env.run("p.yaml", 0);
+    assert_eq!(env.dflash(&["verify"]).status.code(), Some(0));
+    // Damage a's blob behind dflash's back (as a disk or a careless user might).
+    let show: Value =
+        serde_json::from_slice(&env.dflash(&["show", "a", "-p", "p.yaml"]).stdout).unwrap();
+    let digest = show["files"][0]["digest"].as_str().unwrap().to_owned();
+    let blob = env
+        .path()
+        .join("cache/blobs")
+        .join(&digest[..2])
+        .join(&digest);
+    let mut perms = std::fs::metadata(&blob).unwrap().permissions();
+    #[allow(clippy::permissions_set_readonly_false)]
+    perms.set_readonly(false);
+    std::fs::set_permissions(&blob, perms).unwrap();
+    std::fs::write(&blob, "tampered\n").unwrap();
+    let out = env.dflash(&["verify", "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["corrupt"][0]["path"], "a.txt");
+    // A stage reading the corrupt input fails instead of feeding bad data downstream.
+    env.write("p.yaml", &CHAIN.replace("MODE: one", "MODE: three"));
+    let (st, v) = env.run("p.yaml", 1);
+    assert_eq!(st["b"], "failed");
+    assert!(
+        v["stages"][1]["error"]
+            .as_str()
+            .unwrap()
+            .contains("is corrupt")
+    );
+}
+
+#[test]
+fn ctrl_c_stops_cleanly_keeping_finished_shards() {
+    let env = Env::new();
+    // Shard 0 finishes; shard 1 announces itself and then waits far longer than the test.
+    let p = r#"
+stages:
+  gen:
+    kind: command
+    params:
+      shards: 2
+      run: 'if [ $DFLASH_SHARD = 1 ] && [ ! -f ok ]; then touch started; sleep 300; fi; echo $DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD.txt'
+"#;
+    env.write("p.yaml", p);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["run", "p.yaml", "--json"])
+        .current_dir(env.path())
+        .env("DFLASH_WORK", env.path().join(".work"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait for the real event: shard 1 has started (so shard 0 is committed).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !env.path().join("started").exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "shard 1 never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["stages"][0]["error"], "cancelled");
+    let plan: Value =
+        serde_json::from_slice(&env.dflash(&["plan", "p.yaml", "--json"]).stdout).unwrap();
+    assert_eq!(plan["stages"][0]["state"], "partial");
+    env.write("ok", "");
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["gen"], "resumed");
+}

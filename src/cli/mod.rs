@@ -105,6 +105,14 @@ enum Command {
         #[command(flatten)]
         store: StoreArg,
     },
+    /// Re-hash every stored artifact's files and report any whose bytes don't match
+    Verify {
+        /// Print JSON on stdout
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArg,
+    },
     /// List the stage kinds and their params
     Kinds,
 }
@@ -429,6 +437,37 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                 }
             }
             Ok(0)
+        }
+        Command::Verify { json, store } => {
+            let store = open_store(&store, None)?;
+            let (checked, bad) = runtime()?.block_on(async {
+                let mut checked = 0usize;
+                let mut bad = Vec::new();
+                for k in store.keys().await? {
+                    let Some(m) = store.manifest(&k).await? else { continue };
+                    for f in &m.files {
+                        checked += 1;
+                        if let Err(e) = store.get_blob(&f.digest).await {
+                            bad.push(serde_json::json!({"key": k, "stage": m.lineage.stage_id, "path": f.path, "error": e.to_string()}));
+                        }
+                    }
+                }
+                Ok::<_, crate::store::StoreError>((checked, bad))
+            })?;
+            if json {
+                out(&serde_json::json!({"checked": checked, "corrupt": bad}).to_string());
+            } else {
+                for b in &bad {
+                    out(&format!(
+                        "corrupt  {}  {}  {}",
+                        b["key"].as_str().unwrap_or_default(),
+                        b["stage"].as_str().unwrap_or_default(),
+                        b["path"].as_str().unwrap_or_default()
+                    ));
+                }
+                eprintln!("checked {checked} files: {} corrupt", bad.len());
+            }
+            Ok(u8::from(!bad.is_empty()))
         }
         Command::Kinds => {
             for name in registry.names() {
