@@ -10,6 +10,7 @@ pub mod graph;
 pub mod hashcache;
 pub mod key;
 pub mod kinds;
+pub mod lineage;
 pub mod pipeline;
 pub mod plan;
 pub mod run;

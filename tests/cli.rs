@@ -510,3 +510,68 @@ stages:
     let (st, _) = env.run("p.yaml", 0);
     assert_eq!(st["gen"], "resumed");
 }
+
+#[test]
+fn lineage_and_diff_explain_what_changed() {
+    let env = Env::new();
+    env.write("p.yaml", CHAIN);
+    let (_, first) = env.run("p.yaml", 0);
+    env.write("q.yaml", &CHAIN.replace("echo alpha", "echo beta"));
+    let (_, second) = env.run("q.yaml", 0);
+    let (ra, rb) = (
+        first["run_id"].as_str().unwrap(),
+        second["run_id"].as_str().unwrap(),
+    );
+    let out = env.dflash(&["diff", ra, rb, "--json"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let a = &v["stages"][0];
+    assert_eq!(a["change"], "changed");
+    assert!(
+        a["details"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("param `run`: \"echo alpha"),
+        "{a}"
+    );
+    assert_eq!(v["stages"][3]["change"], "same");
+    let b = &v["stages"][1];
+    assert!(
+        b["details"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("input `a` changed"),
+        "{b}"
+    );
+
+    let files: Value =
+        serde_json::from_slice(&env.dflash(&["diff", "p.yaml", "q.yaml", "--json"]).stdout)
+            .unwrap();
+    let changes: Vec<&str> = files["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["change"].as_str().unwrap())
+        .collect();
+    assert_eq!(changes, ["changed", "changed", "changed", "same"]);
+
+    let tree: Value = serde_json::from_slice(
+        &env.dflash(&["lineage", "c", "-p", "q.yaml", "--json"])
+            .stdout,
+    )
+    .unwrap();
+    assert_eq!(tree["stage"], "c");
+    assert_eq!(tree["inputs"][0]["stage"], "b");
+    assert_eq!(tree["inputs"][0]["inputs"][0]["stage"], "a");
+    let dot = String::from_utf8(
+        env.dflash(&["lineage", "c", "-p", "q.yaml", "--dot"])
+            .stdout,
+    )
+    .unwrap();
+    assert_eq!(dot.matches(" -> ").count(), 2, "{dot}");
+}

@@ -97,6 +97,37 @@ enum Command {
         #[command(flatten)]
         store: StoreArg,
     },
+    /// The provenance tree of an artifact, down to its external sources
+    Lineage {
+        /// A key or digest prefix, or a stage id with --pipeline
+        reference: String,
+        /// Resolve a stage id against this pipeline
+        #[arg(long, short)]
+        pipeline: Option<PathBuf>,
+        /// Print JSON on stdout
+        #[arg(long, conflicts_with_all = ["dot", "mermaid"])]
+        json: bool,
+        /// Print a Graphviz DOT graph
+        #[arg(long, conflicts_with = "mermaid")]
+        dot: bool,
+        /// Print a Mermaid flowchart
+        #[arg(long)]
+        mermaid: bool,
+        #[command(flatten)]
+        store: StoreArg,
+    },
+    /// What changed between two runs (run ids) or two pipeline files, stage by stage
+    Diff {
+        /// A run id (see `dflash runs`) or a pipeline file
+        a: String,
+        /// A run id or a pipeline file
+        b: String,
+        /// Print JSON on stdout
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArg,
+    },
     /// List past runs
     Runs {
         /// Print JSON on stdout
@@ -160,6 +191,12 @@ enum CliError {
     #[error("cannot write `{0}`: {1}")]
     #[diagnostic(code(dflash::cli::write))]
     Write(String, std::io::Error),
+    #[error("no run and no pipeline file matches `{0}`")]
+    #[diagnostic(
+        code(dflash::cli::no_run),
+        help("`dflash runs` lists run ids; a pipeline file must exist")
+    )]
+    NoRun(String),
     #[error("cannot start the async runtime: {0}")]
     #[diagnostic(code(dflash::cli::runtime))]
     Runtime(std::io::Error),
@@ -415,6 +452,58 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                 m.key.0.short(12),
                 dir.display()
             );
+            Ok(0)
+        }
+        Command::Lineage {
+            reference,
+            pipeline,
+            json,
+            dot,
+            mermaid,
+            store,
+        } => {
+            let rt = runtime()?;
+            let (store, m) =
+                rt.block_on(resolve(&reference, pipeline.as_deref(), &store, &registry))?;
+            let tree = rt.block_on(crate::lineage::tree(&store, &m))?;
+            if json {
+                out(&serde_json::to_string_pretty(&tree).expect("serializable"));
+            } else if dot {
+                out(crate::lineage::render_dot(&tree).trim_end());
+            } else if mermaid {
+                out(crate::lineage::render_mermaid(&tree).trim_end());
+            } else {
+                out(crate::lineage::render_text(&tree).trim_end());
+            }
+            Ok(0)
+        }
+        Command::Diff { a, b, json, store } => {
+            let diffs = if Path::new(&a).is_file() && Path::new(&b).is_file() {
+                let (pa, _) = load(Path::new(&a), &registry)?;
+                let (pb, _) = load(Path::new(&b), &registry)?;
+                crate::lineage::diff_pipelines(&pa, &pb)
+            } else {
+                let store = open_store(&store, None)?;
+                runtime()?.block_on(async {
+                    let runs = store.runs().await?;
+                    let find = |id: &str| {
+                        let hits: Vec<&crate::store::RunRecord> =
+                            runs.iter().filter(|r| r.run_id.starts_with(id)).collect();
+                        match hits.len() {
+                            1 => Ok(hits[0].clone()),
+                            0 => Err(Failure::from(CliError::NoRun(id.to_owned()))),
+                            n => Err(Failure::from(CliError::Ambiguous(id.to_owned(), n))),
+                        }
+                    };
+                    let (ra, rb) = (find(&a)?, find(&b)?);
+                    Ok::<_, Failure>(crate::lineage::diff_runs(&store, &ra, &rb).await?)
+                })?
+            };
+            if json {
+                out(&serde_json::json!({ "stages": diffs }).to_string());
+            } else {
+                out(crate::lineage::render_diff(&diffs).trim_end());
+            }
             Ok(0)
         }
         Command::Runs { json, store } => {
