@@ -575,3 +575,117 @@ fn lineage_and_diff_explain_what_changed() {
     .unwrap();
     assert_eq!(dot.matches(" -> ").count(), 2, "{dot}");
 }
+
+#[test]
+fn kill_9_mid_shards_then_rerun_keeps_finished_shards_and_matches_an_uninterrupted_run() {
+    let env = Env::new();
+    // Shard 1 waits for `ok`; every shard execution is counted in runs.log.
+    let p = r#"
+stages:
+  gen:
+    kind: command
+    params:
+      shards: 3
+      run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = 1 ]; then touch started; while [ ! -f ok ]; do sleep 0.05; done; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD.txt'
+  after: {kind: command, inputs: [gen], params: {run: 'cat $DFLASH_IN_GEN/*.txt > $DFLASH_OUT/all.txt'}}
+"#;
+    env.write("p.yaml", p);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["run", "p.yaml"])
+        .current_dir(env.path())
+        .env("DFLASH_WORK", env.path().join(".work"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !env.path().join("started").exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "shard 1 never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap(); // SIGKILL: no chance to clean up
+    child.wait().unwrap();
+    env.write("ok", "");
+    let (st, v) = env.run("p.yaml", 0);
+    assert_eq!(st["gen"], "resumed");
+    // Shard 0 ran once; shard 1 ran in the killed run and again now; shard 2 ran once.
+    let log = std::fs::read_to_string(env.path().join("runs.log")).unwrap();
+    assert_eq!(log.lines().filter(|l| *l == "0").count(), 1, "{log}");
+    assert_eq!(log.lines().filter(|l| *l == "2").count(), 1, "{log}");
+    // Same artifact as an uninterrupted run in a fresh store.
+    let fresh = Env::new();
+    fresh.write("p.yaml", p);
+    fresh.write("ok", "");
+    let (_, w) = fresh.run("p.yaml", 0);
+    assert_eq!(v["stages"][0]["digest"], w["stages"][0]["digest"]);
+    assert_eq!(v["stages"][1]["digest"], w["stages"][1]["digest"]);
+}
+
+/// A stand-in for an S3 look-alike that ignores If-None-Match and overwrites (no such server
+/// can be installed here, so this one is written in the test): every PUT answers 200.
+fn overwriting_s3() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { continue };
+            std::thread::spawn(move || {
+                use std::io::{BufRead, BufReader, Read, Write};
+                let mut reader = BufReader::new(s.try_clone().unwrap());
+                loop {
+                    let mut len = 0usize;
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    loop {
+                        let mut h = String::new();
+                        reader.read_line(&mut h).unwrap();
+                        if h == "\r\n" || h.is_empty() {
+                            break;
+                        }
+                        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap();
+                        }
+                    }
+                    let mut body = vec![0; len];
+                    reader.read_exact(&mut body).unwrap();
+                    let _ =
+                        s.write_all(b"HTTP/1.1 200 OK\r\nETag: \"x\"\r\nContent-Length: 0\r\n\r\n");
+                }
+            });
+        }
+    });
+    port
+}
+
+#[test]
+fn a_store_that_overwrites_is_refused() {
+    let env = Env::new();
+    env.write("p.yaml", CHAIN);
+    let port = overwriting_s3();
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["run", "p.yaml", "--store", "s3://bucket/prefix"])
+        .current_dir(env.path())
+        .env("NO_COLOR", "1")
+        .env("DFLASH_WORK", env.path().join(".work"))
+        .env("AWS_ENDPOINT", format!("http://127.0.0.1:{port}"))
+        .env("AWS_ALLOW_HTTP", "true")
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", "AKIATESTKEY")
+        .env("AWS_SECRET_ACCESS_KEY", "very-secret-value")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("store `s3://bucket/prefix` overwrote an existing object"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--allow-overwriting-store"), "{stderr}");
+    assert!(!stderr.contains("very-secret-value"));
+    assert!(!env.path().join(".work/logs").exists(), "no stage ran");
+}
