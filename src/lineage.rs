@@ -255,6 +255,7 @@ pub struct StageDiff {
 }
 
 /// Diff two runs stage by stage, reading their manifests for the causes.
+#[allow(clippy::many_single_char_names)] // a/b: the two sides, as in the CLI
 pub async fn diff_runs(
     store: &Store,
     a: &RunRecord,
@@ -350,7 +351,7 @@ pub fn manifest_changes(a: &Manifest, b: &Manifest) -> Vec<String> {
         match fa.pins.iter().find(|pa| pa.name == pb.name) {
             None => out.push(format!("source `{}` added", pb.name)),
             Some(pa) if pa.identity != pb.identity => {
-                out.push(format!("source `{}` changed", pb.name))
+                out.push(format!("source `{}` changed", pb.name));
             }
             _ => {}
         }

@@ -466,16 +466,16 @@ fn verify_reports_corrupt_objects_and_a_corrupt_input_fails_the_stage() {
 fn ctrl_c_stops_cleanly_keeping_finished_shards() {
     let env = Env::new();
     // Shard 0 finishes; shard 1 announces itself and then waits far longer than the test.
-    let p = r#"
+    let p = r"
 stages:
   gen:
     kind: command
     params:
       shards: 2
       run: 'if [ $DFLASH_SHARD = 1 ] && [ ! -f ok ]; then touch started; sleep 300; fi; echo $DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD.txt'
-"#;
+";
     env.write("p.yaml", p);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
+    let child = Command::new(env!("CARGO_BIN_EXE_dflash"))
         .args(["run", "p.yaml", "--json"])
         .current_dir(env.path())
         .env("DFLASH_WORK", env.path().join(".work"))
@@ -580,7 +580,7 @@ fn lineage_and_diff_explain_what_changed() {
 fn kill_9_mid_shards_then_rerun_keeps_finished_shards_and_matches_an_uninterrupted_run() {
     let env = Env::new();
     // Shard 1 waits for `ok`; every shard execution is counted in runs.log.
-    let p = r#"
+    let p = r"
 stages:
   gen:
     kind: command
@@ -588,7 +588,7 @@ stages:
       shards: 3
       run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = 1 ]; then touch started; while [ ! -f ok ]; do sleep 0.05; done; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD.txt'
   after: {kind: command, inputs: [gen], params: {run: 'cat $DFLASH_IN_GEN/*.txt > $DFLASH_OUT/all.txt'}}
-"#;
+";
     env.write("p.yaml", p);
     let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
         .args(["run", "p.yaml"])
