@@ -689,3 +689,22 @@ fn a_store_that_overwrites_is_refused() {
     assert!(!stderr.contains("very-secret-value"));
     assert!(!env.path().join(".work/logs").exists(), "no stage ran");
 }
+
+#[test]
+fn independent_stages_run_concurrently() {
+    let env = Env::new();
+    // Each stage waits (up to 30 s) until the other has started: only a concurrent run passes.
+    let p = r"
+stages:
+  a: {kind: command, params: {run: 'touch a.on; i=0; while [ ! -f b.on ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; [ -f b.on ] && touch $DFLASH_OUT/a'}}
+  b: {kind: command, params: {run: 'touch b.on; i=0; while [ ! -f a.on ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; [ -f a.on ] && touch $DFLASH_OUT/b'}}
+";
+    env.write("p.yaml", p);
+    let out = env.dflash(&["run", "p.yaml", "--jobs", "2", "--json"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
