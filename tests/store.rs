@@ -172,6 +172,38 @@ fn s3_seaweedfs_conforms_and_runs_pipelines() {
     assert_eq!(run(), ["ran", "ran"]);
     assert_eq!(run(), ["cached", "cached"]);
 
+    // Two runs racing on one bucket: both succeed and agree on every artifact.
+    let race_url = server.url();
+    std::fs::write(dir.path().join("r.yaml"), "stages:\n  a: {kind: command, params: {shards: 4, run: 'echo $DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD'}}\n  b: {kind: command, inputs: [a], params: {run: 'cat $DFLASH_IN_A/* > $DFLASH_OUT/b'}}\n").unwrap();
+    let spawn = |work: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .args(["run", "r.yaml", "--json", "--store", &race_url])
+            .envs(server.env())
+            .env("DFLASH_WORK", dir.path().join(work))
+            .current_dir(dir.path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (one, two) = (spawn(".w1"), spawn(".w2"));
+    let digests = |c: std::process::Child| {
+        let out = c.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["digest"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(digests(one), digests(two));
+
     // Nothing stored (manifests, run records) carries the secret.
     let s3 = Store::open_with(&run_url, &server.options()).unwrap();
     let rt = rt();
