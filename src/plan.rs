@@ -62,6 +62,10 @@ pub async fn plan(
     let mut digests: Vec<Option<Digest>> = vec![None; n];
     let mut out: Vec<Option<PlannedStage>> = vec![None; n];
     let history = History::load(pipeline, store).await?;
+    // One listing says which keys are committed; run records already know most of their
+    // digests (a key's manifest is immutable, so a recorded digest stays true). Only keys
+    // missing from the records cost a manifest read: 10,000 stages plan in one listing.
+    let committed: std::collections::HashSet<Key> = store.keys().await?.into_iter().collect();
     for &i in &graph.order {
         let spec = &pipeline.stages[i];
         let ups: Vec<usize> = spec
@@ -98,10 +102,16 @@ pub async fn plan(
             }
         };
         let key = fp.key();
-        if let Some(m) = store.manifest(&key).await? {
-            digests[i] = Some(m.digest);
-            out[i] = Some(line(Some(key), State::Done, None));
-            continue;
+        if committed.contains(&key) {
+            let digest = match history.digests.get(&key) {
+                Some(d) => Some(*d),
+                None => store.manifest(&key).await?.map(|m| m.digest),
+            };
+            if let Some(d) = digest {
+                digests[i] = Some(d);
+                out[i] = Some(line(Some(key), State::Done, None));
+                continue;
+            }
         }
         let state = if store.shards(&key).await?.is_empty() {
             State::Pending
@@ -239,12 +249,19 @@ fn compact(v: &Value) -> String {
 /// The last recorded key of each stage id of this pipeline.
 struct History {
     last: HashMap<String, Key>,
+    digests: HashMap<Key, Digest>,
 }
 
 impl History {
     async fn load(pipeline: &Pipeline, store: &Store) -> Result<Self, StoreError> {
         let mut last = HashMap::new();
+        let mut digests = HashMap::new();
         for run in store.runs().await? {
+            for s in &run.stages {
+                if let (Some(k), Some(d)) = (s.key, s.digest) {
+                    digests.insert(k, d);
+                }
+            }
             if run.pipeline != pipeline.name {
                 continue;
             }
@@ -260,7 +277,7 @@ impl History {
                 }
             }
         }
-        Ok(Self { last })
+        Ok(Self { last, digests })
     }
 
     async fn previous(&self, store: &Store, id: &str) -> Result<Option<Fingerprint>, StoreError> {
