@@ -215,3 +215,51 @@ fn s3_seaweedfs_conforms_and_runs_pipelines() {
         );
     }
 }
+
+/// Run the tiny two-stage pipeline against `endpoint`; returns (exit code, stderr, seconds).
+fn run_through(endpoint: u16, server: &support::Seaweed) -> (Option<i32>, String, f64) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("p.yaml"), "stages:\n  a: {kind: command, params: {run: 'echo hi > $DFLASH_OUT/a'}}\n  b: {kind: command, inputs: [a], params: {run: 'cat $DFLASH_IN_A/a $DFLASH_IN_A/a > $DFLASH_OUT/b'}}\n").unwrap();
+    let mut env = server.env();
+    for (k, v) in &mut env {
+        if k == "AWS_ENDPOINT" {
+            *v = format!("http://127.0.0.1:{endpoint}");
+        }
+    }
+    env.push(("AWS_TIMEOUT".into(), "2s".into()));
+    let t = std::time::Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["run", "p.yaml", "--store", &server.url()])
+        .envs(env)
+        .env("NO_COLOR", "1")
+        .env("DFLASH_WORK", dir.path().join(".work"))
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        t.elapsed().as_secs_f64(),
+    )
+}
+
+#[test]
+fn s3_faults_are_retried_then_fail_clearly() {
+    use support::Fault::{Pass, Reset, Stall, Unavailable};
+    let server = support::Seaweed::start();
+    // Transient faults on the first connections: 5xx, a reset, a stall past the timeout.
+    let flaky = support::FaultProxy::start(
+        server.port,
+        vec![Unavailable, Reset, Unavailable, Stall, Reset],
+        Pass,
+    );
+    let (code, stderr, _) = run_through(flaky.port, &server);
+    assert_eq!(code, Some(0), "transient faults must be retried: {stderr}");
+    // A store that never recovers: bounded retries, then a clear error naming the store.
+    let down = support::FaultProxy::start(server.port, vec![], Unavailable);
+    let (code, stderr, seconds) = run_through(down.port, &server);
+    assert_ne!(code, Some(0));
+    assert!(stderr.contains("store `s3://dflash-test/"), "{stderr}");
+    assert!(!stderr.contains(support::SECRET_KEY));
+    eprintln!("gave up after {seconds:.1} s");
+}

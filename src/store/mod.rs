@@ -206,20 +206,49 @@ impl Store {
     }
 
     /// Create `rel` with `bytes` unless it exists; never replaces.
+    ///
+    /// object_store does not retry a conditional PUT whose connection broke (it is not
+    /// idempotent in general), so this retries transient faults itself, bounded, with backoff
+    /// and jitter. A retry that finds the object already there reads it back: the same bytes
+    /// mean an earlier attempt of ours landed (`Created`); other bytes mean someone else's
+    /// (`Existed`). Either way nothing is replaced.
     pub async fn put_create(&self, rel: &str, bytes: Bytes) -> Result<Put, StoreError> {
-        let opts = PutOptions {
-            mode: PutMode::Create,
-            ..Default::default()
-        };
-        match self
-            .inner
-            .put_opts(&self.path(rel), PutPayload::from_bytes(bytes), opts)
-            .await
-        {
-            Ok(_) => Ok(Put::Created),
-            Err(object_store::Error::AlreadyExists { .. }) => Ok(Put::Existed),
-            Err(e) => Err(self.io("create", rel, &e)),
+        let path = self.path(rel);
+        let mut delay = std::time::Duration::from_millis(100);
+        for attempt in 0..=CREATE_RETRIES {
+            let opts = PutOptions {
+                mode: PutMode::Create,
+                ..Default::default()
+            };
+            let err = match self
+                .inner
+                .put_opts(&path, PutPayload::from_bytes(bytes.clone()), opts)
+                .await
+            {
+                Ok(_) => return Ok(Put::Created),
+                Err(object_store::Error::AlreadyExists { .. }) if attempt == 0 => {
+                    return Ok(Put::Existed);
+                }
+                Err(object_store::Error::AlreadyExists { .. }) => {
+                    let stored = self.get(rel).await?;
+                    return Ok(if stored.as_ref() == Some(&bytes) {
+                        Put::Created
+                    } else {
+                        Put::Existed
+                    });
+                }
+                Err(e) => e,
+            };
+            if !is_transient(&err) || attempt == CREATE_RETRIES {
+                return Err(self.io("create", rel, &err));
+            }
+            let jitter = std::time::Duration::from_millis(
+                u64::from(std::process::id() % 7) * 13 + u64::from(attempt) * 7,
+            );
+            tokio::time::sleep(delay + jitter).await;
+            delay = (delay * 2).min(std::time::Duration::from_secs(5));
         }
+        unreachable!("the loop returns on its last attempt")
     }
 
     /// Read `rel`, or `None` when it does not exist.
@@ -414,6 +443,25 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+/// Attempts after the first for a create-only write that failed transiently.
+const CREATE_RETRIES: u32 = 5;
+
+/// Faults worth retrying: anything but a definite answer from the store.
+fn is_transient(e: &object_store::Error) -> bool {
+    !matches!(
+        e,
+        object_store::Error::NotFound { .. }
+            | object_store::Error::AlreadyExists { .. }
+            | object_store::Error::Precondition { .. }
+            | object_store::Error::NotImplemented { .. }
+            | object_store::Error::PermissionDenied { .. }
+            | object_store::Error::Unauthenticated { .. }
+            | object_store::Error::NotSupported { .. }
+            | object_store::Error::InvalidPath { .. }
+            | object_store::Error::UnknownConfigurationKey { .. }
+    )
 }
 
 /// Where a blob lives.

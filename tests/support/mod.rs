@@ -107,3 +107,86 @@ impl Drop for Seaweed {
         let _ = self.child.wait();
     }
 }
+
+/// What the fault proxy does to one incoming connection.
+#[derive(Clone, Copy, Debug)]
+pub enum Fault {
+    /// Answer the first request with `503 Slow Down` and close.
+    Unavailable,
+    /// Read the request, then drop the connection without answering (a reset).
+    Reset,
+    /// Read the request and never answer (the client's timeout must fire).
+    Stall,
+    /// Forward to the real server.
+    Pass,
+}
+
+/// A TCP proxy in front of a real server that injects faults: connection `i` gets `plan[i]`,
+/// later ones `after`. Bound to 127.0.0.1.
+pub struct FaultProxy {
+    pub port: u16,
+}
+
+impl FaultProxy {
+    pub fn start(upstream: u16, plan: Vec<Fault>, after: Fault) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for (i, conn) in listener.incoming().enumerate() {
+                let Ok(client) = conn else { continue };
+                let fault = plan.get(i).copied().unwrap_or(after);
+                std::thread::spawn(move || serve(client, upstream, fault));
+            }
+        });
+        Self { port }
+    }
+}
+
+fn read_head(s: &mut std::net::TcpStream) -> Vec<u8> {
+    use std::io::Read;
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match s.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => break,
+        }
+    }
+    head
+}
+
+fn serve(mut client: std::net::TcpStream, upstream: u16, fault: Fault) {
+    use std::io::Write;
+    match fault {
+        Fault::Unavailable => {
+            read_head(&mut client);
+            let body = "<Error><Code>SlowDown</Code><Message>injected</Message></Error>";
+            let _ = write!(
+                client,
+                "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+        }
+        Fault::Reset => {
+            read_head(&mut client);
+        }
+        Fault::Stall => {
+            read_head(&mut client);
+            std::thread::sleep(Duration::from_secs(30));
+        }
+        Fault::Pass => {
+            let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else {
+                return;
+            };
+            let (mut c2, mut s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            let up = std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c2, &mut s2);
+                let _ = s2.shutdown(std::net::Shutdown::Write);
+            });
+            let (mut s3, mut c3) = (server, client);
+            let _ = std::io::copy(&mut s3, &mut c3);
+            let _ = c3.shutdown(std::net::Shutdown::Write);
+            let _ = up.join();
+        }
+    }
+}
