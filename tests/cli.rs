@@ -576,52 +576,123 @@ fn lineage_and_diff_explain_what_changed() {
     assert_eq!(dot.matches(" -> ").count(), 2, "{dot}");
 }
 
-#[test]
-fn kill_9_mid_shards_then_rerun_keeps_finished_shards_and_matches_an_uninterrupted_run() {
-    let env = Env::new();
-    // Shard 1 waits for `ok`; every shard execution is counted in runs.log.
-    let p = r"
+const SHARDED: &str = r#"
 stages:
   gen:
     kind: command
     params:
       shards: 3
-      run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = 1 ]; then touch started; while [ ! -f ok ]; do sleep 0.05; done; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD.txt'
+      run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = $WAIT ]; then touch started; while [ ! -f ok ]; do sleep 0.05; done; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD.txt'
+      pass_env: [WAIT]
   after: {kind: command, inputs: [gen], params: {run: 'cat $DFLASH_IN_GEN/*.txt > $DFLASH_OUT/all.txt'}}
-";
-    env.write("p.yaml", p);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .args(["run", "p.yaml"])
+"#;
+
+/// Start a run whose shard `wait` blocks until `ok` exists; SIGKILL dflash once that shard has
+/// started; let the orphaned shard go; rerun. Returns the rerun's JSON and the shard log.
+fn killed_then_rerun(wait: &str, failpoint: bool) -> (Value, String) {
+    let env = Env::new();
+    env.write("p.yaml", SHARDED);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash"));
+    cmd.args(["run", "p.yaml"])
         .current_dir(env.path())
+        .env("WAIT", wait)
         .env("DFLASH_WORK", env.path().join(".work"))
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while !env.path().join("started").exists() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "shard 1 never started"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        .stderr(std::process::Stdio::null());
+    if failpoint {
+        // The crash comes from inside, right before the manifest is written.
+        env.write("ok", "");
+        let status = cmd
+            .env("DFLASH_FAILPOINT", "before-manifest")
+            .status()
+            .unwrap();
+        assert!(!status.success());
+    } else {
+        let mut child = cmd.spawn().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !env.path().join("started").exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the waiting shard never started"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        child.kill().unwrap(); // SIGKILL: no chance to clean up
+        child.wait().unwrap();
+        env.write("ok", "");
     }
-    child.kill().unwrap(); // SIGKILL: no chance to clean up
-    child.wait().unwrap();
-    env.write("ok", "");
-    let (st, v) = env.run("p.yaml", 0);
-    assert_eq!(st["gen"], "resumed");
-    // Shard 0 ran once; shard 1 ran in the killed run and again now; shard 2 ran once.
-    let log = std::fs::read_to_string(env.path().join("runs.log")).unwrap();
-    assert_eq!(log.lines().filter(|l| *l == "0").count(), 1, "{log}");
-    assert_eq!(log.lines().filter(|l| *l == "2").count(), 1, "{log}");
-    // Same artifact as an uninterrupted run in a fresh store.
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["run", "p.yaml", "--json"])
+        .current_dir(env.path())
+        .env("WAIT", wait)
+        .env("DFLASH_WORK", env.path().join(".work"))
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Same artifacts as an uninterrupted run in a fresh store.
     let fresh = Env::new();
-    fresh.write("p.yaml", p);
+    fresh.write("p.yaml", SHARDED);
     fresh.write("ok", "");
-    let (_, w) = fresh.run("p.yaml", 0);
+    let w: Value = serde_json::from_slice(
+        &Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .args(["run", "p.yaml", "--json"])
+            .current_dir(fresh.path())
+            .env("WAIT", wait)
+            .env("DFLASH_WORK", fresh.path().join(".work"))
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
     assert_eq!(v["stages"][0]["digest"], w["stages"][0]["digest"]);
     assert_eq!(v["stages"][1]["digest"], w["stages"][1]["digest"]);
+    (
+        v,
+        std::fs::read_to_string(env.path().join("runs.log")).unwrap(),
+    )
+}
+
+fn runs_of(log: &str, shard: &str) -> usize {
+    log.lines().filter(|l| *l == shard).count()
+}
+
+#[test]
+fn kill_9_before_any_shard_finished() {
+    let (v, log) = killed_then_rerun("0", false);
+    assert_eq!(v["stages"][0]["status"], "ran");
+    assert_eq!(
+        (runs_of(&log, "0"), runs_of(&log, "1"), runs_of(&log, "2")),
+        (2, 1, 1),
+        "{log}"
+    );
+}
+
+#[test]
+fn kill_9_mid_shards_keeps_finished_shards() {
+    let (v, log) = killed_then_rerun("1", false);
+    assert_eq!(v["stages"][0]["status"], "resumed");
+    assert_eq!(
+        (runs_of(&log, "0"), runs_of(&log, "1"), runs_of(&log, "2")),
+        (1, 2, 1),
+        "{log}"
+    );
+}
+
+#[test]
+fn crash_right_before_the_manifest_leaves_nothing_done_and_no_shard_redone() {
+    let (v, log) = killed_then_rerun("none", true);
+    assert_eq!(v["stages"][0]["status"], "resumed");
+    assert_eq!(
+        (runs_of(&log, "0"), runs_of(&log, "1"), runs_of(&log, "2")),
+        (1, 1, 1),
+        "{log}"
+    );
 }
 
 /// A stand-in for an S3 look-alike that ignores If-None-Match and overwrites (no such server

@@ -199,6 +199,11 @@ pub(crate) async fn run_stage(
                 }),
             },
         };
+        // Crash-test hook: die the hardest way right before the commit, to prove that a crash
+        // between uploads and manifest leaves nothing visible as done.
+        if std::env::var_os("DFLASH_FAILPOINT").is_some_and(|v| v == "before-manifest") {
+            std::process::abort();
+        }
         // Create-only: if a racing run committed first, adopt its manifest.
         let committed = shared
             .store
