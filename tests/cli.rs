@@ -576,7 +576,7 @@ fn lineage_and_diff_explain_what_changed() {
     assert_eq!(dot.matches(" -> ").count(), 2, "{dot}");
 }
 
-const SHARDED: &str = r#"
+const SHARDED: &str = r"
 stages:
   gen:
     kind: command
@@ -585,7 +585,7 @@ stages:
       run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = $WAIT ]; then touch started; while [ ! -f ok ]; do sleep 0.05; done; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD.txt'
       pass_env: [WAIT]
   after: {kind: command, inputs: [gen], params: {run: 'cat $DFLASH_IN_GEN/*.txt > $DFLASH_OUT/all.txt'}}
-"#;
+";
 
 /// Start a run whose shard `wait` blocks until `ok` exists; SIGKILL dflash once that shard has
 /// started; let the orphaned shard go; rerun. Returns the rerun's JSON and the shard log.

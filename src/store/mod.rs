@@ -65,6 +65,9 @@ pub enum StoreError {
         path: String,
         /// Why.
         reason: String,
+        /// What to do about it, when the cause is recognisable.
+        #[help]
+        hint: Option<String>,
     },
     /// An object's bytes do not match its digest.
     #[error(
@@ -197,11 +200,14 @@ impl Store {
     }
 
     fn io(&self, op: &'static str, path: &str, e: &object_store::Error) -> StoreError {
+        let reason = e.to_string();
+        let hint = hint_for(&reason);
         StoreError::Io {
             url: self.url.clone(),
             op,
             path: path.to_owned(),
-            reason: e.to_string(),
+            reason,
+            hint,
         }
     }
 
@@ -307,6 +313,10 @@ impl Store {
             op: "read",
             path: rel.clone(),
             reason: "missing".into(),
+            hint: Some(
+                "the artifact's manifest names a blob the store does not hold; run `dflash verify`"
+                    .into(),
+            ),
         })?;
         let actual = Digest::of(&bytes);
         if actual != *digest {
@@ -407,6 +417,7 @@ impl Store {
                 op: "create",
                 path: rel,
                 reason: "run id already used".into(),
+                hint: None,
             });
         }
         let probe =
@@ -443,6 +454,29 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+/// A hint for store errors whose cause can be read off the message.
+fn hint_for(reason: &str) -> Option<String> {
+    let hint = if reason.contains("169.254.169.254") {
+        "no AWS credentials were found in the environment (dflash fell back to the instance metadata service): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+    } else if reason.contains("NoSuchBucket") || reason.contains("bucket does not exist") {
+        "the bucket does not exist: create it, or fix its name in the store URL"
+    } else if reason.contains("403")
+        || reason.contains("AccessDenied")
+        || reason.contains("SignatureDoesNotMatch")
+        || reason.contains("InvalidAccessKeyId")
+    {
+        "the store refused the credentials: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's permissions"
+    } else if reason.contains("error sending request")
+        || reason.contains("Connection refused")
+        || reason.contains("dns error")
+    {
+        "the store could not be reached: check the endpoint (AWS_ENDPOINT) and the network"
+    } else {
+        return None;
+    };
+    Some(hint.to_owned())
 }
 
 /// Attempts after the first for a create-only write that failed transiently.
@@ -495,6 +529,26 @@ pub fn redact(location: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hints_name_the_cause() {
+        assert!(
+            hint_for("NoSuchBucket: The specified bucket does not exist")
+                .unwrap()
+                .contains("bucket does not exist")
+        );
+        assert!(
+            hint_for("PUT http://169.254.169.254/latest/api/token: 403")
+                .unwrap()
+                .contains("no AWS credentials")
+        );
+        assert!(
+            hint_for("InvalidAccessKeyId")
+                .unwrap()
+                .contains("refused the credentials")
+        );
+        assert!(hint_for("something else").is_none());
+    }
 
     #[test]
     fn redacts_credentials() {
