@@ -109,6 +109,9 @@ impl HashCache {
         let Ok(bytes) = serde_json::to_vec(&*entries) else {
             return;
         };
+        if let Some(dir) = self.file.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
         let tmp = self
             .file
             .with_extension(format!("tmp{}", std::process::id()));
@@ -134,6 +137,38 @@ pub fn hash_file(path: &Path) -> std::io::Result<Digest> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unchanged_files_are_not_re_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("a.bin");
+        std::fs::write(&f, b"aaaa").unwrap();
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(&f)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        let cache = HashCache::load(dir.path(), dir.path());
+        assert_eq!(
+            cache.digest(Path::new("a.bin")).unwrap(),
+            Digest::of(b"aaaa")
+        );
+        // Same size, inode and mtime but other bytes: only a re-read could notice, so the
+        // cached digest coming back proves the file was not read again.
+        std::fs::write(&f, b"bbbb").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&f)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        assert_eq!(
+            cache.digest(Path::new("a.bin")).unwrap(),
+            Digest::of(b"aaaa")
+        );
+    }
 
     #[test]
     fn rehashes_changed_files_and_trusts_old_ones() {

@@ -340,6 +340,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             let hashes = HashCache::load(&work_dir(), &cwd());
             let plan =
                 runtime()?.block_on(crate::plan::plan(&p, &g, &registry, &store, &hashes))?;
+            hashes.save();
             if json {
                 out(&serde_json::json!({ "stages": plan }).to_string());
             } else {
@@ -595,6 +596,7 @@ async fn resolve(
         let store = open_store(arg, Some(&p))?;
         if p.stages.iter().any(|s| s.id == reference) {
             let hashes = HashCache::load(&work_dir(), &cwd());
+            hashes.save();
             let plan = crate::plan::plan(&p, &g, registry, &store, &hashes).await?;
             let line = plan.iter().find(|s| s.id == reference).expect("present");
             let m = match line.key {
