@@ -779,3 +779,35 @@ stages:
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn a_ten_thousand_stage_pipeline_plans() {
+    let env = Env::new();
+    let mut p = String::from("stages:\n");
+    for i in 0..10_000 {
+        let inputs = if i == 0 {
+            String::new()
+        } else {
+            format!(", inputs: [s{}, s{}]", i - 1, i / 2)
+        };
+        writeln!(
+            p,
+            "  s{i}: {{kind: command{inputs}, params: {{run: 'echo {i} > $DFLASH_OUT/o'}}}}"
+        )
+        .unwrap();
+    }
+    env.write("big.yaml", &p);
+    let out = env.dflash(&["plan", "big.yaml", "--json"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["stages"].as_array().unwrap().len(), 10_000);
+    assert_eq!(
+        v["stages"][9_999]["reason"],
+        "upstream `s9998` must run first"
+    );
+}
