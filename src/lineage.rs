@@ -200,47 +200,62 @@ fn walk<'a>(
     }
 }
 
-/// The tree as a Graphviz DOT graph (shared upstreams drawn once).
-pub fn render_dot(n: &Node) -> String {
+/// Draw the tree as a graph, each artifact once: `node` formats a node, `edge` an edge
+/// (upstream, downstream).
+fn render_graph(
+    n: &Node,
+    header: &str,
+    footer: &str,
+    node: impl Fn(&Node) -> String,
+    edge: impl Fn(&Key, &Key) -> String,
+) -> String {
     let (mut seen, mut nodes, mut edges) = (BTreeSet::new(), Vec::new(), BTreeSet::new());
     walk(n, &mut seen, &mut nodes, &mut edges);
-    let mut out = String::from("digraph lineage {\n  rankdir=LR;\n  node [shape=box];\n");
+    let mut out = header.to_owned();
     for n in nodes {
-        let _ = writeln!(
-            out,
-            "  \"{}\" [label=\"{}\\n{}\\n{}\"];",
-            n.key.0.short(12),
-            n.stage,
-            n.kind,
-            n.key.0.short(12)
-        );
+        let _ = writeln!(out, "{}", node(n));
     }
-    for (a, b) in edges {
-        let _ = writeln!(out, "  \"{}\" -> \"{}\";", a.0.short(12), b.0.short(12));
+    for (a, b) in &edges {
+        let _ = writeln!(out, "{}", edge(a, b));
     }
-    out.push_str("}\n");
+    out.push_str(footer);
     out
+}
+
+/// The tree as a Graphviz DOT graph.
+pub fn render_dot(n: &Node) -> String {
+    render_graph(
+        n,
+        "digraph lineage {\n  rankdir=LR;\n  node [shape=box];\n",
+        "}\n",
+        |n| {
+            format!(
+                "  \"{k}\" [label=\"{}\\n{}\\n{k}\"];",
+                n.stage,
+                n.kind,
+                k = n.key.0.short(12)
+            )
+        },
+        |a, b| format!("  \"{}\" -> \"{}\";", a.0.short(12), b.0.short(12)),
+    )
 }
 
 /// The tree as a Mermaid flowchart.
 pub fn render_mermaid(n: &Node) -> String {
-    let (mut seen, mut nodes, mut edges) = (BTreeSet::new(), Vec::new(), BTreeSet::new());
-    walk(n, &mut seen, &mut nodes, &mut edges);
-    let mut out = String::from("flowchart LR\n");
-    for n in nodes {
-        let _ = writeln!(
-            out,
-            "  k{}[\"{} ({})<br/>{}\"]",
-            n.key.0.short(12),
-            n.stage,
-            n.kind,
-            n.key.0.short(12)
-        );
-    }
-    for (a, b) in edges {
-        let _ = writeln!(out, "  k{} --> k{}", a.0.short(12), b.0.short(12));
-    }
-    out
+    render_graph(
+        n,
+        "flowchart LR\n",
+        "",
+        |n| {
+            format!(
+                "  k{k}[\"{} ({})<br/>{k}\"]",
+                n.stage,
+                n.kind,
+                k = n.key.0.short(12)
+            )
+        },
+        |a, b| format!("  k{} --> k{}", a.0.short(12), b.0.short(12)),
+    )
 }
 
 /// One stage's line in a diff.

@@ -120,7 +120,7 @@ pub async fn plan(
         };
         let reason = match history.previous(store, &spec.id).await? {
             None => "never run".to_owned(),
-            Some(old) => why(&old, &fp, pipeline, spec),
+            Some(old) => why(&old, &fp, spec),
         };
         out[i] = Some(line(Some(key), state, Some(reason)));
     }
@@ -131,12 +131,7 @@ pub async fn plan(
 }
 
 /// The first difference between an old and a new fingerprint, in words.
-pub fn why(
-    old: &Fingerprint,
-    new: &Fingerprint,
-    pipeline: &Pipeline,
-    spec: &crate::pipeline::StageSpec,
-) -> String {
+pub fn why(old: &Fingerprint, new: &Fingerprint, spec: &crate::pipeline::StageSpec) -> String {
     if old.kind != new.kind {
         return format!("kind changed: `{}` -> `{}`", old.kind, new.kind);
     }
@@ -175,7 +170,6 @@ pub fn why(
                 .iter()
                 .find(|i| i.name == n.name)
                 .map_or(n.name.as_str(), |i| i.stage.as_str());
-            let _ = pipeline;
             return format!(
                 "input `{up}` changed: {} -> {}",
                 o.digest.short(12),

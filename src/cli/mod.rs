@@ -372,9 +372,8 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             store,
         } => {
             let rt = runtime()?;
-            let (store, m) =
+            let (_, m) =
                 rt.block_on(resolve(&reference, pipeline.as_deref(), &store, &registry))?;
-            let _ = store;
             out(&serde_json::to_string_pretty(&m).expect("serializable"));
             Ok(0)
         }

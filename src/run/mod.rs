@@ -270,16 +270,7 @@ pub async fn execute(
             let Some(i) = ready.pop_front() else { break };
             let spec = &pipeline.stages[i];
             if !selected[i] {
-                let result = StageResult {
-                    id: spec.id.clone(),
-                    kind: spec.kind.clone(),
-                    key: None,
-                    status: Status::Skipped,
-                    digest: None,
-                    seconds: 0.0,
-                    error: None,
-                };
-                finish(i, result, None, &mut results, reporter);
+                finish(i, skipped(spec, None), None, &mut results, reporter);
                 continue;
             }
             let upstream: Vec<Digest> = spec
@@ -369,15 +360,7 @@ pub async fn execute(
             } else {
                 "an upstream stage failed"
             };
-            let result = StageResult {
-                id: spec.id.clone(),
-                kind: spec.kind.clone(),
-                key: None,
-                status: Status::Skipped,
-                digest: None,
-                seconds: 0.0,
-                error: Some(why.into()),
-            };
+            let result = skipped(spec, Some(why));
             reporter.event(
                 &pipeline,
                 &Event::Finished {
@@ -401,6 +384,19 @@ pub async fn execute(
     };
     store.end_run(&record).await?;
     Ok(record)
+}
+
+/// The result of a stage that did not run.
+fn skipped(spec: &StageSpec, why: Option<&str>) -> StageResult {
+    StageResult {
+        id: spec.id.clone(),
+        kind: spec.kind.clone(),
+        key: None,
+        status: Status::Skipped,
+        digest: None,
+        seconds: 0.0,
+        error: why.map(str::to_owned),
+    }
 }
 
 /// Ids of stages this run selected, for messages.

@@ -166,7 +166,6 @@ fn run_once(
     let child = cmd
         .spawn()
         .map_err(|e| StageError::new(format!("could not start `sh`: {e}")))?;
-    let pid = child.id();
     let status = wait_or_cancel(child, ctx)?;
     let log_path = PathBuf::from(ctx.log_path);
     if status.success() {
@@ -177,7 +176,6 @@ fn run_once(
         (None, Some(sig)) => format!("was killed by signal {sig}"),
         _ => "failed".to_owned(),
     };
-    let _ = pid;
     Err(StageError::new(format!("command `{}` {why}", params.run))
         .with_help(format!("its output is in {}", log_path.display()))
         .with_log(log_path))
