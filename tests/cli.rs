@@ -811,3 +811,19 @@ fn a_ten_thousand_stage_pipeline_plans() {
         "upstream `s9998` must run first"
     );
 }
+
+#[test]
+fn plan_output_reads_well() {
+    let env = Env::new();
+    env.write("p.yaml", CHAIN);
+    env.run("p.yaml", 0);
+    env.write(
+        "p.yaml",
+        &CHAIN
+            .replace("MODE: one", "MODE: two")
+            .replace("echo side", "echo other"),
+    );
+    let out = env.dflash(&["plan", "p.yaml"]);
+    assert_eq!(out.status.code(), Some(0));
+    insta::assert_snapshot!(String::from_utf8(out.stdout).unwrap());
+}

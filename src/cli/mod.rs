@@ -350,13 +350,14 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                         .ok()
                         .and_then(|v| v.as_str().map(str::to_owned))
                         .unwrap_or_default();
-                    out(&format!(
+                    let line = format!(
                         "{:<8} {:<24} {:<10} {key:<12} {}",
                         state,
                         s.id,
                         s.kind,
                         s.reason.as_deref().unwrap_or("")
-                    ));
+                    );
+                    out(line.trim_end());
                 }
                 let todo = plan
                     .iter()

@@ -100,6 +100,20 @@ impl StageKind for CommandKind {
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
         let params: Params = ctx.params()?;
+        // `a-b` and `a_b` would both become DFLASH_IN_A_B: refuse rather than hide one.
+        let mut seen = BTreeMap::new();
+        for input in ctx.inputs {
+            if let Some(other) = seen.insert(input_var(&input.name), &input.name) {
+                return Err(StageError::new(format!(
+                    "inputs `{other}` and `{}` both become `{}`",
+                    input.name,
+                    input_var(&input.name)
+                ))
+                .with_help(
+                    "name the inputs with a map, e.g. `inputs: {first: a-b, second: a_b}`",
+                ));
+            }
+        }
         let mut stats = serde_json::Map::new();
         match params.shards {
             None => run_once(&params, ctx, ctx.out_dir, None)?,
