@@ -234,4 +234,22 @@ mod tests {
             artifact_digest(&[b, a])
         );
     }
+
+    proptest::proptest! {
+        /// Insertion order never changes a key; only content does.
+        #[test]
+        fn key_ignores_insertion_order(entries in proptest::collection::btree_map("[a-z]{1,6}", -1000i64..1000, 0..8)) {
+            let forward: serde_json::Map<String, Value> = entries.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+            let backward: serde_json::Map<String, Value> = entries.iter().rev().map(|(k, v)| (k.clone(), json!(v))).collect();
+            proptest::prop_assert_eq!(fp(Value::Object(forward)).key(), fp(Value::Object(backward)).key());
+        }
+
+        /// Length prefixes keep different splits of the same characters apart.
+        #[test]
+        fn splits_of_a_string_list_never_collide(a in "[a-z]{0,8}", b in "[a-z]{0,8}") {
+            let joined = format!("{a}{b}");
+            proptest::prop_assume!(!a.is_empty() && !b.is_empty());
+            proptest::prop_assert_ne!(fp(json!({"x": [a, b]})).key(), fp(json!({"x": [joined]})).key());
+        }
+    }
 }
