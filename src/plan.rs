@@ -118,9 +118,13 @@ pub async fn plan(
         } else {
             State::Partial
         };
-        let reason = match history.previous(store, &spec.id).await? {
-            None => "never run".to_owned(),
-            Some(old) => why(&old, &fp, spec),
+        let reason = if let Some((run, error)) = history.failed.get(&key) {
+            format!("failed in run {run}: {error}")
+        } else {
+            match history.previous(store, &spec.id).await? {
+                None => "never run".to_owned(),
+                Some(old) => why(&old, &fp, spec),
+            }
         };
         out[i] = Some(line(Some(key), state, Some(reason)));
     }
@@ -244,16 +248,22 @@ fn compact(v: &Value) -> String {
 struct History {
     last: HashMap<String, Key>,
     digests: HashMap<Key, Digest>,
+    /// Keys whose latest attempt failed: the run id and the error.
+    failed: HashMap<Key, (String, String)>,
 }
 
 impl History {
     async fn load(pipeline: &Pipeline, store: &Store) -> Result<Self, StoreError> {
         let mut last = HashMap::new();
         let mut digests = HashMap::new();
+        let mut failed = HashMap::new();
         for run in store.runs().await? {
             for s in &run.stages {
                 if let (Some(k), Some(d)) = (s.key, s.digest) {
                     digests.insert(k, d);
+                }
+                if let (crate::store::Status::Failed, Some(k)) = (s.status, s.key) {
+                    failed.insert(k, (run.run_id.clone(), s.error.clone().unwrap_or_default()));
                 }
             }
             if run.pipeline != pipeline.name {
@@ -271,7 +281,11 @@ impl History {
                 }
             }
         }
-        Ok(Self { last, digests })
+        Ok(Self {
+            last,
+            digests,
+            failed,
+        })
     }
 
     async fn previous(&self, store: &Store, id: &str) -> Result<Option<Fingerprint>, StoreError> {

@@ -268,6 +268,11 @@ fn a_failing_stage_fails_the_run_but_independent_stages_finish() {
     let plan: Value =
         serde_json::from_slice(&env.dflash(&["plan", "p.yaml", "--json"]).stdout).unwrap();
     assert_eq!(plan["stages"][0]["state"], "pending");
+    let reason = plan["stages"][0]["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("failed in run ") && reason.contains("exited with status 3"),
+        "{reason}"
+    );
 }
 
 #[test]
