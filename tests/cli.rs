@@ -565,6 +565,21 @@ fn lineage_and_diff_explain_what_changed() {
         .collect();
     assert_eq!(changes, ["changed", "changed", "changed", "same"]);
 
+    let (ka, kb) = (
+        first["stages"][0]["key"].as_str().unwrap(),
+        second["stages"][0]["key"].as_str().unwrap(),
+    );
+    let arts: Value =
+        serde_json::from_slice(&env.dflash(&["diff", &ka[..12], &kb[..12], "--json"]).stdout)
+            .unwrap();
+    assert_eq!(arts["stages"][0]["id"], "a -> a");
+    assert!(
+        arts["stages"][0]["details"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("param `run`"),
+        "{arts}"
+    );
     let tree: Value = serde_json::from_slice(
         &env.dflash(&["lineage", "c", "-p", "q.yaml", "--json"])
             .stdout,

@@ -496,6 +496,26 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                             n => Err(Failure::from(CliError::Ambiguous(id.to_owned(), n))),
                         }
                     };
+                    // Two artifacts (key or digest prefixes) rather than two runs.
+                    let is_run = |id: &str| runs.iter().any(|r| r.run_id.starts_with(id));
+                    let is_hex =
+                        |id: &str| id.len() >= 4 && id.chars().all(|c| c.is_ascii_hexdigit());
+                    if !is_run(&a) && !is_run(&b) && is_hex(&a) && is_hex(&b) {
+                        let (_, ma) = by_prefix(store.clone(), &a).await?;
+                        let (_, mb) = by_prefix(store.clone(), &b).await?;
+                        let change = if ma.key == mb.key { "same" } else { "changed" };
+                        let details = if ma.key == mb.key {
+                            Vec::new()
+                        } else {
+                            crate::lineage::manifest_changes(&ma, &mb)
+                        };
+                        let id = format!("{} -> {}", ma.lineage.stage_id, mb.lineage.stage_id);
+                        return Ok(vec![crate::lineage::StageDiff {
+                            id,
+                            change,
+                            details,
+                        }]);
+                    }
                     let (ra, rb) = (find(&a)?, find(&b)?);
                     Ok::<_, Failure>(crate::lineage::diff_runs(&store, &ra, &rb).await?)
                 })?
