@@ -9,9 +9,11 @@ use crate::pipeline::{Pipeline, Problem, Problems};
 
 /// Stage indices (into `Pipeline::stages`) with edges upstream -> downstream.
 pub struct Graph {
-    graph: DiGraph<usize, ()>,
+    dag: DiGraph<usize, ()>,
     /// Stage indices in an order where every stage comes after its inputs.
     pub order: Vec<usize>,
+    /// Per stage, the index of each input's stage, in the order the pipeline lists them.
+    pub inputs: Vec<Vec<usize>>,
 }
 
 impl Graph {
@@ -27,17 +29,27 @@ impl Graph {
         for i in 0..pipeline.stages.len() {
             graph.add_node(i);
         }
-        for (i, s) in pipeline.stages.iter().enumerate() {
-            for input in &s.inputs {
-                if let Some(&up) = index.get(input.stage.as_str()) {
-                    graph.add_edge(NodeIndex::new(up), NodeIndex::new(i), ());
-                }
+        // Validation guarantees every input names a stage.
+        let inputs: Vec<Vec<usize>> = pipeline
+            .stages
+            .iter()
+            .map(|s| {
+                s.inputs
+                    .iter()
+                    .filter_map(|inp| index.get(inp.stage.as_str()).copied())
+                    .collect()
+            })
+            .collect();
+        for (i, ups) in inputs.iter().enumerate() {
+            for &up in ups {
+                graph.add_edge(NodeIndex::new(up), NodeIndex::new(i), ());
             }
         }
         match toposort(&graph, None) {
             Ok(order) => Ok(Self {
                 order: order.into_iter().map(|n| graph[n]).collect(),
-                graph,
+                inputs,
+                dag: graph,
             }),
             Err(_) => Err(Box::new(
                 pipeline.problems(cycle_problems(pipeline, &graph)),
@@ -47,16 +59,16 @@ impl Graph {
 
     /// Indices of the stages that take `stage`'s output.
     pub fn downstream(&self, stage: usize) -> impl Iterator<Item = usize> + '_ {
-        self.graph
+        self.dag
             .neighbors_directed(NodeIndex::new(stage), petgraph::Direction::Outgoing)
-            .map(|n| self.graph[n])
+            .map(|n| self.dag[n])
     }
 
     /// Indices of `stage`'s inputs.
     pub fn upstream(&self, stage: usize) -> impl Iterator<Item = usize> + '_ {
-        self.graph
+        self.dag
             .neighbors_directed(NodeIndex::new(stage), petgraph::Direction::Incoming)
-            .map(|n| self.graph[n])
+            .map(|n| self.dag[n])
     }
 }
 

@@ -53,12 +53,6 @@ pub async fn plan(
     hashes: &HashCache,
 ) -> Result<Vec<PlannedStage>, StoreError> {
     let n = pipeline.stages.len();
-    let index: HashMap<&str, usize> = pipeline
-        .stages
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (s.id.as_str(), i))
-        .collect();
     let mut digests: Vec<Option<Digest>> = vec![None; n];
     let mut out: Vec<Option<PlannedStage>> = vec![None; n];
     let history = History::load(pipeline, store).await?;
@@ -68,11 +62,7 @@ pub async fn plan(
     let committed: std::collections::HashSet<Key> = store.keys().await?.into_iter().collect();
     for &i in &graph.order {
         let spec = &pipeline.stages[i];
-        let ups: Vec<usize> = spec
-            .inputs
-            .iter()
-            .map(|inp| index[inp.stage.as_str()])
-            .collect();
+        let ups = &graph.inputs[i];
         let line = |key, state, reason| PlannedStage {
             id: spec.id.clone(),
             kind: spec.kind.clone(),

@@ -148,27 +148,27 @@ fn join(parent: &str, seg: &str) -> String {
     }
 }
 
-/// saphyr counts characters; miette wants bytes.
-struct CharToByte<'a> {
-    text: &'a str,
-    ascii: bool,
+/// saphyr counts characters; miette wants bytes. ASCII text maps one to one; otherwise a table
+/// of each character's byte offset, built once, keeps the lookups O(1).
+struct CharToByte {
+    len: usize,
+    offsets: Option<Vec<usize>>,
 }
 
-impl<'a> CharToByte<'a> {
-    fn new(text: &'a str) -> Self {
+impl CharToByte {
+    fn new(text: &str) -> Self {
+        let offsets = (!text.is_ascii()).then(|| text.char_indices().map(|(b, _)| b).collect());
         Self {
-            text,
-            ascii: text.is_ascii(),
+            len: text.len(),
+            offsets,
         }
     }
+
     fn at(&self, chars: usize) -> usize {
-        if self.ascii {
-            return chars.min(self.text.len());
+        match &self.offsets {
+            None => chars.min(self.len),
+            Some(offsets) => offsets.get(chars).copied().unwrap_or(self.len),
         }
-        self.text
-            .char_indices()
-            .nth(chars)
-            .map_or(self.text.len(), |(b, _)| b)
     }
 }
 

@@ -8,7 +8,6 @@
 
 mod stage;
 
-use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -273,29 +272,13 @@ pub async fn execute(
                 finish(i, skipped(spec, None), None, &mut results, reporter);
                 continue;
             }
-            let upstream: Vec<Digest> = spec
-                .inputs
+            let upstream: Vec<Digest> = graph.inputs[i]
                 .iter()
-                .map(|inp| {
-                    let u = pipeline
-                        .stages
-                        .iter()
-                        .position(|s| s.id == inp.stage)
-                        .expect("validated");
-                    digests[u].expect("upstream finished before downstream is ready")
-                })
+                .map(|&u| digests[u].expect("upstream finished before downstream is ready"))
                 .collect();
-            let upstream_keys: Vec<Key> = spec
-                .inputs
+            let upstream_keys: Vec<Key> = graph.inputs[i]
                 .iter()
-                .map(|inp| {
-                    keys[pipeline
-                        .stages
-                        .iter()
-                        .position(|s| s.id == inp.stage)
-                        .expect("validated")]
-                    .expect("done")
-                })
+                .map(|&u| keys[u].expect("upstream finished"))
                 .collect();
             let shared = shared.clone();
             tasks.spawn(async move {
@@ -397,22 +380,6 @@ fn skipped(spec: &StageSpec, why: Option<&str>) -> StageResult {
         seconds: 0.0,
         error: why.map(str::to_owned),
     }
-}
-
-/// Ids of stages this run selected, for messages.
-pub fn selected_ids(
-    pipeline: &Pipeline,
-    graph: &Graph,
-    only: &[String],
-) -> Result<HashSet<String>, RunError> {
-    let sel = selection(pipeline, graph, only)?;
-    Ok(pipeline
-        .stages
-        .iter()
-        .zip(sel)
-        .filter(|(_, s)| *s)
-        .map(|(st, _)| st.id.clone())
-        .collect())
 }
 
 /// Join an artifact path under an export folder, refusing paths that would escape it.
