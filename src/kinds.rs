@@ -16,6 +16,7 @@ impl Registry {
     pub fn builtin() -> Self {
         let mut r = Self::default();
         r.add(Arc::new(dflash_stage_command::CommandKind));
+        r.add(Arc::new(dflash_stage_download::DownloadKind));
         r
     }
 

@@ -2,102 +2,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use serde_json::Value;
 
-struct Env {
-    dir: tempfile::TempDir,
-}
-
-impl Env {
-    fn new() -> Self {
-        Self {
-            dir: tempfile::tempdir().unwrap(),
-        }
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-
-    fn write(&self, name: &str, text: &str) -> PathBuf {
-        let p = self.path().join(name);
-        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::fs::write(&p, text).unwrap();
-        p
-    }
-
-    fn dflash(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_dflash"))
-            .args(args)
-            .current_dir(self.path())
-            .env_remove("DFLASH_STORE")
-            .env("NO_COLOR", "1")
-            .env("DFLASH_WORK", self.path().join(".work"))
-            .output()
-            .unwrap()
-    }
-
-    /// `dflash run --json`, asserting the exit code; returns status by stage id.
-    fn run(&self, pipeline: &str, code: i32) -> (BTreeMap<String, String>, Value) {
-        let out = self.dflash(&["run", pipeline, "--json"]);
-        assert_eq!(
-            out.status.code(),
-            Some(code),
-            "stderr: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-        let statuses = v["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| {
-                (
-                    s["id"].as_str().unwrap().to_owned(),
-                    s["status"].as_str().unwrap().to_owned(),
-                )
-            })
-            .collect();
-        (statuses, v)
-    }
-
-    /// Every object in the store: path -> (bytes, inode, mtime).
-    fn objects(&self) -> BTreeMap<String, (Vec<u8>, u64, i64)> {
-        let mut out = BTreeMap::new();
-        for e in walk(&self.path().join("cache")) {
-            let m = std::fs::metadata(&e).unwrap();
-            out.insert(
-                e.strip_prefix(self.path()).unwrap().display().to_string(),
-                (
-                    std::fs::read(&e).unwrap(),
-                    m.ino(),
-                    m.mtime_nsec() + m.mtime() * 1_000_000_000,
-                ),
-            );
-        }
-        out
-    }
-}
-
-fn walk(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return out;
-    };
-    for e in rd {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            out.extend(walk(&p));
-        } else {
-            out.push(p);
-        }
-    }
-    out
-}
+mod support;
+use support::env::Env;
 
 fn statuses(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs

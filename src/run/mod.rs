@@ -118,7 +118,15 @@ pub fn fingerprint(
     let kind = registry
         .get(&spec.kind)
         .expect("validated pipelines name known kinds");
-    let pins: Vec<Pin> = kind.pin(&spec.params, pinner)?;
+    // Pinning may block on the network (resolving a Hub revision): leave the async context
+    // for it, so a stage's blocking client can't stall or break the runtime's workers.
+    let pin = || kind.pin(&spec.params, pinner);
+    let pins: Vec<Pin> = match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(pin)?
+        }
+        _ => pin()?,
+    };
     Ok(Fingerprint {
         schema: KEY_SCHEMA,
         kind: spec.kind.clone(),

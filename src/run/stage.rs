@@ -69,8 +69,14 @@ pub(crate) async fn run_stage(
     let log_path = log_dir.join(format!("{}.log", spec.id));
     let out_dir = work.join("out");
     let scratch = work.join("scratch");
+    // Per key, not per run: what a crashed attempt left here is what the next one resumes from.
+    let resume = shared
+        .opts
+        .work_dir
+        .join("resume")
+        .join(key.0.short(16));
     let result = async {
-        for d in [&out_dir, &scratch, &log_dir] {
+        for d in [&out_dir, &scratch, &log_dir, &resume] {
             std::fs::create_dir_all(d)
                 .map_err(|e| StageError::new(format!("cannot create `{}`: {e}", d.display())))?;
         }
@@ -100,14 +106,16 @@ pub(crate) async fn run_stage(
             events: shared.events.clone(),
         };
         let kind = shared.registry.get(&spec.kind).expect("validated").clone();
+        let pins = fp.pins.clone();
         let (params, cwd, cancel) = (
             spec.params.clone(),
             shared.opts.cwd.clone(),
             shared.cancel.clone(),
         );
-        let (out2, scratch2, log2, id) = (
+        let (out2, scratch2, resume2, log2, id) = (
             out_dir.clone(),
             scratch.clone(),
+            resume.clone(),
             log_path.clone(),
             spec.id.clone(),
         );
@@ -115,9 +123,11 @@ pub(crate) async fn run_stage(
             let ctx = StageContext {
                 stage_id: &id,
                 params: &params,
+                pins: &pins,
                 inputs: &inputs,
                 out_dir: &out2,
                 scratch_dir: &scratch2,
+                resume_dir: &resume2,
                 log_path: &log2,
                 cwd: &cwd,
                 shards: &sink,
@@ -214,6 +224,9 @@ pub(crate) async fn run_stage(
     }
     .await;
     let _ = std::fs::remove_dir_all(&work);
+    if result.is_ok() {
+        let _ = std::fs::remove_dir_all(&resume);
+    }
     match result {
         Ok(digest) => Outcome {
             status: if resumed {
@@ -329,6 +342,24 @@ impl ShardSink for Shards {
         })?;
         self.committed.lock().expect("not poisoned").push(record);
         Ok(())
+    }
+
+    fn read(&self, name: &str, path: &str) -> Result<Vec<u8>, StageError> {
+        let entry = self
+            .committed
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .find(|s| s.name == name)
+            .and_then(|s| s.files.iter().find(|f| f.path == path).cloned())
+            .ok_or_else(|| {
+                StageError::new(format!("shard `{name}` has no committed file `{path}`"))
+            })?;
+        let bytes = self
+            .handle
+            .block_on(self.store.get_blob(&entry.digest))
+            .map_err(|e| store_err(&e))?;
+        Ok(bytes.to_vec())
     }
 }
 

@@ -2,6 +2,9 @@
 
 #![allow(dead_code)]
 
+pub mod env;
+pub mod hub;
+
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -17,7 +20,8 @@ pub struct Seaweed {
 pub const ACCESS_KEY: &str = "dflash-test-access";
 pub const SECRET_KEY: &str = "dflash-test-secret-do-not-log";
 
-fn free_port() -> u16 {
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

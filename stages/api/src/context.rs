@@ -47,6 +47,11 @@ pub trait ShardSink: Sync {
     /// Commit the files under `dir` as shard `name`. They become part of the artifact, at their
     /// paths relative to `dir`. Committing a name twice is an error.
     fn commit(&self, name: &str, dir: &Path) -> Result<(), StageError>;
+
+    /// The bytes of file `path` (relative to the shard) of shard `name`, committed by this or an
+    /// earlier attempt, so a resumed stage can read back what it already made (e.g. a small
+    /// per-shard report) without redoing it.
+    fn read(&self, name: &str, path: &str) -> Result<Vec<u8>, StageError>;
 }
 
 /// Progress reporting for long work.
@@ -61,6 +66,9 @@ pub struct StageContext<'a> {
     pub stage_id: &'a str,
     /// The resolved params (defaults filled in), as hashed into the key.
     pub params: &'a Value,
+    /// The pinned identities of external sources, as they entered the key: a stage fetches
+    /// exactly what these name (the commit sha a branch resolved to when the key was made).
+    pub pins: &'a [Pin],
     /// The upstream artifacts, in the order the pipeline lists them.
     pub inputs: &'a [Input],
     /// An empty folder; every file left in it becomes part of the artifact.
@@ -69,6 +77,9 @@ pub struct StageContext<'a> {
     pub scratch_dir: &'a Path,
     /// The stage's log file; a stage appends what a user would want to read when it fails.
     pub log_path: &'a Path,
+    /// A folder private to this key that survives a crash or Ctrl-C and is removed once the key
+    /// is committed: for partial downloads and similar work finer than a shard.
+    pub resume_dir: &'a Path,
     /// The directory `dflash` was started in; relative paths in params are relative to it.
     pub cwd: &'a Path,
     /// Where to commit shards of partial progress.

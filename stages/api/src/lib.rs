@@ -9,6 +9,8 @@
 
 mod cancel;
 mod context;
+#[cfg(feature = "dataset")]
+pub mod dataset;
 mod digest;
 mod error;
 mod params;

@@ -1,0 +1,272 @@
+//! End-to-end tests of the data stages (`download`, `mix`) on real datasets: a local server
+//! implementing the Hub API subset serves the files of ../shared/ASSETS.md, Parquet written by
+//! pyarrow, and pyarrow reads back what dflash wrote.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+mod support;
+use support::env::Env;
+use support::hub::{Hub, assets};
+
+fn python(script: &str, args: &[&Path]) -> String {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "python3 failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// jsonl (optionally gzipped) -> parquet with pyarrow, as the Hub's parquet conversion serves it.
+fn to_parquet(src: &Path, dest: &Path) {
+    std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+    python(
+        "import sys, gzip, json, pyarrow as pa, pyarrow.parquet as pq\n\
+         src, dest = sys.argv[1:]\n\
+         op = gzip.open if src.endswith('.gz') else open\n\
+         rows = [json.loads(l) for l in op(src, 'rt') if l.strip()]\n\
+         pq.write_table(pa.Table.from_pylist(rows), dest)",
+        &[src, dest],
+    );
+}
+
+/// Rows per file of an exported dataset, as pyarrow (`pa.ipc.open_stream`) reads them.
+fn pyarrow_rows(dir: &Path) -> Value {
+    let out = python(
+        "import sys, os, json, pyarrow as pa\n\
+         d = sys.argv[1]\n\
+         out = {}\n\
+         for f in sorted(os.listdir(d)):\n\
+         \x20   if f.endswith('.arrow'):\n\
+         \x20       t = pa.ipc.open_stream(open(os.path.join(d, f), 'rb')).read_all()\n\
+         \x20       out[f] = {'rows': t.num_rows, 'first': t.slice(0, 1).to_pylist()[0]}\n\
+         print(json.dumps(out))",
+        &[dir],
+    );
+    serde_json::from_str(&out).unwrap()
+}
+
+/// A Hub-like folder with four real datasets in the layouts the Hub uses.
+fn hub_root(root: &Path) {
+    let a = assets();
+    to_parquet(
+        &a.join("HumanEval.jsonl.gz"),
+        &root.join("openai/openai_humaneval/openai_humaneval/test-00000-of-00001.parquet"),
+    );
+    to_parquet(
+        &a.join("gsm8k.jsonl"),
+        &root.join("openai/gsm8k/main/test-00000-of-00001.parquet"),
+    );
+    std::fs::write(root.join("openai/gsm8k/README.md"), "# gsm8k").unwrap();
+    let mt = root.join("HuggingFaceH4/mt_bench_prompts/raw");
+    std::fs::create_dir_all(&mt).unwrap();
+    std::fs::copy(a.join("mt-bench.jsonl"), mt.join("question.jsonl")).unwrap();
+    let sg = root.join("anon8231489123/ShareGPT_Vicuna_unfiltered");
+    std::fs::create_dir_all(&sg).unwrap();
+    std::fs::copy(
+        a.join("sharegpt.json"),
+        sg.join("ShareGPT_V3_unfiltered_cleaned_split.json"),
+    )
+    .unwrap();
+}
+
+const HUB_PIPELINE: &str = r"
+name: hub
+stages:
+  humaneval:
+    kind: download
+    params: {hf: openai/openai_humaneval, subset: openai_humaneval, split: test, category: code}
+  gsm8k:
+    kind: download
+    params: {hf: openai/gsm8k, subset: main, split: test, category: math, keep: [expected]}
+  mtbench:
+    kind: download
+    params: {hf: HuggingFaceH4/mt_bench_prompts}
+  sharegpt:
+    kind: download
+    params: {hf: anon8231489123/ShareGPT_Vicuna_unfiltered, limit: 3000, category: chat}
+";
+
+fn show(env: &Env, stage: &str) -> Value {
+    let out = env.dflash(&["show", stage, "-p", "hub.yaml"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn download_maps_real_datasets_from_a_hub_and_pins_the_revision() {
+    let root = tempfile::tempdir().unwrap();
+    hub_root(root.path());
+    // Every file's first GET breaks off after 64 KiB: downloads must resume with `Range`.
+    let hub = Hub::start(root.path(), Some(65_536), None);
+    let mut env = Env::new();
+    env.set("HF_ENDPOINT", &hub.endpoint());
+    env.write("hub.yaml", HUB_PIPELINE);
+    let (st, _) = env.run("hub.yaml", 0);
+    assert!(st.values().all(|s| s == "ran"), "{st:?}");
+
+    let he = show(&env, "humaneval");
+    assert_eq!(he["stats"]["rows"], 164);
+    assert_eq!(he["stats"]["shapes"]["prompt"], 164);
+    assert_eq!(he["stats"]["categories"]["code"], 164);
+    let pin = he["fingerprint"]["pins"][0].clone();
+    assert_eq!(pin["name"], "hf:openai/openai_humaneval@main");
+    assert_eq!(pin["identity"].as_str().unwrap().len(), 40, "a commit sha: {pin}");
+    assert_eq!(show(&env, "gsm8k")["stats"]["rows"], 100);
+    let mt = show(&env, "mtbench");
+    assert_eq!(mt["stats"]["rows"], 80);
+    assert_eq!(mt["stats"]["shapes"]["turns"], 80);
+    assert_eq!(mt["stats"]["categories"]["writing"], 10, "categories come from the data");
+    let sg = show(&env, "sharegpt");
+    let stats = &sg["stats"];
+    assert_eq!(
+        stats["rows"].as_u64().unwrap() + stats["unmapped"].as_u64().unwrap(),
+        stats["rows"].as_u64().unwrap() + stats["unmapped"].as_u64().unwrap()
+    );
+    assert_eq!(stats["rows"], 3000, "the limit");
+
+    // Resumed, not restarted: the first GET of each file broke off, the next asked for the rest.
+    let requests = hub.requests();
+    assert!(
+        requests.iter().any(|r| r.contains("range=bytes=65536-")),
+        "{requests:#?}"
+    );
+
+    // What pyarrow reads is what the stats say.
+    let out = env.path().join("export");
+    assert!(env.dflash(&["export", "mtbench", "-p", "hub.yaml", out.to_str().unwrap()]).status.success());
+    let files = pyarrow_rows(&out);
+    let first = &files["train-00000.arrow"];
+    assert_eq!(first["rows"], 80);
+    assert_eq!(first["first"]["id"], "81");
+    assert_eq!(first["first"]["source"], "mtbench");
+    assert_eq!(first["first"]["messages"][1]["role"], "user");
+    assert!(first["first"]["messages"][0]["content"]
+        .as_str()
+        .unwrap()
+        .starts_with("Compose an engaging travel blog post"));
+
+    // Same pipeline again: nothing is fetched.
+    let before = hub.requests().iter().filter(|r| r.contains("/resolve/")).count();
+    let (st, _) = env.run("hub.yaml", 0);
+    assert!(st.values().all(|s| s == "cached"), "{st:?}");
+    let after = hub.requests().iter().filter(|r| r.contains("/resolve/")).count();
+    assert_eq!(before, after, "a cached download fetches no file");
+}
+
+#[test]
+fn the_shared_gpt_dump_is_truncated_and_says_so() {
+    let root = tempfile::tempdir().unwrap();
+    let sg = root.path().join("anon/sharegpt");
+    std::fs::create_dir_all(&sg).unwrap();
+    std::fs::copy(assets().join("sharegpt.json"), sg.join("sharegpt.json")).unwrap();
+    let hub = Hub::start(root.path(), None, None);
+    let mut env = Env::new();
+    env.set("HF_ENDPOINT", &hub.endpoint());
+    env.write(
+        "hub.yaml",
+        "stages:\n  sharegpt: {kind: download, params: {hf: anon/sharegpt}}\n",
+    );
+    env.run("hub.yaml", 0);
+    let m = show(&env, "sharegpt");
+    let stats = &m["stats"];
+    let rows = stats["rows"].as_u64().unwrap();
+    // ASSETS.md: a streaming decoder recovers ~17.7K complete conversations.
+    assert!((17_000..18_500).contains(&(rows + stats["unmapped"].as_u64().unwrap())), "{stats}");
+    assert!(stats["files"][0]["truncated_at"].as_u64().unwrap() > 100_000_000, "{stats}");
+    // Rows that can't be mapped are counted by reason, with examples.
+    if stats["unmapped"].as_u64().unwrap() > 0 {
+        assert!(!stats["unmapped_reasons"].as_object().unwrap().is_empty());
+        assert!(!stats["unmapped_examples"].as_array().unwrap().is_empty());
+    }
+}
+
+#[test]
+fn a_gated_dataset_needs_the_token_which_never_shows() {
+    let root = tempfile::tempdir().unwrap();
+    let repo = root.path().join("acme/gated");
+    std::fs::create_dir_all(&repo).unwrap();
+    std::fs::write(repo.join(".gated"), "").unwrap();
+    std::fs::copy(assets().join("gsm8k.jsonl"), repo.join("train.jsonl")).unwrap();
+    let secret = "hf_SecretTokenValue123";
+    let hub = Hub::start(root.path(), None, Some(secret));
+    let mut env = Env::new();
+    env.set("HF_ENDPOINT", &hub.endpoint());
+    env.write("hub.yaml", "stages:\n  gated: {kind: download, params: {hf: acme/gated}}\n");
+
+    let out = env.dflash(&["run", "hub.yaml"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("HTTP 401") && stderr.contains("HF_TOKEN"), "{stderr}");
+
+    env.set("HF_TOKEN", secret);
+    let out = env.dflash(&["run", "hub.yaml"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains(secret) && !String::from_utf8_lossy(&out.stdout).contains(secret));
+    for f in support::env::walk(env.path()) {
+        let bytes = std::fs::read(&f).unwrap();
+        assert!(
+            !String::from_utf8_lossy(&bytes).contains(secret),
+            "the token is in {}",
+            f.display()
+        );
+    }
+    assert_eq!(show(&env, "gated")["stats"]["rows"], 100);
+}
+
+#[test]
+fn local_files_with_bad_rows_are_counted_not_dropped_silently() {
+    let env = Env::new();
+    env.write(
+        "data/prompts.jsonl",
+        concat!(
+            "{\"id\": \"a\", \"prompt\": \"What is 2+2?\"}\n",
+            "{\"id\": \"b\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"Hello\"}]}\n",
+            "not json\n",
+            "{\"id\": \"c\", \"conversations\": [{\"from\": \"martian\", \"value\": \"zork\"}]}\n",
+            "{\"id\": \"d\", \"instruction\": \"Sort\", \"input\": \"3 1 2\", \"output\": \"1 2 3\"}\n",
+        ),
+    );
+    env.write(
+        "hub.yaml",
+        "stages:\n  local: {kind: download, params: {path: data, category: mixed}}\n",
+    );
+    env.run("hub.yaml", 0);
+    let stats = show(&env, "local")["stats"].clone();
+    assert_eq!(stats["rows"], 3);
+    assert_eq!(stats["unmapped"], 2);
+    let reasons = stats["unmapped_reasons"].as_object().unwrap();
+    assert!(reasons.keys().any(|r| r.starts_with("not JSON")), "{reasons:?}");
+    assert!(reasons.keys().any(|r| r.contains("unknown role `martian`")), "{reasons:?}");
+    let examples = stats["unmapped_examples"].to_string();
+    assert!(examples.contains("prompts.jsonl line 3"), "{examples}");
+    assert_eq!(stats["pinned"].as_object().unwrap().len(), 1);
+
+    // Editing the file changes the key: the pin is the content.
+    env.write("data/prompts.jsonl", "{\"id\": \"z\", \"prompt\": \"new\"}\n");
+    let (st, _) = env.run("hub.yaml", 0);
+    assert_eq!(st["local"], "ran");
+}
+
+#[test]
+fn a_download_without_exactly_one_source_is_an_error() {
+    let env = Env::new();
+    env.write(
+        "p.yaml",
+        "stages:\n  both: {kind: download, params: {path: a.jsonl, url: 'http://127.0.0.1:9/x.jsonl'}}\n",
+    );
+    let out = env.dflash(&["run", "p.yaml"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(stderr.contains("exactly one source"), "{stderr}");
+}

@@ -1,0 +1,114 @@
+//! A temp folder to run the `dflash` binary in, shared by the end-to-end test files.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// A temp folder to run `dflash` in, with its own store (`cache/`) and work folder.
+pub struct Env {
+    /// The folder (removed on drop).
+    pub dir: tempfile::TempDir,
+    vars: Vec<(String, String)>,
+}
+
+impl Env {
+    pub fn new() -> Self {
+        Self {
+            dir: tempfile::tempdir().unwrap(),
+            vars: Vec::new(),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.path().join(name);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    /// Set an environment variable for every later `dflash` call.
+    pub fn set(&mut self, name: &str, value: &str) {
+        self.vars.push((name.to_owned(), value.to_owned()));
+    }
+
+    pub fn dflash(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash"));
+        cmd.args(args)
+            .current_dir(self.path())
+            .env_remove("DFLASH_STORE")
+            .env_remove("HF_TOKEN")
+            .env_remove("HF_ENDPOINT")
+            .env("NO_COLOR", "1")
+            .env("DFLASH_WORK", self.path().join(".work"));
+        for (k, v) in &self.vars {
+            cmd.env(k, v);
+        }
+        cmd.output().unwrap()
+    }
+
+    /// `dflash run --json`, asserting the exit code; returns status by stage id.
+    pub fn run(&self, pipeline: &str, code: i32) -> (BTreeMap<String, String>, Value) {
+        let out = self.dflash(&["run", pipeline, "--json"]);
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let statuses = v["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                (
+                    s["id"].as_str().unwrap().to_owned(),
+                    s["status"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        (statuses, v)
+    }
+
+    /// Every object in the store: path -> (bytes, inode, mtime).
+    pub fn objects(&self) -> BTreeMap<String, (Vec<u8>, u64, i64)> {
+        let mut out = BTreeMap::new();
+        for e in walk(&self.path().join("cache")) {
+            let m = std::fs::metadata(&e).unwrap();
+            out.insert(
+                e.strip_prefix(self.path()).unwrap().display().to_string(),
+                (
+                    std::fs::read(&e).unwrap(),
+                    m.ino(),
+                    m.mtime_nsec() + m.mtime() * 1_000_000_000,
+                ),
+            );
+        }
+        out
+    }
+}
+
+/// Every file under `dir`, recursively.
+pub fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in rd {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
