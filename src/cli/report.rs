@@ -38,6 +38,9 @@ fn finished_line(
     if let Some(e) = &result.error {
         let _ = write!(line, "  {e}");
     }
+    if let Some(h) = &result.hint {
+        let _ = write!(line, "\n         hint: {h}");
+    }
     if let (Status::Failed, Some(log)) = (result.status, log) {
         let _ = write!(line, "\n         log: {}", log.display());
     }

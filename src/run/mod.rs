@@ -314,6 +314,7 @@ pub async fn execute(
                     digest: outcome.digest,
                     seconds,
                     error: outcome.error.as_ref().map(|e| e.message.clone()),
+                    hint: outcome.error.as_ref().and_then(|e| e.help.clone()),
                 };
                 keys[i] = outcome.key;
                 let ok = matches!(outcome.status, Status::Ran | Status::Cached | Status::Resumed);
@@ -387,6 +388,7 @@ fn skipped(spec: &StageSpec, why: Option<&str>) -> StageResult {
         digest: None,
         seconds: 0.0,
         error: why.map(str::to_owned),
+        hint: None,
     }
 }
 

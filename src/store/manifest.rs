@@ -131,6 +131,9 @@ pub struct StageResult {
     /// The error, when failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// What to do about the error, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
 }
 
 /// The record of one run, written once when the run ends.
