@@ -17,6 +17,7 @@ impl Registry {
         let mut r = Self::default();
         r.add(Arc::new(dflash_stage_command::CommandKind));
         r.add(Arc::new(dflash_stage_download::DownloadKind));
+        r.add(Arc::new(dflash_stage_mix::MixKind));
         r
     }
 

@@ -98,7 +98,11 @@ stages:
 
 fn show(env: &Env, stage: &str) -> Value {
     let out = env.dflash(&["show", stage, "-p", "hub.yaml"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -120,12 +124,19 @@ fn download_maps_real_datasets_from_a_hub_and_pins_the_revision() {
     assert_eq!(he["stats"]["categories"]["code"], 164);
     let pin = he["fingerprint"]["pins"][0].clone();
     assert_eq!(pin["name"], "hf:openai/openai_humaneval@main");
-    assert_eq!(pin["identity"].as_str().unwrap().len(), 40, "a commit sha: {pin}");
+    assert_eq!(
+        pin["identity"].as_str().unwrap().len(),
+        40,
+        "a commit sha: {pin}"
+    );
     assert_eq!(show(&env, "gsm8k")["stats"]["rows"], 100);
     let mt = show(&env, "mtbench");
     assert_eq!(mt["stats"]["rows"], 80);
     assert_eq!(mt["stats"]["shapes"]["turns"], 80);
-    assert_eq!(mt["stats"]["categories"]["writing"], 10, "categories come from the data");
+    assert_eq!(
+        mt["stats"]["categories"]["writing"], 10,
+        "categories come from the data"
+    );
     let sg = show(&env, "sharegpt");
     let stats = &sg["stats"];
     assert_eq!(
@@ -143,23 +154,37 @@ fn download_maps_real_datasets_from_a_hub_and_pins_the_revision() {
 
     // What pyarrow reads is what the stats say.
     let out = env.path().join("export");
-    assert!(env.dflash(&["export", "mtbench", "-p", "hub.yaml", out.to_str().unwrap()]).status.success());
+    assert!(
+        env.dflash(&["export", "mtbench", "-p", "hub.yaml", out.to_str().unwrap()])
+            .status
+            .success()
+    );
     let files = pyarrow_rows(&out);
     let first = &files["train-00000.arrow"];
     assert_eq!(first["rows"], 80);
     assert_eq!(first["first"]["id"], "81");
     assert_eq!(first["first"]["source"], "mtbench");
     assert_eq!(first["first"]["messages"][1]["role"], "user");
-    assert!(first["first"]["messages"][0]["content"]
-        .as_str()
-        .unwrap()
-        .starts_with("Compose an engaging travel blog post"));
+    assert!(
+        first["first"]["messages"][0]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("Compose an engaging travel blog post")
+    );
 
     // Same pipeline again: nothing is fetched.
-    let before = hub.requests().iter().filter(|r| r.contains("/resolve/")).count();
+    let before = hub
+        .requests()
+        .iter()
+        .filter(|r| r.contains("/resolve/"))
+        .count();
     let (st, _) = env.run("hub.yaml", 0);
     assert!(st.values().all(|s| s == "cached"), "{st:?}");
-    let after = hub.requests().iter().filter(|r| r.contains("/resolve/")).count();
+    let after = hub
+        .requests()
+        .iter()
+        .filter(|r| r.contains("/resolve/"))
+        .count();
     assert_eq!(before, after, "a cached download fetches no file");
 }
 
@@ -181,8 +206,14 @@ fn the_shared_gpt_dump_is_truncated_and_says_so() {
     let stats = &m["stats"];
     let rows = stats["rows"].as_u64().unwrap();
     // ASSETS.md: a streaming decoder recovers ~17.7K complete conversations.
-    assert!((17_000..18_500).contains(&(rows + stats["unmapped"].as_u64().unwrap())), "{stats}");
-    assert!(stats["files"][0]["truncated_at"].as_u64().unwrap() > 100_000_000, "{stats}");
+    assert!(
+        (17_000..18_500).contains(&(rows + stats["unmapped"].as_u64().unwrap())),
+        "{stats}"
+    );
+    assert!(
+        stats["files"][0]["truncated_at"].as_u64().unwrap() > 100_000_000,
+        "{stats}"
+    );
     // Rows that can't be mapped are counted by reason, with examples.
     if stats["unmapped"].as_u64().unwrap() > 0 {
         assert!(!stats["unmapped_reasons"].as_object().unwrap().is_empty());
@@ -201,12 +232,18 @@ fn a_gated_dataset_needs_the_token_which_never_shows() {
     let hub = Hub::start(root.path(), None, Some(secret));
     let mut env = Env::new();
     env.set("HF_ENDPOINT", &hub.endpoint());
-    env.write("hub.yaml", "stages:\n  gated: {kind: download, params: {hf: acme/gated}}\n");
+    env.write(
+        "hub.yaml",
+        "stages:\n  gated: {kind: download, params: {hf: acme/gated}}\n",
+    );
 
     let out = env.dflash(&["run", "hub.yaml"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("HTTP 401") && stderr.contains("HF_TOKEN"), "{stderr}");
+    assert!(
+        stderr.contains("HTTP 401") && stderr.contains("HF_TOKEN"),
+        "{stderr}"
+    );
 
     env.set("HF_TOKEN", secret);
     let out = env.dflash(&["run", "hub.yaml"]);
@@ -246,14 +283,23 @@ fn local_files_with_bad_rows_are_counted_not_dropped_silently() {
     assert_eq!(stats["rows"], 3);
     assert_eq!(stats["unmapped"], 2);
     let reasons = stats["unmapped_reasons"].as_object().unwrap();
-    assert!(reasons.keys().any(|r| r.starts_with("not JSON")), "{reasons:?}");
-    assert!(reasons.keys().any(|r| r.contains("unknown role `martian`")), "{reasons:?}");
+    assert!(
+        reasons.keys().any(|r| r.starts_with("not JSON")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.keys().any(|r| r.contains("unknown role `martian`")),
+        "{reasons:?}"
+    );
     let examples = stats["unmapped_examples"].to_string();
     assert!(examples.contains("prompts.jsonl line 3"), "{examples}");
     assert_eq!(stats["pinned"].as_object().unwrap().len(), 1);
 
     // Editing the file changes the key: the pin is the content.
-    env.write("data/prompts.jsonl", "{\"id\": \"z\", \"prompt\": \"new\"}\n");
+    env.write(
+        "data/prompts.jsonl",
+        "{\"id\": \"z\", \"prompt\": \"new\"}\n",
+    );
     let (st, _) = env.run("hub.yaml", 0);
     assert_eq!(st["local"], "ran");
 }
@@ -269,4 +315,148 @@ fn a_download_without_exactly_one_source_is_an_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0));
     assert!(stderr.contains("exactly one source"), "{stderr}");
+}
+
+/// Three real datasets (skewed: 164 code, 100 math, 80 chat) plus copies of GSM8K prompts, some
+/// exact (case and spacing changed), some near (the last word changed).
+fn mix_env(mix_params: &str) -> Env {
+    let env = Env::new();
+    let a = assets();
+    for f in ["HumanEval.jsonl.gz", "gsm8k.jsonl", "mt-bench.jsonl"] {
+        std::fs::copy(a.join(f), env.path().join(f)).unwrap();
+    }
+    let mut copies = String::new();
+    for (i, line) in std::fs::read_to_string(a.join("gsm8k.jsonl"))
+        .unwrap()
+        .lines()
+        .take(20)
+        .enumerate()
+    {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let prompt = v["prompt"].as_str().unwrap();
+        let text = if i < 10 {
+            format!("  {}  ", prompt.to_uppercase().replace(' ', "   "))
+        } else {
+            let cut = prompt.trim_end().rsplit_once(' ').unwrap().0;
+            format!("{cut} altogether?")
+        };
+        copies
+            .push_str(&serde_json::json!({"id": format!("copy-{i}"), "prompt": text}).to_string());
+        copies.push('\n');
+    }
+    env.write("copies.jsonl", &copies);
+    env.write(
+        "mix.yaml",
+        &format!(
+            "stages:\n\
+             \x20 code: {{kind: download, params: {{path: HumanEval.jsonl.gz, category: code}}}}\n\
+             \x20 math: {{kind: download, params: {{path: gsm8k.jsonl, category: math}}}}\n\
+             \x20 chat: {{kind: download, params: {{path: mt-bench.jsonl}}}}\n\
+             \x20 copies: {{kind: download, params: {{path: copies.jsonl, category: math}}}}\n\
+             \x20 prompts:\n\
+             \x20   kind: mix\n\
+             \x20   inputs: [code, math, chat, copies]\n\
+             \x20   params: {mix_params}\n"
+        ),
+    );
+    env
+}
+
+fn mix_stats(env: &Env) -> Value {
+    let out = env.dflash(&["show", "prompts", "-p", "mix.yaml"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice::<Value>(&out.stdout).unwrap()["stats"].clone()
+}
+
+#[test]
+fn mix_rebalances_dedups_and_reports_the_composition() {
+    let env = mix_env(
+        "{weights: {code: 1, math: 1, chat: 1, copies: 1}, total: 240, seed: 7, eval_fraction: 0.1}",
+    );
+    let (st, v) = env.run("mix.yaml", 0);
+    assert_eq!(st["prompts"], "ran");
+    let s = mix_stats(&env);
+    assert_eq!(s["before"]["rows"], 364);
+    assert_eq!(s["before"]["sources"]["code"], 164);
+    // The ten exact copies and (most of) the ten near copies of GSM8K prompts are gone,
+    // whichever of each pair the seed preferred.
+    assert_eq!(s["removed"]["exact_duplicates"], 10, "{s}");
+    assert!(
+        s["removed"]["near_duplicates"].as_u64().unwrap() >= 8,
+        "{s}"
+    );
+    // 60 rows wanted per source; `copies` can't give them and the report says so.
+    assert_eq!(s["sources"]["code"], 60);
+    assert_eq!(s["sources"]["chat"], 60);
+    let short = s["shortfalls"].as_array().unwrap();
+    assert!(short.iter().any(|x| x["group"] == "copies"), "{s}");
+    let rows = s["rows"].as_u64().unwrap();
+    assert_eq!(
+        rows,
+        s["splits"]["train"].as_u64().unwrap() + s["splits"]["eval"].as_u64().unwrap()
+    );
+    assert!(s["splits"]["eval"].as_u64().unwrap() >= 15);
+    assert!(s["composition"].as_str().unwrap().contains("before"));
+
+    // pyarrow reads it; ids are unique.
+    let out = env.path().join("export");
+    assert!(
+        env.dflash(&["export", "prompts", "-p", "mix.yaml", out.to_str().unwrap()])
+            .status
+            .success()
+    );
+    let files = pyarrow_rows(&out);
+    assert_eq!(files["train-00000.arrow"]["rows"], s["splits"]["train"]);
+    assert_eq!(files["eval-00000.arrow"]["rows"], s["splits"]["eval"]);
+
+    // The same seed gives the same bytes; another seed another sample of the same shape.
+    let digest = v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["id"] == "prompts")
+        .unwrap()["digest"]
+        .clone();
+    let again = mix_env(
+        "{weights: {code: 1, math: 1, chat: 1, copies: 1}, total: 240, seed: 7, eval_fraction: 0.1}",
+    );
+    let (_, v2) = again.run("mix.yaml", 0);
+    let d2 = v2["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["id"] == "prompts")
+        .unwrap()["digest"]
+        .clone();
+    assert_eq!(digest, d2, "deterministic across stores");
+    let other = mix_env(
+        "{weights: {code: 1, math: 1, chat: 1, copies: 1}, total: 240, seed: 8, eval_fraction: 0.1}",
+    );
+    let (_, v3) = other.run("mix.yaml", 0);
+    let d3 = v3["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["id"] == "prompts")
+        .unwrap()["digest"]
+        .clone();
+    assert_ne!(digest, d3);
+    assert_eq!(mix_stats(&other)["sources"]["code"], 60);
+}
+
+#[test]
+fn a_quota_that_cannot_be_met_fails_when_strict() {
+    let env = mix_env("{by: category, quotas: {code: 100, math: 500}, strict: true}");
+    let out = env.dflash(&["run", "mix.yaml"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("quotas not met") && stderr.contains("`math` wants 500"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("hint:"), "{stderr}");
 }

@@ -70,11 +70,7 @@ pub(crate) async fn run_stage(
     let out_dir = work.join("out");
     let scratch = work.join("scratch");
     // Per key, not per run: what a crashed attempt left here is what the next one resumes from.
-    let resume = shared
-        .opts
-        .work_dir
-        .join("resume")
-        .join(key.0.short(16));
+    let resume = shared.opts.work_dir.join("resume").join(key.0.short(16));
     let result = async {
         for d in [&out_dir, &scratch, &log_dir, &resume] {
             std::fs::create_dir_all(d)

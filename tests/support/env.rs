@@ -111,4 +111,3 @@ pub fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
-

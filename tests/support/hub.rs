@@ -54,7 +54,10 @@ impl Hub {
             if let Ok(s) = std::fs::read_to_string(&port_file) {
                 break s.trim().parse().expect("a port");
             }
-            assert!(t0.elapsed() < Duration::from_secs(20), "hub_server.py did not start");
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "hub_server.py did not start"
+            );
             std::thread::sleep(Duration::from_millis(20));
         };
         Self { child, port, log }

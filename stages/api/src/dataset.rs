@@ -67,7 +67,8 @@ fn message_fields() -> Fields {
 
 /// The canonical schema.
 pub fn schema() -> SchemaRef {
-    let meta: std::collections::HashMap<String, String> = [("dflash.schema".to_owned(), SCHEMA_VERSION.to_owned())].into();
+    let meta: std::collections::HashMap<String, String> =
+        [("dflash.schema".to_owned(), SCHEMA_VERSION.to_owned())].into();
     Arc::new(Schema::new_with_metadata(
         vec![
             Field::new("id", DataType::Utf8, false),
@@ -221,8 +222,8 @@ pub fn write_rows(path: &Path, rows: &[Conversation]) -> Result<(), StageError> 
 /// Read every batch of one file, checking its schema.
 pub fn read_batches(path: &Path) -> Result<Vec<RecordBatch>, StageError> {
     let file = File::open(path).map_err(|e| io_err(path, "open", e))?;
-    let reader = StreamReader::try_new(BufReader::new(file), None)
-        .map_err(|e| io_err(path, "read", e))?;
+    let reader =
+        StreamReader::try_new(BufReader::new(file), None).map_err(|e| io_err(path, "read", e))?;
     let version = reader.schema().metadata().get("dflash.schema").cloned();
     if version.as_deref() != Some(SCHEMA_VERSION) {
         return Err(StageError::new(format!(
@@ -290,6 +291,11 @@ impl<'a> BatchView<'a> {
     pub fn message_range(&self, i: usize) -> std::ops::Range<usize> {
         let o = self.messages.value_offsets();
         o[i] as usize..o[i + 1] as usize
+    }
+
+    /// Row `i`'s category, if it has one.
+    pub fn category_of(&self, i: usize) -> Option<&'a str> {
+        (!self.category.is_null(i)).then(|| self.category.value(i))
     }
 
     /// Row `i` as an owned value.
@@ -411,6 +417,10 @@ mod tests {
         w.write(&batch).unwrap();
         w.finish().unwrap();
         let err = read_batches(&path).unwrap_err();
-        assert!(err.message.contains("not a dflash conversation dataset"), "{}", err.message);
+        assert!(
+            err.message.contains("not a dflash conversation dataset"),
+            "{}",
+            err.message
+        );
     }
 }

@@ -122,11 +122,7 @@ impl Client {
     pub fn head(&self, url: &str) -> Result<Head, HttpError> {
         let r = self.send(|| self.request(reqwest::Method::HEAD, url), url)?;
         let h = r.headers();
-        let text = |name: &str| {
-            h.get(name)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned)
-        };
+        let text = |name: &str| h.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
         Ok(Head {
             etag: text("etag"),
             size: text("content-length").and_then(|s| s.parse().ok()),

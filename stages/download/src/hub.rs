@@ -47,10 +47,7 @@ fn encode(segment: &str) -> String {
 /// Resolve `revision` of dataset `repo` to a commit sha and its file list.
 pub fn resolve(client: &Client, repo: &str, revision: &str) -> Result<Revision, StageError> {
     let base = endpoint();
-    let url = format!(
-        "{base}/api/datasets/{repo}/revision/{}",
-        encode(revision)
-    );
+    let url = format!("{base}/api/datasets/{repo}/revision/{}", encode(revision));
     let body = client.get_text(&url).map_err(|e| {
         let hint = match e.status {
             Some(401 | 403) => "the dataset is gated or private: accept its terms on the Hub and set `HF_TOKEN`".to_owned(),

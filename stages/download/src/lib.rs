@@ -9,8 +9,8 @@
 //! rerun after a crash fetches only the files not yet done, and a file cut off mid-download
 //! resumes from where it stopped. Rows that can't be mapped are counted per reason and reported.
 
-pub mod hub;
 pub mod http;
+pub mod hub;
 pub mod mapping;
 pub mod records;
 
@@ -19,14 +19,16 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use dflash_stage_api::dataset::{self, Writer};
-use dflash_stage_api::{Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput};
+use dflash_stage_api::{
+    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::http::{Client, shown};
-use object_store::ObjectStoreExt;
 use crate::mapping::{FIELD_NAMES, Mapping, Shape};
 use crate::records::Format;
+use object_store::ObjectStoreExt;
 
 /// The `download` stage kind.
 pub struct DownloadKind;
@@ -67,8 +69,13 @@ impl Params {
                     .iter()
                     .find(|n| n.starts_with(&k[..k.len().min(3)]))
                     .map_or(String::new(), |n| format!("; did you mean `{n}`?"));
-                return Err(StageError::new(format!("`fields.{k}` is not a field a mapping reads{near}"))
-                    .with_help(format!("fields that can be renamed: {}", FIELD_NAMES.join(", "))));
+                return Err(StageError::new(format!(
+                    "`fields.{k}` is not a field a mapping reads{near}"
+                ))
+                .with_help(format!(
+                    "fields that can be renamed: {}",
+                    FIELD_NAMES.join(", ")
+                )));
             }
         }
         Ok(p)
@@ -148,11 +155,19 @@ impl StageKind for DownloadKind {
                 let head = client.head(url).map_err(|e| StageError::new(e.message))?;
                 let identity = match (&head.etag, &head.last_modified) {
                     (Some(etag), _) => format!("etag={etag};size={}", head.size.unwrap_or(0)),
-                    (None, Some(lm)) => format!("last-modified={lm};size={}", head.size.unwrap_or(0)),
+                    (None, Some(lm)) => {
+                        format!("last-modified={lm};size={}", head.size.unwrap_or(0))
+                    }
                     // Nothing identifies the object but its bytes: hash them.
                     (None, None) => {
                         let tmp = tempfile_path()?;
-                        client.download(url, &tmp, head.size, &dflash_stage_api::Cancel::new(), &|_| {})?;
+                        client.download(
+                            url,
+                            &tmp,
+                            head.size,
+                            &dflash_stage_api::Cancel::new(),
+                            &|_| {},
+                        )?;
                         let digest = blake3::hash(&std::fs::read(&tmp)?);
                         let _ = std::fs::remove_file(&tmp);
                         format!("blake3={digest}")
@@ -169,11 +184,7 @@ impl StageKind for DownloadKind {
                     .map_err(|e| StageError::new(format!("cannot read `{}`: {e}", shown(url))))?;
                 Ok(vec![Pin {
                     name: format!("object:{}", shown(url)),
-                    identity: format!(
-                        "etag={};size={}",
-                        meta.e_tag.unwrap_or_default(),
-                        meta.size
-                    ),
+                    identity: format!("etag={};size={}", meta.e_tag.unwrap_or_default(), meta.size),
                 }])
             }
             Source::Local(path) => local_files(Path::new(path))?
@@ -217,10 +228,15 @@ impl StageKind for DownloadKind {
             let report_path = format!("_download/{shard}.json");
             let report: FileReport = if done.contains(&shard) {
                 let bytes = ctx.shards.read(&shard, &report_path)?;
-                serde_json::from_slice(&bytes)
-                    .map_err(|e| StageError::new(format!("shard {shard}'s report is unreadable: {e}")))?
+                serde_json::from_slice(&bytes).map_err(|e| {
+                    StageError::new(format!("shard {shard}'s report is unreadable: {e}"))
+                })?
             } else {
-                ctx.progress.set(i as u64, Some(plan.len() as u64), &format!("fetching {}", file.name));
+                ctx.progress.set(
+                    i as u64,
+                    Some(plan.len() as u64),
+                    &format!("fetching {}", file.name),
+                );
                 let local = fetch(file, ctx, &client)?;
                 let dir = ctx.scratch_dir.join(format!("shard-{shard}"));
                 std::fs::create_dir_all(dir.join("_download"))?;
@@ -234,7 +250,10 @@ impl StageKind for DownloadKind {
                     rows_so_far,
                     ctx,
                 )?;
-                std::fs::write(dir.join(&report_path), serde_json::to_vec_pretty(&report).expect("json"))?;
+                std::fs::write(
+                    dir.join(&report_path),
+                    serde_json::to_vec_pretty(&report).expect("json"),
+                )?;
                 ctx.shards.commit(&shard, &dir)?;
                 let _ = std::fs::remove_dir_all(&dir);
                 if file.remote() {
@@ -247,7 +266,9 @@ impl StageKind for DownloadKind {
                 report.file,
                 report.rows,
                 report.unmapped,
-                report.truncated_at.map_or(String::new(), |b| format!(", truncated at byte {b}"))
+                report
+                    .truncated_at
+                    .map_or(String::new(), |b| format!(", truncated at byte {b}"))
             ));
             rows_so_far += report.rows;
             reports.push(report);
@@ -258,7 +279,10 @@ impl StageKind for DownloadKind {
             return Err(StageError::new(format!(
                 "no rows could be mapped from {} ({})",
                 names.join(", "),
-                reasons.keys().next().map_or("no records".into(), |r| format!("e.g. {r}"))
+                reasons
+                    .keys()
+                    .next()
+                    .map_or("no records".into(), |r| format!("e.g. {r}"))
             ))
             .with_help("set `format:` and `fields:` to say which fields hold the conversation"));
         }
@@ -295,7 +319,11 @@ fn format_of(name: &str) -> Result<Format, StageError> {
     })
 }
 
-fn plan_files(p: &Params, ctx: &StageContext<'_>, _client: &Client) -> Result<Vec<PlannedFile>, StageError> {
+fn plan_files(
+    p: &Params,
+    ctx: &StageContext<'_>,
+    _client: &Client,
+) -> Result<Vec<PlannedFile>, StageError> {
     Ok(match p.source()? {
         Source::Hub { repo, revision } => {
             // The sha pinned into the key, so the data is exactly what the key names.
@@ -323,13 +351,22 @@ fn plan_files(p: &Params, ctx: &StageContext<'_>, _client: &Client) -> Result<Ve
         }
         Source::Url(url) => vec![PlannedFile {
             name: shown(url),
-            format: format_of(url::Url::parse(url).map(|u| u.path().to_owned()).as_deref().unwrap_or(url))?,
-            how: Fetch::Http { url: url.to_owned() },
+            format: format_of(
+                url::Url::parse(url)
+                    .map(|u| u.path().to_owned())
+                    .as_deref()
+                    .unwrap_or(url),
+            )?,
+            how: Fetch::Http {
+                url: url.to_owned(),
+            },
         }],
         Source::Object(url) => vec![PlannedFile {
             name: shown(url),
             format: format_of(url)?,
-            how: Fetch::Object { url: url.to_owned() },
+            how: Fetch::Object {
+                url: url.to_owned(),
+            },
         }],
         Source::Local(path) => {
             let base = ctx.cwd.join(path);
@@ -377,7 +414,11 @@ fn choose_files(all: &[String], p: &Params) -> Result<Vec<String>, StageError> {
             .iter()
             .any(|f| SPLIT_WORDS.iter().any(|w| mentions_split(f, w)));
         if any_split {
-            in_subset.into_iter().filter(|f| mentions_split(f, &p.split)).cloned().collect()
+            in_subset
+                .into_iter()
+                .filter(|f| mentions_split(f, &p.split))
+                .cloned()
+                .collect()
         } else if p.split == "train" {
             in_subset.into_iter().cloned().collect()
         } else {
@@ -399,7 +440,9 @@ fn choose_files(all: &[String], p: &Params) -> Result<Vec<String>, StageError> {
                 format!(
                     "split `{}`{}",
                     p.split,
-                    p.subset.as_ref().map_or(String::new(), |s| format!(" of subset `{s}`"))
+                    p.subset
+                        .as_ref()
+                        .map_or(String::new(), |s| format!(" of subset `{s}`"))
                 )
             } else {
                 format!("`files: {:?}`", p.files)
@@ -464,7 +507,13 @@ fn local_files(path: &Path) -> Result<Vec<PathBuf>, StageError> {
 fn tempfile_path() -> Result<PathBuf, StageError> {
     let dir = std::env::temp_dir().join(format!("dflash-pin-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    Ok(dir.join(format!("{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0))))
+    Ok(dir.join(format!(
+        "{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    )))
 }
 
 fn block_on<F: std::future::Future>(f: F) -> Result<F::Output, StageError> {
@@ -475,7 +524,9 @@ fn block_on<F: std::future::Future>(f: F) -> Result<F::Output, StageError> {
     Ok(rt.block_on(f))
 }
 
-fn object_store_for(url: &str) -> Result<(Box<dyn object_store::ObjectStore>, object_store::path::Path), StageError> {
+fn object_store_for(
+    url: &str,
+) -> Result<(Box<dyn object_store::ObjectStore>, object_store::path::Path), StageError> {
     let parsed = url::Url::parse(url)
         .map_err(|e| StageError::new(format!("`{}` is not a URL: {e}", shown(url))))?;
     let opts = std::env::vars().map(|(k, v)| (k.to_ascii_lowercase(), v));
@@ -484,7 +535,11 @@ fn object_store_for(url: &str) -> Result<(Box<dyn object_store::ObjectStore>, ob
 }
 
 /// Bring one file to local disk (resuming an interrupted download); returns its path.
-fn fetch(file: &PlannedFile, ctx: &StageContext<'_>, client: &Client) -> Result<PathBuf, StageError> {
+fn fetch(
+    file: &PlannedFile,
+    ctx: &StageContext<'_>,
+    client: &Client,
+) -> Result<PathBuf, StageError> {
     match &file.how {
         Fetch::Local(p) => Ok(p.clone()),
         Fetch::Http { url } => {
@@ -495,14 +550,17 @@ fn fetch(file: &PlannedFile, ctx: &StageContext<'_>, client: &Client) -> Result<
             let fetched = std::sync::atomic::AtomicU64::new(0);
             client.download(url, &dest, head.size, ctx.cancel, &|n| {
                 let so_far = fetched.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
-                ctx.progress.set(so_far, head.size, &format!("{} bytes", file.name));
+                ctx.progress
+                    .set(so_far, head.size, &format!("{} bytes", file.name));
             })?;
             Ok(dest)
         }
         Fetch::Object { url } => {
-            let dest = ctx
-                .resume_dir
-                .join(blake3::hash(url.as_bytes()).to_hex()[..16].to_owned() + "-" + url.rsplit('/').next().unwrap_or("data"));
+            let dest = ctx.resume_dir.join(
+                blake3::hash(url.as_bytes()).to_hex()[..16].to_owned()
+                    + "-"
+                    + url.rsplit('/').next().unwrap_or("data"),
+            );
             if !dest.exists() {
                 let (store, path) = object_store_for(url)?;
                 let bytes = block_on(async { store.get(&path).await?.bytes().await })?
@@ -582,7 +640,9 @@ fn convert(
             Err(reason) => {
                 report.unmapped += 1;
                 if report.examples.len() < 5 {
-                    report.examples.push(format!("{} {loc}: {reason}", file.name));
+                    report
+                        .examples
+                        .push(format!("{} {loc}: {reason}", file.name));
                 }
                 *report.reasons.entry(reason_class(&reason)).or_default() += 1;
             }
@@ -591,7 +651,8 @@ fn convert(
             if ctx.cancel.is_cancelled() {
                 return ControlFlow::Break(());
             }
-            ctx.progress.set(report.rows, None, &format!("rows of {}", file.name));
+            ctx.progress
+                .set(report.rows, None, &format!("rows of {}", file.name));
         }
         if limit.is_some_and(|l| report.rows >= l) {
             return ControlFlow::Break(());
@@ -636,18 +697,31 @@ fn stats(reports: &[FileReport], source: &str, pins: &[Pin]) -> serde_json::Map<
         .map(|r| json!({"file": r.file, "rows": r.rows, "unmapped": r.unmapped, "truncated_at": r.truncated_at}))
         .collect();
     let mut m = serde_json::Map::new();
-    m.insert("rows".into(), json!(reports.iter().map(|r| r.rows).sum::<u64>()));
-    m.insert("unmapped".into(), json!(reports.iter().map(|r| r.unmapped).sum::<u64>()));
+    m.insert(
+        "rows".into(),
+        json!(reports.iter().map(|r| r.rows).sum::<u64>()),
+    );
+    m.insert(
+        "unmapped".into(),
+        json!(reports.iter().map(|r| r.unmapped).sum::<u64>()),
+    );
     m.insert("unmapped_reasons".into(), json!(merge_reasons(reports)));
     m.insert("unmapped_examples".into(), json!(examples));
     m.insert("source".into(), json!(source));
-    m.insert("sources".into(), json!({ source: reports.iter().map(|r| r.rows).sum::<u64>() }));
+    m.insert(
+        "sources".into(),
+        json!({ source: reports.iter().map(|r| r.rows).sum::<u64>() }),
+    );
     m.insert("categories".into(), json!(categories));
     m.insert("shapes".into(), json!(shapes));
     m.insert("files".into(), json!(files));
     m.insert(
         "pinned".into(),
-        json!(pins.iter().map(|p| (p.name.clone(), p.identity.clone())).collect::<BTreeMap<_, _>>()),
+        json!(
+            pins.iter()
+                .map(|p| (p.name.clone(), p.identity.clone()))
+                .collect::<BTreeMap<_, _>>()
+        ),
     );
     m
 }
@@ -656,7 +730,12 @@ struct Log(std::fs::File);
 
 impl Log {
     fn open(path: &Path) -> Result<Self, StageError> {
-        Ok(Self(std::fs::OpenOptions::new().create(true).append(true).open(path)?))
+        Ok(Self(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?,
+        ))
     }
 
     fn line(&mut self, s: &str) {
@@ -698,17 +777,26 @@ mod tests {
             vec!["code/train.jsonl"]
         );
         assert_eq!(
-            choose_files(&all, &params("train", None, &["data/*.parquet"])).unwrap().len(),
+            choose_files(&all, &params("train", None, &["data/*.parquet"]))
+                .unwrap()
+                .len(),
             3
         );
         let err = choose_files(&all, &params("validation", None, &[])).unwrap_err();
-        assert!(err.help.unwrap().contains("data/train-00000-of-00002.parquet"));
+        assert!(
+            err.help
+                .unwrap()
+                .contains("data/train-00000-of-00002.parquet")
+        );
     }
 
     #[test]
     fn a_repo_without_split_names_is_train() {
         let all = vec!["mt-en.jsonl".to_owned()];
-        assert_eq!(choose_files(&all, &params("train", None, &[])).unwrap(), all);
+        assert_eq!(
+            choose_files(&all, &params("train", None, &[])).unwrap(),
+            all
+        );
         assert!(choose_files(&all, &params("test", None, &[])).is_err());
     }
 
@@ -727,11 +815,18 @@ mod tests {
         }))
         .err()
         .unwrap();
-        assert!(err.message.contains("did you mean `prompt`"), "{}", err.message);
+        assert!(
+            err.message.contains("did you mean `prompt`"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]
     fn reasons_group_without_numbers() {
-        assert_eq!(reason_class("turn 12 has the unknown role `x`"), "turn N has the unknown role `x`");
+        assert_eq!(
+            reason_class("turn 12 has the unknown role `x`"),
+            "turn N has the unknown role `x`"
+        );
     }
 }

@@ -111,7 +111,10 @@ impl Mapping {
         if let Some(f) = self.fields.get("prompt") {
             return Some(f);
         }
-        PROMPT_FIELDS.iter().copied().find(|f| rec.get(*f).is_some_and(Value::is_string))
+        PROMPT_FIELDS
+            .iter()
+            .copied()
+            .find(|f| rec.get(*f).is_some_and(Value::is_string))
     }
 
     /// Map one record; `ordinal` names it when it has no id field.
@@ -139,9 +142,17 @@ impl Mapping {
         match shape {
             Shape::Sharegpt | Shape::Messages => {
                 let (list, role_f, content_f) = if shape == Shape::Sharegpt {
-                    ("conversations", self.field_or("role", "from"), self.field_or("content", "value"))
+                    (
+                        "conversations",
+                        self.field_or("role", "from"),
+                        self.field_or("content", "value"),
+                    )
                 } else {
-                    ("messages", self.field_or("role", "role"), self.field_or("content", "content"))
+                    (
+                        "messages",
+                        self.field_or("role", "role"),
+                        self.field_or("content", "content"),
+                    )
                 };
                 let items = rec
                     .get(self.field(list))
@@ -154,8 +165,8 @@ impl Mapping {
                         .ok_or_else(|| format!("turn {i} has no string `{role_f}`"))?;
                     let role = canonical_role(role)
                         .ok_or_else(|| format!("turn {i} has the unknown role `{role}`"))?;
-                    let content = content_text(item.get(content_f))
-                        .map_err(|e| format!("turn {i}: {e}"))?;
+                    let content =
+                        content_text(item.get(content_f)).map_err(|e| format!("turn {i}: {e}"))?;
                     let reasoning = ["reasoning_content", "reasoning"]
                         .iter()
                         .find_map(|k| item.get(*k).and_then(Value::as_str))
@@ -286,7 +297,9 @@ fn content_text(v: Option<&Value>) -> Result<String, String> {
             for p in parts {
                 match (p.get("type").and_then(Value::as_str), p.get("text")) {
                     (Some("text") | None, Some(Value::String(t))) => out.push_str(t),
-                    (Some(t), _) => return Err(format!("a `{t}` content part (only text is kept)")),
+                    (Some(t), _) => {
+                        return Err(format!("a `{t}` content part (only text is kept)"));
+                    }
                     _ => return Err("a content part without text".into()),
                 }
             }
@@ -347,7 +360,10 @@ mod tests {
     #[test]
     fn alpaca_joins_instruction_and_input() {
         let (_, c) = mapping()
-            .map(&json!({"instruction": "Sum", "input": "1 2", "output": "3"}), 7)
+            .map(
+                &json!({"instruction": "Sum", "input": "1 2", "output": "3"}),
+                7,
+            )
             .unwrap();
         assert_eq!(c.messages[0].content, "Sum\n\n1 2");
         assert_eq!(c.messages[1].content, "3");
@@ -357,23 +373,43 @@ mod tests {
     #[test]
     fn turns_and_prompt_and_category() {
         let (s, c) = mapping()
-            .map(&json!({"question_id": 81, "category": "writing", "turns": ["a", "b"]}), 0)
+            .map(
+                &json!({"question_id": 81, "category": "writing", "turns": ["a", "b"]}),
+                0,
+            )
             .unwrap();
-        assert_eq!((s, c.id.as_str(), c.category.as_deref()), (Shape::Turns, "81", Some("writing")));
+        assert_eq!(
+            (s, c.id.as_str(), c.category.as_deref()),
+            (Shape::Turns, "81", Some("writing"))
+        );
         assert_eq!(c.messages.len(), 2);
-        let (s, c) = mapping().map(&json!({"task_id": "HumanEval/0", "prompt": "def f():"}), 0).unwrap();
+        let (s, c) = mapping()
+            .map(&json!({"task_id": "HumanEval/0", "prompt": "def f():"}), 0)
+            .unwrap();
         assert_eq!((s, c.id.as_str()), (Shape::Prompt, "HumanEval/0"));
     }
 
     #[test]
     fn unmappable_records_say_why() {
         let m = mapping();
-        assert!(m.map(&json!({"foo": 1}), 0).unwrap_err().contains("no known shape"));
+        assert!(
+            m.map(&json!({"foo": 1}), 0)
+                .unwrap_err()
+                .contains("no known shape")
+        );
         let e = m
-            .map(&json!({"conversations": [{"from": "alien", "value": "x"}]}), 0)
+            .map(
+                &json!({"conversations": [{"from": "alien", "value": "x"}]}),
+                0,
+            )
             .unwrap_err();
         assert!(e.contains("unknown role `alien`"), "{e}");
-        let e = m.map(&json!({"conversations": [{"from": "gpt", "value": "x"}]}), 0).unwrap_err();
+        let e = m
+            .map(
+                &json!({"conversations": [{"from": "gpt", "value": "x"}]}),
+                0,
+            )
+            .unwrap_err();
         assert_eq!(e, "no user turn");
     }
 }

@@ -91,7 +91,8 @@ pub fn for_each(
         Format::JsonLines => {
             let reader = BufReader::new(open(path)?);
             for (i, line) in reader.lines().enumerate() {
-                let line = line.map_err(|e| StageError::new(format!("cannot read `{shown}`: {e}")))?;
+                let line =
+                    line.map_err(|e| StageError::new(format!("cannot read `{shown}`: {e}")))?;
                 if line.trim().is_empty() {
                     continue;
                 }
@@ -113,8 +114,9 @@ pub fn for_each(
             use parquet::file::reader::{FileReader, SerializedFileReader};
             let f = std::fs::File::open(path)
                 .map_err(|e| StageError::new(format!("cannot open `{shown}`: {e}")))?;
-            let reader = SerializedFileReader::new(f)
-                .map_err(|e| StageError::new(format!("`{shown}` is not a readable Parquet file: {e}")))?;
+            let reader = SerializedFileReader::new(f).map_err(|e| {
+                StageError::new(format!("`{shown}` is not a readable Parquet file: {e}"))
+            })?;
             let rows = reader
                 .get_row_iter(None)
                 .map_err(|e| StageError::new(format!("cannot read `{shown}`: {e}")))?;
@@ -142,7 +144,8 @@ fn json_document(
         .position(|b| !b.is_ascii_whitespace())
         .ok_or("the file is empty")?;
     if text[start] == b'{' {
-        let doc: Value = serde_json::from_slice(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let doc: Value =
+            serde_json::from_slice(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let arrays: Vec<&Vec<Value>> = doc
             .as_object()
             .into_iter()
@@ -223,7 +226,11 @@ mod tests {
     fn truncated_array_keeps_complete_records() {
         let (rows, notes) = collect(r#"[{"a": 1}, {"a": 2}, {"a": 3, "b": "unfinis"#);
         assert_eq!(rows.len(), 2);
-        assert_eq!(notes.truncated_at, Some(21), "the offset where the cut-off record starts");
+        assert_eq!(
+            notes.truncated_at,
+            Some(21),
+            "the offset where the cut-off record starts"
+        );
         let (rows, notes) = collect(r#" [ {"a": 1} , {"a": 2} ] "#);
         assert_eq!(rows.len(), 2);
         assert!(notes.truncated_at.is_none());
@@ -237,7 +244,10 @@ mod tests {
 
     #[test]
     fn formats_from_names() {
-        assert_eq!(Format::of("data/train-00000-of-00002.parquet"), Some(Format::Parquet));
+        assert_eq!(
+            Format::of("data/train-00000-of-00002.parquet"),
+            Some(Format::Parquet)
+        );
         assert_eq!(Format::of("HumanEval.jsonl.gz"), Some(Format::JsonLines));
         assert_eq!(Format::of("x.JSON"), Some(Format::Json));
         assert_eq!(Format::of("README.md"), None);
