@@ -460,3 +460,76 @@ fn a_quota_that_cannot_be_met_fails_when_strict() {
     );
     assert!(stderr.contains("hint:"), "{stderr}");
 }
+
+#[test]
+fn a_plain_url_is_pinned_by_etag_and_a_changed_file_reruns() {
+    let root = tempfile::tempdir().unwrap();
+    let repo = root.path().join("acme/files");
+    std::fs::create_dir_all(&repo).unwrap();
+    std::fs::copy(assets().join("gsm8k.jsonl"), repo.join("gsm8k.jsonl")).unwrap();
+    let hub = Hub::start(root.path(), None, None);
+    let env = Env::new();
+    let url = format!(
+        "{}/datasets/acme/files/resolve/main/gsm8k.jsonl?token=not-shown",
+        hub.endpoint()
+    );
+    env.write(
+        "p.yaml",
+        &format!("stages:\n  web: {{kind: download, params: {{url: '{url}', category: math}}}}\n"),
+    );
+    env.run("p.yaml", 0);
+    let out = env.dflash(&["show", "web", "-p", "p.yaml"]);
+    let m: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(m["stats"]["rows"], 100);
+    let pin = &m["fingerprint"]["pins"][0];
+    assert!(
+        pin["identity"].as_str().unwrap().starts_with("etag="),
+        "{pin}"
+    );
+    assert!(
+        !pin["name"].as_str().unwrap().contains("not-shown"),
+        "query strings may hold signed tokens: {pin}"
+    );
+
+    // The server's file changes: its ETag does, so the key does.
+    let mut text = std::fs::read_to_string(repo.join("gsm8k.jsonl")).unwrap();
+    text.push_str("{\"id\": \"extra\", \"prompt\": \"What is 1 + 1?\"}\n");
+    std::fs::write(repo.join("gsm8k.jsonl"), text).unwrap();
+    let plan = String::from_utf8(env.dflash(&["plan", "p.yaml"]).stdout).unwrap();
+    assert!(
+        plan.contains("pending") && plan.contains("changed"),
+        "{plan}"
+    );
+    env.run("p.yaml", 0);
+    let out = env.dflash(&["show", "web", "-p", "p.yaml"]);
+    let m: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(m["stats"]["rows"], 101);
+}
+
+#[test]
+fn an_object_store_url_is_read_with_the_environments_credentials() {
+    let server = support::Seaweed::start();
+    let prefix = server.url();
+    let store = dflash::store::Store::open_with(&prefix, &server.options()).unwrap();
+    let bytes = std::fs::read(assets().join("mt-bench.jsonl")).unwrap();
+    tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(store.put_create("data/mt-bench.jsonl", bytes.into()))
+        .unwrap();
+    let mut env = Env::new();
+    for (k, v) in server.env() {
+        env.set(&k, &v);
+    }
+    env.write(
+        "p.yaml",
+        &format!("stages:\n  s3: {{kind: download, params: {{object: '{prefix}/data/mt-bench.jsonl'}}}}\n"),
+    );
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["s3"], "ran");
+    let out = env.dflash(&["show", "s3", "-p", "p.yaml"]);
+    let m: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(m["stats"]["rows"], 80);
+    let pin = m["fingerprint"]["pins"][0].to_string();
+    assert!(pin.contains("etag=") && pin.contains("size=48929"), "{pin}");
+    assert!(!m.to_string().contains(support::SECRET_KEY));
+}

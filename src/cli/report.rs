@@ -38,6 +38,11 @@ fn finished_line(
     if let Some(e) = &result.error {
         let _ = write!(line, "  {e}");
     }
+    if let Some(summary) = &result.summary {
+        for l in summary.trim_end().lines() {
+            let _ = write!(line, "\n         {l}");
+        }
+    }
     if let Some(h) = &result.hint {
         let _ = write!(line, "\n         hint: {h}");
     }

@@ -106,6 +106,7 @@ pub(crate) struct Outcome {
     pub key: Option<Key>,
     pub digest: Option<Digest>,
     pub error: Option<StageError>,
+    pub summary: Option<String>,
 }
 
 /// Build a stage's fingerprint from its upstream digests (in input order) and its pins.
@@ -315,6 +316,7 @@ pub async fn execute(
                     seconds,
                     error: outcome.error.as_ref().map(|e| e.message.clone()),
                     hint: outcome.error.as_ref().and_then(|e| e.help.clone()),
+                    summary: outcome.summary.clone(),
                 };
                 keys[i] = outcome.key;
                 let ok = matches!(outcome.status, Status::Ran | Status::Cached | Status::Resumed);
@@ -389,6 +391,7 @@ fn skipped(spec: &StageSpec, why: Option<&str>) -> StageResult {
         seconds: 0.0,
         error: why.map(str::to_owned),
         hint: None,
+        summary: None,
     }
 }
 

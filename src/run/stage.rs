@@ -18,6 +18,7 @@ fn failed(key: Option<Key>, e: StageError) -> Outcome {
         key,
         digest: None,
         error: Some(e),
+        summary: None,
     }
 }
 
@@ -44,6 +45,7 @@ pub(crate) async fn run_stage(
                 key: Some(key),
                 digest: Some(m.digest),
                 error: None,
+                summary: None,
             };
         }
         Ok(None) => {}
@@ -216,7 +218,7 @@ pub(crate) async fn run_stage(
             .commit(&manifest)
             .await
             .map_err(|e| store_err(&e))?;
-        Ok::<Digest, StageError>(committed.digest)
+        Ok::<(Digest, Option<String>), StageError>((committed.digest, output.summary))
     }
     .await;
     let _ = std::fs::remove_dir_all(&work);
@@ -224,7 +226,7 @@ pub(crate) async fn run_stage(
         let _ = std::fs::remove_dir_all(&resume);
     }
     match result {
-        Ok(digest) => Outcome {
+        Ok((digest, summary)) => Outcome {
             status: if resumed {
                 Status::Resumed
             } else {
@@ -233,6 +235,7 @@ pub(crate) async fn run_stage(
             key: Some(key),
             digest: Some(digest),
             error: None,
+            summary,
         },
         Err(e) => failed(Some(key), e),
     }

@@ -134,6 +134,9 @@ pub struct StageResult {
     /// What to do about the error, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hint: Option<String>,
+    /// The stage's terminal report, for this run's output only (not stored in run records).
+    #[serde(skip)]
+    pub summary: Option<String>,
 }
 
 /// The record of one run, written once when the run ends.

@@ -107,4 +107,7 @@ impl StageContext<'_> {
 pub struct StageOutput {
     /// Data summaries for the manifest (row and token counts, ...).
     pub stats: serde_json::Map<String, Value>,
+    /// A short report for the terminal, printed under the stage's line when it ran (e.g. a
+    /// mix's composition table).
+    pub summary: Option<String>,
 }

@@ -137,7 +137,10 @@ impl StageKind for CommandKind {
                 stats.insert("shards_reused".into(), skipped.into());
             }
         }
-        Ok(StageOutput { stats })
+        Ok(StageOutput {
+            stats,
+            summary: None,
+        })
     }
 }
 

@@ -288,6 +288,7 @@ impl StageKind for DownloadKind {
         }
         Ok(StageOutput {
             stats: stats(&reports, &source_name, ctx.pins),
+            summary: None,
         })
     }
 }

@@ -390,7 +390,10 @@ impl StageKind for MixKind {
         std::fs::write(ctx.log_path, &text)?;
         let mut stats = report.stats(&counts);
         stats.insert("composition".into(), json!(text));
-        Ok(StageOutput { stats })
+        Ok(StageOutput {
+            stats,
+            summary: Some(text),
+        })
     }
 }
 
