@@ -97,7 +97,12 @@ stages:
 ";
 
 fn show(env: &Env, stage: &str) -> Value {
-    let out = env.dflash(&["show", stage, "-p", "hub.yaml"]);
+    show_in(env, stage, "hub.yaml")
+}
+
+/// `dflash show STAGE -p PIPELINE` as JSON.
+fn show_in(env: &Env, stage: &str, pipeline: &str) -> Value {
+    let out = env.dflash(&["show", stage, "-p", pipeline]);
     assert!(
         out.status.success(),
         "{}",
@@ -362,14 +367,19 @@ fn mix_env(mix_params: &str) -> Env {
     env
 }
 
+/// The `prompts` stage's output digest in a `run --json` report.
+fn prompts_digest(report: &Value) -> Value {
+    report["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["id"] == "prompts")
+        .unwrap()["digest"]
+        .clone()
+}
+
 fn mix_stats(env: &Env) -> Value {
-    let out = env.dflash(&["show", "prompts", "-p", "mix.yaml"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice::<Value>(&out.stdout).unwrap()["stats"].clone()
+    show_in(env, "prompts", "mix.yaml")["stats"].clone()
 }
 
 #[test]
@@ -414,36 +424,18 @@ fn mix_rebalances_dedups_and_reports_the_composition() {
     assert_eq!(files["eval-00000.arrow"]["rows"], s["splits"]["eval"]);
 
     // The same seed gives the same bytes; another seed another sample of the same shape.
-    let digest = v["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|x| x["id"] == "prompts")
-        .unwrap()["digest"]
-        .clone();
+    let digest = prompts_digest(&v);
     let again = mix_env(
         "{weights: {code: 1, math: 1, chat: 1, copies: 1}, total: 240, seed: 7, eval_fraction: 0.1}",
     );
     let (_, v2) = again.run("mix.yaml", 0);
-    let d2 = v2["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|x| x["id"] == "prompts")
-        .unwrap()["digest"]
-        .clone();
+    let d2 = prompts_digest(&v2);
     assert_eq!(digest, d2, "deterministic across stores");
     let other = mix_env(
         "{weights: {code: 1, math: 1, chat: 1, copies: 1}, total: 240, seed: 8, eval_fraction: 0.1}",
     );
     let (_, v3) = other.run("mix.yaml", 0);
-    let d3 = v3["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|x| x["id"] == "prompts")
-        .unwrap()["digest"]
-        .clone();
+    let d3 = prompts_digest(&v3);
     assert_ne!(digest, d3);
     assert_eq!(mix_stats(&other)["sources"]["code"], 60);
 }
@@ -478,8 +470,7 @@ fn a_plain_url_is_pinned_by_etag_and_a_changed_file_reruns() {
         &format!("stages:\n  web: {{kind: download, params: {{url: '{url}', category: math}}}}\n"),
     );
     env.run("p.yaml", 0);
-    let out = env.dflash(&["show", "web", "-p", "p.yaml"]);
-    let m: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let m = show_in(&env, "web", "p.yaml");
     assert_eq!(m["stats"]["rows"], 100);
     let pin = &m["fingerprint"]["pins"][0];
     assert!(
@@ -501,8 +492,7 @@ fn a_plain_url_is_pinned_by_etag_and_a_changed_file_reruns() {
         "{plan}"
     );
     env.run("p.yaml", 0);
-    let out = env.dflash(&["show", "web", "-p", "p.yaml"]);
-    let m: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let m = show_in(&env, "web", "p.yaml");
     assert_eq!(m["stats"]["rows"], 101);
 }
 
@@ -526,8 +516,7 @@ fn an_object_store_url_is_read_with_the_environments_credentials() {
     );
     let (st, _) = env.run("p.yaml", 0);
     assert_eq!(st["s3"], "ran");
-    let out = env.dflash(&["show", "s3", "-p", "p.yaml"]);
-    let m: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let m = show_in(&env, "s3", "p.yaml");
     assert_eq!(m["stats"]["rows"], 80);
     let pin = m["fingerprint"]["pins"][0].to_string();
     assert!(pin.contains("etag=") && pin.contains("size=48929"), "{pin}");

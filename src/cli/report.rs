@@ -40,7 +40,11 @@ fn finished_line(
     }
     if let Some(summary) = &result.summary {
         for l in summary.trim_end().lines() {
-            let _ = write!(line, "\n         {l}");
+            if l.is_empty() {
+                line.push('\n');
+            } else {
+                let _ = write!(line, "\n         {l}");
+            }
         }
     }
     if let Some(h) = &result.hint {
