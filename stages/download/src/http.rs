@@ -62,10 +62,10 @@ impl Client {
         let host = url::Url::parse(url)
             .ok()
             .and_then(|u| u.host_str().map(str::to_owned));
-        if let (Some(token), Some(h)) = (&self.token, &self.token_host) {
-            if host.as_deref() == Some(h.as_str()) {
-                req = req.bearer_auth(token);
-            }
+        if let (Some(token), Some(h)) = (&self.token, &self.token_host)
+            && host.as_deref() == Some(h.as_str())
+        {
+            req = req.bearer_auth(token);
         }
         req
     }
@@ -165,14 +165,14 @@ impl Client {
             }
         }
         let size = std::fs::metadata(&part)?.len();
-        if let Some(want) = expected {
-            if size != want {
-                return Err(StageError::new(format!(
-                    "`{}` is {size} bytes but the server announced {want}",
-                    shown(url)
-                ))
-                .with_help("run again; if it persists the server's file changed mid-download"));
-            }
+        if let Some(want) = expected
+            && size != want
+        {
+            return Err(StageError::new(format!(
+                "`{}` is {size} bytes but the server announced {want}",
+                shown(url)
+            ))
+            .with_help("run again; if it persists the server's file changed mid-download"));
         }
         std::fs::rename(&part, dest)?;
         Ok(got)
@@ -187,7 +187,7 @@ impl Client {
         got: &mut u64,
         on_bytes: &dyn Fn(u64),
     ) -> Result<Option<std::io::Error>, StageError> {
-        let have = std::fs::metadata(part).map(|m| m.len()).unwrap_or(0);
+        let have = std::fs::metadata(part).map_or(0, |m| m.len());
         let mut resp = self
             .send(
                 || {

@@ -323,7 +323,7 @@ fn format_of(name: &str) -> Result<Format, StageError> {
 fn plan_files(
     p: &Params,
     ctx: &StageContext<'_>,
-    _client: &Client,
+    client: &Client,
 ) -> Result<Vec<PlannedFile>, StageError> {
     Ok(match p.source()? {
         Source::Hub { repo, revision } => {
@@ -334,8 +334,7 @@ fn plan_files(
                 .find(|pin| pin.name == format!("hf:{repo}@{revision}"))
                 .map(|pin| pin.identity.clone())
                 .ok_or_else(|| StageError::new("the dataset revision was not pinned"))?;
-            let client = Client::new(&hub::endpoint())?;
-            let rev = hub::resolve(&client, repo, &pinned)?;
+            let rev = hub::resolve(client, repo, &pinned)?;
             let chosen = choose_files(&rev.files, p)?;
             chosen
                 .into_iter()
@@ -512,8 +511,7 @@ fn tempfile_path() -> Result<PathBuf, StageError> {
         "{}",
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0)
+            .map_or(0, |d| d.as_nanos())
     )))
 }
 
@@ -648,7 +646,7 @@ fn convert(
                 *report.reasons.entry(reason_class(&reason)).or_default() += 1;
             }
         }
-        if seen % 10_000 == 0 {
+        if seen.is_multiple_of(10_000) {
             if ctx.cancel.is_cancelled() {
                 return ControlFlow::Break(());
             }

@@ -305,10 +305,11 @@ impl StageKind for MixKind {
         }
         drop(cands);
         for (g, name) in groups.iter().enumerate() {
-            if let Some(q) = quota[g] {
-                if q > 0 && taken[g] < q {
-                    report.shortfalls.push(json!({"group": name, "quota": q, "taken": taken[g], "available": available[g]}));
-                }
+            if let Some(q) = quota[g]
+                && q > 0
+                && taken[g] < q
+            {
+                report.shortfalls.push(json!({"group": name, "quota": q, "taken": taken[g], "available": available[g]}));
             }
         }
         if p.strict && !report.shortfalls.is_empty() {
