@@ -136,18 +136,6 @@ pub fn to_batch(rows: &[Conversation]) -> RecordBatch {
     RecordBatch::try_new(schema(), columns).expect("columns match the schema")
 }
 
-/// Write record batches (of the canonical schema) to a new file; refuses to replace one.
-pub fn write_batches(path: &Path, batches: &[RecordBatch]) -> Result<(), StageError> {
-    let file = File::create_new(path).map_err(|e| io_err(path, "create", e))?;
-    let mut w = StreamWriter::try_new(BufWriter::new(file), &schema())
-        .map_err(|e| io_err(path, "write", e))?;
-    for b in batches {
-        w.write(b).map_err(|e| io_err(path, "write", e))?;
-    }
-    w.finish().map_err(|e| io_err(path, "write", e))?;
-    Ok(())
-}
-
 /// A new dataset file written batch by batch, so a large source never sits in memory whole.
 pub struct Writer {
     path: PathBuf,
@@ -180,15 +168,6 @@ impl Writer {
         Ok(())
     }
 
-    /// Append a batch of the canonical schema.
-    pub fn write_batch(&mut self, batch: &RecordBatch) -> Result<(), StageError> {
-        self.flush()?;
-        self.rows += batch.num_rows() as u64;
-        self.inner
-            .write(batch)
-            .map_err(|e| io_err(&self.path, "write", e))
-    }
-
     fn flush(&mut self) -> Result<(), StageError> {
         if !self.pending.is_empty() {
             let batch = to_batch(&std::mem::take(&mut self.pending));
@@ -216,7 +195,11 @@ impl Writer {
 
 /// Write rows to a new file.
 pub fn write_rows(path: &Path, rows: &[Conversation]) -> Result<(), StageError> {
-    write_batches(path, &[to_batch(rows)])
+    let mut w = Writer::create(path)?;
+    for r in rows {
+        w.push(r.clone())?;
+    }
+    w.finish().map(|_| ())
 }
 
 /// Read every batch of one file, checking its schema.

@@ -148,20 +148,14 @@ impl Client {
         let part = dest.with_extension("part");
         let mut got = 0u64;
         let mut broke = 0;
-        loop {
-            match self.download_once(url, &part, cancel, &mut got, on_bytes)? {
-                None => break,
-                Some(e) if broke < ATTEMPTS => {
-                    broke += 1;
-                    let _ = e;
-                }
-                Some(e) => {
-                    return Err(StageError::new(format!(
-                        "download of `{}` broke off {broke} times: {e}",
-                        shown(url)
-                    ))
-                    .with_help("run again: the download resumes where it stopped"));
-                }
+        while let Some(e) = self.download_once(url, &part, cancel, &mut got, on_bytes)? {
+            broke += 1;
+            if broke > ATTEMPTS {
+                return Err(StageError::new(format!(
+                    "download of `{}` broke off {broke} times: {e}",
+                    shown(url)
+                ))
+                .with_help("run again: the download resumes where it stopped"));
             }
         }
         let size = std::fs::metadata(&part)?.len();

@@ -160,7 +160,8 @@ impl StageKind for DownloadKind {
                     }
                     // Nothing identifies the object but its bytes: hash them.
                     (None, None) => {
-                        let tmp = tempfile_path()?;
+                        let dir = tempfile::tempdir()?;
+                        let tmp = dir.path().join("object");
                         client.download(
                             url,
                             &tmp,
@@ -169,7 +170,6 @@ impl StageKind for DownloadKind {
                             &|_| {},
                         )?;
                         let digest = blake3::hash(&std::fs::read(&tmp)?);
-                        let _ = std::fs::remove_file(&tmp);
                         format!("blake3={digest}")
                     }
                 };
@@ -373,8 +373,11 @@ fn plan_files(
             local_files(&base)?
                 .into_iter()
                 .map(|f| {
+                    // Named as the user wrote it (relative to where dflash runs), so manifests
+                    // carry no machine-specific absolute paths.
+                    let shown = f.strip_prefix(ctx.cwd).unwrap_or(&f).display().to_string();
                     Ok(PlannedFile {
-                        name: f.display().to_string(),
+                        name: shown,
                         format: format_of(&f.display().to_string())?,
                         how: Fetch::Local(f),
                     })
@@ -502,17 +505,6 @@ fn local_files(path: &Path) -> Result<Vec<PathBuf>, StageError> {
         )));
     }
     Ok(out)
-}
-
-fn tempfile_path() -> Result<PathBuf, StageError> {
-    let dir = std::env::temp_dir().join(format!("dflash-pin-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir.join(format!(
-        "{}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    )))
 }
 
 fn block_on<F: std::future::Future>(f: F) -> Result<F::Output, StageError> {

@@ -359,7 +359,7 @@ impl StageKind for MixKind {
                 "writing",
             );
         }
-        rows.sort_by_key(|(prio, _, r)| (*prio, r.source.clone(), r.id.clone()));
+        rows.sort_by(|(pa, _, a), (pb, _, b)| (pa, &a.source, &a.id).cmp(&(pb, &b.source, &b.id)));
         let mut counts = BTreeMap::new();
         for (split, want_eval) in [("train", false), ("eval", true)] {
             let mut part = 0;
