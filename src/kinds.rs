@@ -18,6 +18,7 @@ impl Registry {
         r.add(Arc::new(dflash_stage_command::CommandKind));
         r.add(Arc::new(dflash_stage_download::DownloadKind));
         r.add(Arc::new(dflash_stage_mix::MixKind));
+        r.add(Arc::new(dflash_stage_tokenize::TokenizeKind));
         r
     }
 

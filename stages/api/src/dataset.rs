@@ -3,8 +3,10 @@
 //! directly), one folder per artifact, files named `<split>-<nnnnn>.arrow`.
 //!
 //! Columns: `id`, `source`, `category` (nullable), `messages` (a list of `{role, content,
-//! reasoning}`; `reasoning` is nullable), `metadata` (nullable JSON text of the fields a user
-//! chose to keep) and `finish_reason` (nullable; set by `generate`). The schema carries its
+//! reasoning, tool_calls}`; `reasoning` and `tool_calls` — OpenAI-style JSON text — are
+//! nullable), `tools` (nullable JSON text: the tool definitions the conversation was held
+//! with), `metadata` (nullable JSON text of the fields a user chose to keep) and
+//! `finish_reason` (nullable; set by `generate`). The schema carries its
 //! version as metadata (`dflash.schema`), so a reader can refuse a file it does not understand.
 
 use std::collections::BTreeMap;
@@ -23,7 +25,7 @@ use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef};
 use crate::StageError;
 
 /// The schema version written into every file's metadata.
-pub const SCHEMA_VERSION: &str = "conversations/1";
+pub const SCHEMA_VERSION: &str = "conversations/2";
 
 /// Rows per file: large enough that per-file overhead vanishes, small enough that one file is a
 /// unit of resumable work.
@@ -38,6 +40,9 @@ pub struct Message {
     pub content: String,
     /// The model's reasoning ("thinking"), kept apart from the content.
     pub reasoning: Option<String>,
+    /// The assistant's tool calls, as OpenAI-style JSON text (a list of
+    /// `{"type": "function", "function": {"name", "arguments"}}`).
+    pub tool_calls: Option<String>,
 }
 
 /// One row of a conversation dataset.
@@ -51,6 +56,8 @@ pub struct Conversation {
     pub category: Option<String>,
     /// The turns, in order.
     pub messages: Vec<Message>,
+    /// The tool definitions (JSON text of a list) the conversation was held with.
+    pub tools: Option<String>,
     /// Kept fields of the original record, as JSON text.
     pub metadata: Option<String>,
     /// Why generation of the last assistant turn stopped (`stop`, `length`, `error`).
@@ -62,6 +69,7 @@ fn message_fields() -> Fields {
         Field::new("role", DataType::Utf8, false),
         Field::new("content", DataType::Utf8, false),
         Field::new("reasoning", DataType::Utf8, true),
+        Field::new("tool_calls", DataType::Utf8, true),
     ])
 }
 
@@ -83,6 +91,7 @@ pub fn schema() -> SchemaRef {
                 ))),
                 false,
             ),
+            Field::new("tools", DataType::Utf8, true),
             Field::new("metadata", DataType::Utf8, true),
             Field::new("finish_reason", DataType::Utf8, true),
         ],
@@ -99,6 +108,7 @@ pub fn to_batch(rows: &[Conversation]) -> RecordBatch {
     let mut id = StringBuilder::new();
     let mut source = StringBuilder::new();
     let mut category = StringBuilder::new();
+    let mut tools = StringBuilder::new();
     let mut metadata = StringBuilder::new();
     let mut finish = StringBuilder::new();
     let mut messages = ListBuilder::new(StructBuilder::from_fields(message_fields(), 0));
@@ -106,6 +116,7 @@ pub fn to_batch(rows: &[Conversation]) -> RecordBatch {
         id.append_value(&r.id);
         source.append_value(&r.source);
         category.append_option(r.category.as_deref());
+        tools.append_option(r.tools.as_deref());
         metadata.append_option(r.metadata.as_deref());
         finish.append_option(r.finish_reason.as_deref());
         let s = messages.values();
@@ -119,6 +130,9 @@ pub fn to_batch(rows: &[Conversation]) -> RecordBatch {
             s.field_builder::<StringBuilder>(2)
                 .expect("reasoning")
                 .append_option(m.reasoning.as_deref());
+            s.field_builder::<StringBuilder>(3)
+                .expect("tool_calls")
+                .append_option(m.tool_calls.as_deref());
             s.append(true);
         }
         messages.append(true);
@@ -130,6 +144,7 @@ pub fn to_batch(rows: &[Conversation]) -> RecordBatch {
         Arc::new(source.finish()),
         Arc::new(category.finish()),
         Arc::new(messages),
+        Arc::new(tools.finish()),
         Arc::new(metadata.finish()),
         Arc::new(finish.finish()),
     ];
@@ -236,6 +251,10 @@ pub struct BatchView<'a> {
     pub content: &'a StringArray,
     /// `reasoning` of every message of the batch.
     pub reasoning: &'a StringArray,
+    /// `tool_calls` of every message of the batch.
+    pub tool_calls: &'a StringArray,
+    /// `tools`.
+    pub tools: &'a StringArray,
     /// `metadata`.
     pub metadata: &'a StringArray,
     /// `finish_reason`.
@@ -255,8 +274,10 @@ impl<'a> BatchView<'a> {
             role: items.column(0).as_string(),
             content: items.column(1).as_string(),
             reasoning: items.column(2).as_string(),
-            metadata: batch.column(4).as_string(),
-            finish_reason: batch.column(5).as_string(),
+            tool_calls: items.column(3).as_string(),
+            tools: batch.column(4).as_string(),
+            metadata: batch.column(5).as_string(),
+            finish_reason: batch.column(6).as_string(),
         }
     }
 
@@ -294,8 +315,10 @@ impl<'a> BatchView<'a> {
                     role: self.role.value(j).to_owned(),
                     content: self.content.value(j).to_owned(),
                     reasoning: opt(self.reasoning, j),
+                    tool_calls: opt(self.tool_calls, j),
                 })
                 .collect(),
+            tools: opt(self.tools, i),
             metadata: opt(self.metadata, i),
             finish_reason: opt(self.finish_reason, i),
         }
@@ -354,13 +377,16 @@ mod tests {
                         role: "user".into(),
                         content: "héllo 世界".into(),
                         reasoning: None,
+                        tool_calls: None,
                     },
                     Message {
                         role: "assistant".into(),
                         content: "hi".into(),
                         reasoning: Some("think".into()),
+                        tool_calls: Some("[]".into()),
                     },
                 ],
+                tools: Some("[{\"type\":\"function\"}]".into()),
                 metadata: Some("{\"k\":1}".into()),
                 finish_reason: Some("stop".into()),
             },

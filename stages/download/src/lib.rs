@@ -112,7 +112,8 @@ impl StageKind for DownloadKind {
     }
 
     fn version(&self) -> u32 {
-        1
+        // 2: conversations/2 (tool calls and tool definitions).
+        2
     }
 
     fn summary(&self) -> &'static str {

@@ -62,6 +62,7 @@ pub const FIELD_NAMES: &[&str] = &[
     "instruction",
     "input",
     "output",
+    "tools",
 ];
 
 const PROMPT_FIELDS: &[&str] = &["prompt", "question", "problem", "query", "text"];
@@ -172,10 +173,16 @@ impl Mapping {
                         .find_map(|k| item.get(*k).and_then(Value::as_str))
                         .filter(|r| !r.is_empty())
                         .map(str::to_owned);
+                    // Tool calls stay as the JSON the record holds; templates render them.
+                    let tool_calls = item
+                        .get("tool_calls")
+                        .filter(|v| v.as_array().is_some_and(|a| !a.is_empty()))
+                        .map(Value::to_string);
                     messages.push(Message {
                         role: role.to_owned(),
                         content,
                         reasoning,
+                        tool_calls,
                     });
                 }
             }
@@ -244,6 +251,11 @@ impl Mapping {
                 .collect();
             Some(Value::Object(kept).to_string())
         };
+        // Tool definitions at the record level (OpenAI function-calling datasets).
+        let tools = rec
+            .get(self.field("tools"))
+            .filter(|v| v.as_array().is_some_and(|a| !a.is_empty()))
+            .map(Value::to_string);
         Ok((
             shape,
             Conversation {
@@ -251,6 +263,7 @@ impl Mapping {
                 source: self.source.clone(),
                 category,
                 messages,
+                tools,
                 metadata,
                 finish_reason: None,
             },
@@ -271,6 +284,7 @@ fn message(role: &str, content: String) -> Message {
         role: role.into(),
         content,
         reasoning: None,
+        tool_calls: None,
     }
 }
 

@@ -60,7 +60,8 @@ impl StageKind for MixKind {
     }
 
     fn version(&self) -> u32 {
-        1
+        // 2: conversations/2 (tool calls and tool definitions).
+        2
     }
 
     fn summary(&self) -> &'static str {

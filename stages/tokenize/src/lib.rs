@@ -1,0 +1,444 @@
+//! The `tokenize` stage kind: conversations in, exactly the tokens the model will see out.
+//!
+//! Each conversation is rendered with the model's chat template (minijinja behaving as
+//! `transformers`' Jinja does; `template`), the spans of text the model generated in assistant
+//! turns are found from the template itself (`spans`), and the text is tokenized with the
+//! model's tokenizer (`model`: a Hugging Face folder or a GGUF file). A token is trained on
+//! (`loss_mask = 1`) when its character range overlaps a generated span, the same rule
+//! `transformers` applies to its assistant masks. Rows are tokenized in parallel on every core;
+//! each input file becomes one output file (`output`), committed as a shard as soon as it is
+//! written, so a rerun after a crash redoes only the files that were not finished.
+
+mod gguf;
+mod model;
+pub mod output;
+mod spans;
+mod stats;
+mod template;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use arrow_array::Array as _;
+use dflash_stage_api::dataset::{self, BatchView};
+use dflash_stage_api::{
+    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
+};
+use rayon::prelude::*;
+use serde::Deserialize;
+use serde_json::{Value as Json, json};
+
+pub use crate::model::{Model, load as load_model};
+pub use crate::spans::Which;
+use crate::stats::{Drop, FileStats};
+pub use crate::template::{ChatTemplate, Turn};
+
+/// The `tokenize` stage kind.
+pub struct TokenizeKind;
+
+#[derive(Deserialize)]
+struct Params {
+    tokenizer: String,
+    chat_template: Option<String>,
+    template_kwargs: serde_json::Map<String, Json>,
+    tools: Option<Json>,
+    reasoning: String,
+    train_on: String,
+    max_length: Option<i64>,
+    overflow: String,
+    truncated: String,
+}
+
+impl StageKind for TokenizeKind {
+    fn name(&self) -> &'static str {
+        "tokenize"
+    }
+
+    fn version(&self) -> u32 {
+        1
+    }
+
+    fn summary(&self) -> &'static str {
+        "apply the chat template, tokenize, and mask the loss to the tokens the model generated"
+    }
+
+    fn params(&self) -> Vec<Param> {
+        vec![
+            Param::new(
+                "tokenizer",
+                ParamType::Str,
+                "a model folder (`tokenizer.json`, `tokenizer_config.json`) or a `.gguf` file",
+            )
+            .required(),
+            Param::new(
+                "chat_template",
+                ParamType::Str,
+                "a Jinja file that replaces the model's chat template",
+            ),
+            Param::new(
+                "template_kwargs",
+                ParamType::Map(Box::new(ParamType::Any)),
+                "values the template reads, e.g. `enable_thinking: false`",
+            )
+            .default(json!({})),
+            Param::new(
+                "tools",
+                ParamType::List(Box::new(ParamType::Any)),
+                "tool definitions (JSON schemas) for rows that carry none",
+            ),
+            Param::new(
+                "reasoning",
+                ParamType::Enum(&["keep", "drop"]),
+                "pass assistant reasoning to the template (`keep`) or leave it out",
+            )
+            .default("keep"),
+            Param::new(
+                "train_on",
+                ParamType::Enum(&["all", "last"]),
+                "train on every assistant turn or only the last one",
+            )
+            .default("all"),
+            Param::new(
+                "max_length",
+                ParamType::Int,
+                "the most tokens per row (see `overflow`)",
+            ),
+            Param::new(
+                "overflow",
+                ParamType::Enum(&["truncate", "drop"]),
+                "rows longer than `max_length`: cut them there, or drop them",
+            )
+            .default("truncate"),
+            Param::new(
+                "truncated",
+                ParamType::Enum(&["drop", "keep"]),
+                "rows whose generation hit its length limit (`finish_reason: length`): drop \
+                 them, or keep them without the end-of-turn token they never generated",
+            )
+            .default("drop"),
+        ]
+    }
+
+    fn pin(&self, params: &Json, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
+        let p: Params = serde_json::from_value(params.clone())
+            .map_err(|e| StageError::new(format!("params do not fit: {e}")))?;
+        let mut files = model::identity_files(Path::new(&p.tokenizer));
+        if files.is_empty() {
+            return Err(missing_tokenizer(Path::new(&p.tokenizer)));
+        }
+        if let Some(t) = &p.chat_template {
+            files.push(PathBuf::from(t));
+        }
+        // Names without the folder: the content decides the key, not where it lies.
+        files
+            .iter()
+            .map(|f| {
+                let name = f.file_name().map_or_else(
+                    || f.display().to_string(),
+                    |n| n.to_string_lossy().into_owned(),
+                );
+                Ok(Pin {
+                    name: format!("tokenizer:{name}"),
+                    identity: pinner.file_digest(f)?.to_hex(),
+                })
+            })
+            .collect()
+    }
+
+    fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
+        let p: Params = ctx.params()?;
+        let job = Job::new(&p, ctx.cwd)?;
+        let files = input_files(ctx)?;
+        let done = ctx.shards.done();
+        let total = files.len() as u64;
+        let mut per_file: Vec<FileStats> = Vec::new();
+        for (i, (name, path)) in files.iter().enumerate() {
+            if ctx.cancel.is_cancelled() {
+                return Err(StageError::cancelled());
+            }
+            let report = format!("_tokenize/{name}.json");
+            let stats: FileStats = if done.contains(name) {
+                let bytes = ctx.shards.read(name, &report)?;
+                serde_json::from_slice(&bytes).map_err(|e| {
+                    StageError::new(format!("shard {name}'s report is unreadable: {e}"))
+                })?
+            } else {
+                ctx.progress
+                    .set(i as u64, Some(total), &format!("tokenizing {name}"));
+                let dir = ctx.scratch_dir.join(format!("shard-{name}"));
+                std::fs::create_dir_all(dir.join("_tokenize"))?;
+                let stats = job.file(path, &dir.join(name), ctx)?;
+                std::fs::write(
+                    dir.join(&report),
+                    serde_json::to_vec_pretty(&stats).expect("json"),
+                )?;
+                ctx.shards.commit(name, &dir)?;
+                let _ = std::fs::remove_dir_all(&dir);
+                stats
+            };
+            per_file.push(stats);
+        }
+        let all = FileStats::merge(&per_file);
+        if all.rows == 0 {
+            let reason = all.dropped.iter().max_by_key(|(_, n)| **n).map_or_else(
+                || "the inputs are empty".to_owned(),
+                |(r, n)| format!("{n} rows: {r}"),
+            );
+            return Err(StageError::new(format!("no row could be tokenized ({reason})"))
+                .with_help(all.examples.first().map_or_else(
+                    || "tokenize takes conversations with assistant turns (from `download`, `mix` or `generate`)".to_owned(),
+                    |e| format!("e.g. {e}"),
+                )));
+        }
+        Ok(StageOutput {
+            summary: Some(all.summary()),
+            stats: all.to_manifest(&job.describe()),
+        })
+    }
+}
+
+fn missing_tokenizer(path: &Path) -> StageError {
+    StageError::new(format!(
+        "the tokenizer `{}` holds neither `tokenizer.json` nor a GGUF file",
+        path.display()
+    ))
+    .with_help("give a model folder holding `tokenizer.json`, or a `.gguf` file")
+}
+
+/// The input files by output name: `<split>-<nnnnn>.arrow`, numbered per split across inputs.
+fn input_files(ctx: &StageContext<'_>) -> Result<Vec<(String, PathBuf)>, StageError> {
+    let mut by_split: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
+    for input in ctx.inputs {
+        for (split, files) in dataset::files(&input.dir)? {
+            by_split.entry(split).or_default().extend(files);
+        }
+    }
+    if by_split.is_empty() {
+        return Err(StageError::new("the inputs hold no conversation datasets")
+            .with_help("tokenize takes `download`, `mix` or `generate` stages as inputs"));
+    }
+    Ok(by_split
+        .into_iter()
+        .flat_map(|(split, files)| {
+            files
+                .into_iter()
+                .enumerate()
+                .map(move |(i, f)| (dataset::file_name(&split, i), f))
+        })
+        .collect())
+}
+
+/// Everything fixed for a run: the model, the template and the policies.
+struct Job {
+    model: Model,
+    template: ChatTemplate,
+    tools: Option<Json>,
+    keep_reasoning: bool,
+    which: Which,
+    max_length: Option<usize>,
+    drop_overflow: bool,
+    keep_truncated: bool,
+    kwargs: serde_json::Map<String, Json>,
+}
+
+impl Job {
+    fn new(p: &Params, cwd: &Path) -> Result<Self, StageError> {
+        let template_text = p
+            .chat_template
+            .as_ref()
+            .map(|t| {
+                let path = cwd.join(t);
+                std::fs::read_to_string(&path).map_err(|e| {
+                    StageError::new(format!("cannot read the chat template `{t}`: {e}"))
+                })
+            })
+            .transpose()?;
+        let model_path = cwd.join(&p.tokenizer);
+        if model::identity_files(&model_path).is_empty() {
+            return Err(missing_tokenizer(Path::new(&p.tokenizer)));
+        }
+        let mut model = model::load(&model_path, template_text)?;
+        // Token files hold whole rows: `max_length` is applied here, never by the tokenizer.
+        model
+            .tokenizer
+            .with_truncation(None)
+            .map_err(|e| StageError::new(e.to_string()))?;
+        model.tokenizer.with_padding(None);
+        let template = ChatTemplate::new(&model.template, &model.special, &p.template_kwargs)
+            .map_err(|e| {
+                StageError::new(e.0).with_help("check `chat_template:` or the model's template")
+            })?;
+        if let Some(m) = p.max_length {
+            if m < 1 {
+                return Err(StageError::new(format!(
+                    "`max_length` is {m}; it must be at least 1"
+                )));
+            }
+        }
+        Ok(Self {
+            template,
+            tools: p.tools.clone(),
+            keep_reasoning: p.reasoning == "keep",
+            which: if p.train_on == "last" {
+                Which::Last
+            } else {
+                Which::All
+            },
+            max_length: p.max_length.map(|m| m as usize),
+            drop_overflow: p.overflow == "drop",
+            keep_truncated: p.truncated == "keep",
+            kwargs: p.template_kwargs.clone(),
+            model,
+        })
+    }
+
+    /// What the manifest says about how rows were tokenized.
+    fn describe(&self) -> Json {
+        json!({
+            "template_kwargs": self.kwargs,
+            "end_tokens": self.model.end_tokens,
+            "vocab_size": self.model.tokenizer.get_vocab_size(true),
+        })
+    }
+
+    /// Tokenize one input file into `out`.
+    fn file(
+        &self,
+        input: &Path,
+        out: &Path,
+        ctx: &StageContext<'_>,
+    ) -> Result<FileStats, StageError> {
+        let mut stats = FileStats::default();
+        let mut writer = output::Writer::create(out)?;
+        for batch in dataset::read_batches(input)? {
+            if ctx.cancel.is_cancelled() {
+                return Err(StageError::cancelled());
+            }
+            let view = BatchView::new(&batch);
+            let results: Vec<Result<(output::Row, u32), Drop>> = (0..view.len())
+                .into_par_iter()
+                .map(|i| self.row(&view, i))
+                .collect();
+            let mut rows = Vec::with_capacity(results.len());
+            for (i, r) in results.into_iter().enumerate() {
+                match r {
+                    Ok((row, unlike_prompt)) => {
+                        stats.add(&row, unlike_prompt, self.max_length);
+                        rows.push(row);
+                    }
+                    Err(d) => stats.drop(view.id.value(i), &d),
+                }
+            }
+            writer.write(&rows)?;
+        }
+        writer.finish()?;
+        Ok(stats)
+    }
+
+    /// Tokenize row `i` of a batch; also says how many of its trained turns do not follow the
+    /// generation prompt.
+    fn row(&self, v: &BatchView<'_>, i: usize) -> Result<(output::Row, u32), Drop> {
+        let finish = (!v.finish_reason.is_null(i)).then(|| v.finish_reason.value(i));
+        let cut_off = finish == Some("length");
+        if cut_off && !self.keep_truncated {
+            return Err(Drop::new(
+                "generation hit its length limit (finish_reason `length`)",
+            ));
+        }
+        if finish == Some("error") {
+            return Err(Drop::new("generation failed (finish_reason `error`)"));
+        }
+        let range = v.message_range(i);
+        let mut turns = Vec::with_capacity(range.len());
+        for j in range {
+            let tool_calls = if v.tool_calls.is_null(j) {
+                None
+            } else {
+                Some(
+                    serde_json::from_str::<Json>(v.tool_calls.value(j))
+                        .map_err(|e| Drop::detail("tool_calls are not JSON", e))?,
+                )
+            };
+            turns.push(Turn {
+                role: v.role.value(j),
+                content: v.content.value(j),
+                reasoning: (self.keep_reasoning && !v.reasoning.is_null(j))
+                    .then(|| v.reasoning.value(j)),
+                tool_calls,
+            });
+        }
+        let row_tools = if v.tools.is_null(i) {
+            None
+        } else {
+            Some(
+                serde_json::from_str::<Json>(v.tools.value(i))
+                    .map_err(|e| Drop::detail("tools are not JSON", e))?,
+            )
+        };
+        let tools = row_tools.as_ref().or(self.tools.as_ref());
+        let rendered = spans::render(
+            &self.template,
+            &turns,
+            tools,
+            self.which,
+            &self.model.end_tokens,
+            cut_off,
+        )
+        .map_err(|e| match e {
+            spans::SpanError::NoAssistantTurn => Drop::new("no assistant turn after a prompt"),
+            spans::SpanError::Template(m) => Drop::detail("the chat template failed", m),
+            spans::SpanError::Unlocatable(t) => Drop::detail(
+                "the template renders an assistant turn where it cannot be located",
+                format!("message {t}"),
+            ),
+        })?;
+        let encoding = self
+            .model
+            .tokenizer
+            .encode(rendered.text.as_str(), false)
+            .map_err(|e| Drop::detail("the tokenizer failed", e))?;
+        let mut input_ids: Vec<i32> = encoding.get_ids().iter().map(|&t| t as i32).collect();
+        let mut loss_mask = mask(encoding.get_offsets(), &rendered.spans);
+        if let Some(max) = self.max_length {
+            if input_ids.len() > max {
+                if self.drop_overflow {
+                    return Err(Drop::new("longer than max_length"));
+                }
+                input_ids.truncate(max);
+                loss_mask.truncate(max);
+            }
+        }
+        if !loss_mask.contains(&1) {
+            return Err(Drop::new(if self.max_length.is_some() {
+                "no generated token within max_length"
+            } else {
+                "no generated token"
+            }));
+        }
+        Ok((
+            output::Row {
+                id: v.id.value(i).to_owned(),
+                source: v.source.value(i).to_owned(),
+                input_ids,
+                loss_mask,
+            },
+            rendered.unlike_prompt,
+        ))
+    }
+}
+
+/// 1 for every token whose byte range overlaps a span (spans and tokens are both in order).
+pub fn mask(offsets: &[(usize, usize)], spans: &[std::ops::Range<usize>]) -> Vec<i8> {
+    let mut out = Vec::with_capacity(offsets.len());
+    let mut s = 0;
+    for &(start, end) in offsets {
+        while s < spans.len() && spans[s].end <= start {
+            s += 1;
+        }
+        let hit = spans
+            .get(s)
+            .is_some_and(|sp| start < sp.end && end > sp.start);
+        out.push(i8::from(hit));
+    }
+    out
+}

@@ -1,0 +1,238 @@
+//! End-to-end tests of `tokenize` against the real thing: the real Qwen3 tokenizer and chat
+//! template, real conversations (ShareGPT, HumanEval and crafted ones with reasoning, tool
+//! calls, non-ASCII text and code), and Python `transformers` as the reference for every token
+//! id and every loss-mask bit (`tests/support/tokenize_reference.py`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+mod support;
+use support::env::Env;
+use support::hub::assets;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A test folder with the crafted conversations and links to the real model and data files.
+fn env_with(pipeline: &str) -> Env {
+    let env = Env::new();
+    let a = assets();
+    for (name, target) in [
+        ("qwen3", a.join("qwen3")),
+        ("sharegpt.json", a.join("sharegpt.json")),
+        ("HumanEval.jsonl.gz", a.join("HumanEval.jsonl.gz")),
+        ("smollm2.gguf", a.join("SmolLM2-135M-Instruct.Q4_1.gguf")),
+        (
+            "conversations.jsonl",
+            repo().join("tests/data/conversations.jsonl"),
+        ),
+    ] {
+        std::os::unix::fs::symlink(target, env.path().join(name)).unwrap();
+    }
+    env.write("tok.yaml", pipeline);
+    env
+}
+
+const SOURCES: &str = r"
+  crafted:
+    kind: download
+    params: {path: conversations.jsonl, format: messages}
+  sharegpt:
+    kind: download
+    params: {path: sharegpt.json, format: sharegpt, limit: 300}
+  humaneval:
+    kind: download
+    params: {path: HumanEval.jsonl.gz, format: alpaca, fields: {instruction: prompt, output: canonical_solution}, category: code}
+";
+
+fn export(env: &Env, stage: &str) -> PathBuf {
+    let out = env.path().join(format!("export-{stage}"));
+    if out.exists() {
+        return out;
+    }
+    let o = env.dflash(&["export", stage, "-p", "tok.yaml", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+/// Compare a tokenize stage's output with `transformers`; returns the reference's report.
+fn reference(env: &Env, stage: &str, kwargs: &str, train_on: &str, reasoning: &str) -> Value {
+    let convs: Vec<String> = ["crafted", "sharegpt", "humaneval"]
+        .iter()
+        .map(|s| export(env, s).display().to_string())
+        .collect();
+    let tokens = export(env, stage);
+    let out = Command::new("python3")
+        .arg(repo().join("tests/support/tokenize_reference.py"))
+        .arg(env.path().join("qwen3"))
+        .arg(convs.join(":"))
+        .arg(&tokens)
+        .args([kwargs, train_on, reasoning])
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| {
+        panic!(
+            "the reference failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert!(
+        out.status.success() && report["mismatches"].as_array().unwrap().is_empty(),
+        "dflash and transformers differ: {:#}",
+        report["mismatches"]
+    );
+    report
+}
+
+fn count(report: &Value, key: &str) -> u64 {
+    report[key].as_u64().unwrap()
+}
+
+fn segments(report: &Value, id: &str) -> Vec<String> {
+    report["segments"][id]
+        .as_array()
+        .unwrap_or_else(|| panic!("no row `{id}` in {:#}", report["segments"]))
+        .iter()
+        .map(|s| s.as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn qwen3_tokens_and_masks_equal_transformers_thinking_on_and_off() {
+    let env = env_with(&format!(
+        "name: tok\nstages:{SOURCES}
+  think:
+    kind: tokenize
+    inputs: [crafted, sharegpt, humaneval]
+    params: {{tokenizer: qwen3}}
+  nothink:
+    kind: tokenize
+    inputs: [crafted, sharegpt, humaneval]
+    params: {{tokenizer: qwen3, template_kwargs: {{enable_thinking: false}}, train_on: last, reasoning: drop}}
+"
+    ));
+    let (status, _) = env.run("tok.yaml", 0);
+    assert_eq!(status["think"], "ran");
+
+    let think = reference(&env, "think", "{}", "all", "keep");
+    // Every kind of row the issue names was compared, not just the easy ones.
+    assert!(count(&think, "compared") > 400, "{think:#}");
+    for key in [
+        "with_reasoning",
+        "with_tool_calls",
+        "with_tools",
+        "non_ascii",
+        "multi_turn",
+    ] {
+        assert!(count(&think, key) > 0, "no row {key}: {think:#}");
+    }
+    assert!(
+        count(&think, "expected_dropped") >= 1,
+        "`prompt-only` at least"
+    );
+
+    // What is trained on, read back as text: reasoning of the last turn only (the template
+    // drops earlier turns' reasoning), tool calls, the end-of-turn token, trailing spaces kept.
+    assert_eq!(
+        segments(&think, "three-turns"),
+        [
+            "b<|im_end|>",
+            "d  <|im_end|>",
+            "<think>\nlast one\n</think>\n\nf<|im_end|>"
+        ]
+    );
+    let tools = segments(&think, "tools");
+    assert_eq!(tools.len(), 2, "{tools:?}");
+    assert!(
+        tools[0].starts_with(
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\""
+        ) && tools[0].ends_with("</tool_call><|im_end|>"),
+        "{tools:?}"
+    );
+    assert_eq!(
+        segments(&think, "think-multi"),
+        [
+            "17 × 23 = **391**.<|im_end|>",
+            "<think>\n391 / 7 = 55.857...\n</think>\n\nAbout 55.86.<|im_end|>"
+        ]
+    );
+
+    let nothink = reference(
+        &env,
+        "nothink",
+        r#"{"enable_thinking": false}"#,
+        "last",
+        "drop",
+    );
+    // Thinking off: the empty think block belongs to the prompt, so only the answer is trained.
+    assert_eq!(segments(&nothink, "three-turns"), ["f<|im_end|>"]);
+    assert_eq!(segments(&nothink, "unicode").len(), 1);
+    // A reply that thinks, tokenized for thinking off, is flagged: its text does not follow the
+    // generation prompt the model will be served with.
+    let show = env.dflash(&["show", "nothink", "-p", "tok.yaml"]);
+    let stats: Value = serde_json::from_slice(&show.stdout).unwrap();
+    let flagged = &stats["stats"]["turns_unlike_generation_prompt_examples"];
+    assert!(
+        flagged
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v == "inline-think"),
+        "{flagged}"
+    );
+    assert_eq!(count(&nothink, "compared"), count(&think, "compared"));
+}
+
+#[test]
+fn token_files_carry_stats_and_hf_datasets_reads_them() {
+    let env = env_with(&format!(
+        "name: tok\nstages:{SOURCES}
+  short:
+    kind: tokenize
+    inputs: [crafted, humaneval]
+    params: {{tokenizer: qwen3, max_length: 64, overflow: drop}}
+"
+    ));
+    env.run("tok.yaml", 0);
+    let show = env.dflash(&["show", "short", "-p", "tok.yaml"]);
+    assert!(show.status.success());
+    let manifest: Value = serde_json::from_slice(&show.stdout).unwrap();
+    let stats = &manifest["stats"];
+    let reasons = stats["dropped_reasons"].as_object().unwrap();
+    assert!(
+        reasons["longer than max_length"].as_u64().unwrap() > 100,
+        "{stats:#}"
+    );
+    assert_eq!(reasons["no assistant turn after a prompt"], 1);
+    assert!(stats["max_length"].as_u64().unwrap() <= 64);
+    let rows = stats["rows"].as_u64().unwrap();
+    assert!(rows > 0);
+
+    // Hugging Face `datasets` memory-maps the files as they are.
+    let dir = export(&env, "short");
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sys, glob, datasets\n\
+             files = sorted(glob.glob(sys.argv[1] + '/*.arrow'))\n\
+             ds = datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in files])\n\
+             r = ds[0]\n\
+             assert len(r['input_ids']) == len(r['loss_mask']) == r['length'], r\n\
+             print(len(ds), sorted(ds.column_names))",
+        )
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("{rows} ['id', 'input_ids', 'length', 'loss_mask', 'source']")
+    );
+}
