@@ -22,11 +22,12 @@ def generate(n, out_dir):
     import pyarrow as pa
     rng = random.Random(0)
     vocab = [f"w{i}" for i in range(20000)]
-    msg = pa.struct([("role", pa.utf8()), ("content", pa.utf8()), ("reasoning", pa.utf8())])
+    msg = pa.struct([("role", pa.utf8()), ("content", pa.utf8()), ("reasoning", pa.utf8()), ("tool_calls", pa.utf8())])
     schema = pa.schema([
         pa.field("id", pa.utf8(), False), pa.field("source", pa.utf8(), False), ("category", pa.utf8()),
-        pa.field("messages", pa.list_(msg), False), ("metadata", pa.utf8()), ("finish_reason", pa.utf8()),
-    ], metadata={"dflash.schema": "conversations/1"})
+        pa.field("messages", pa.list_(msg), False), ("tools", pa.utf8()), ("metadata", pa.utf8()),
+        ("finish_reason", pa.utf8()),
+    ], metadata={"dflash.schema": "conversations/2"})
     per = 100_000
     made = []
     for part in range(0, n, per):
@@ -46,8 +47,9 @@ def generate(n, out_dir):
             ids.append(f"r{i}")
             srcs.append(SOURCES[i % 4])
             cats.append(f"c{i % 5}")
-            msgs.append([{"role": "user", "content": text, "reasoning": None}])
-        t = pa.table([ids, srcs, cats, msgs, [None] * len(ids), [None] * len(ids)], schema=schema)
+            msgs.append([{"role": "user", "content": text, "reasoning": None, "tool_calls": None}])
+        none = [None] * len(ids)
+        t = pa.table([ids, srcs, cats, msgs, none, none, none], schema=schema)
         with pa.OSFile(os.path.join(out_dir, f"train-{part // per:05}.arrow"), "wb") as f:
             with pa.ipc.new_stream(f, schema) as w:
                 w.write_table(t, max_chunksize=8192)

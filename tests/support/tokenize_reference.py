@@ -35,21 +35,23 @@ def common_prefix(a, b):
     return n
 
 
-def main():
-    model, conv_dir, tok_dir, kwargs, train_on, reasoning = sys.argv[1:]
-    kwargs = json.loads(kwargs)
-    tok = AutoTokenizer.from_pretrained(model)
-    end_tokens = [tok.eos_token] if tok.eos_token else []
+class Reference:
+    """`transformers` templating and tokenization with dflash's loss-mask rule."""
 
-    def render(msgs, tools, gen):
-        return tok.apply_chat_template(
-            msgs, tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs
+    def __init__(self, tok, kwargs, train_on):
+        self.tok, self.kwargs, self.train_on = tok, kwargs, train_on
+        self.end_tokens = [tok.eos_token] if tok.eos_token else []
+
+    def render(self, msgs, tools, gen):
+        return self.tok.apply_chat_template(
+            msgs, tools=tools, tokenize=False, add_generation_prompt=gen, **self.kwargs
         )
 
-    def spans(msgs, tools):
+    def spans(self, msgs, tools):
+        render = self.render
         full = render(msgs, tools, False)
         chosen = [i for i, m in enumerate(msgs) if i > 0 and m["role"] == "assistant"]
-        if train_on == "last":
+        if self.train_on == "last":
             chosen = chosen[-1:]
         if not chosen:
             return full, None
@@ -88,10 +90,43 @@ def main():
         for k, i in enumerate(chosen):
             start, ce = starts[k], ends[i]
             limit = starts[k + 1] if k + 1 < len(starts) else len(full)
-            hits = [full.find(t, ce, limit) for t in end_tokens]
-            hits = [h + len(t) for h, t in zip(hits, end_tokens) if h >= 0]
+            hits = [full.find(t, ce, limit) for t in self.end_tokens]
+            hits = [h + len(t) for h, t in zip(hits, self.end_tokens) if h >= 0]
             out.append((start, min(hits) if hits else ce))
         return full, out
+
+    def encode(self, msgs, tools):
+        """(text, ids, mask, spans) of one conversation."""
+        full, sp = self.spans(msgs, tools)
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        mask = []
+        s = 0
+        for a, b in enc["offset_mapping"]:
+            while s < len(sp or []) and a >= sp[s][1]:
+                s += 1
+            mask.append(1 if sp and s < len(sp) and b > sp[s][0] else 0)
+        return full, enc["input_ids"], mask, sp
+
+
+def messages(conv, reasoning):
+    """A dflash conversation row as `transformers` messages."""
+    msgs = []
+    for m in conv["messages"]:
+        msg = {"role": m["role"], "content": m["content"]}
+        if reasoning == "keep" and m["reasoning"] is not None:
+            msg["reasoning_content"] = m["reasoning"]
+        if m["tool_calls"] is not None:
+            msg["tool_calls"] = json.loads(m["tool_calls"])
+        msgs.append(msg)
+    tools = json.loads(conv["tools"]) if conv["tools"] is not None else None
+    return msgs, tools
+
+
+def main():
+    model, conv_dir, tok_dir, kwargs, train_on, reasoning = sys.argv[1:]
+    tok = AutoTokenizer.from_pretrained(model)
+    kwargs = json.loads(kwargs)
+    ref = Reference(tok, kwargs, train_on)
 
     convs = [r for d in conv_dir.split(os.pathsep) for r in read_dir(d)]
     got = {(r["source"], r["id"]): r for r in read_dir(tok_dir)}
@@ -99,25 +134,9 @@ def main():
               "with_reasoning": 0, "with_tool_calls": 0, "with_tools": 0, "non_ascii": 0,
               "multi_turn": 0, "masked_tokens": 0, "tokens": 0, "segments": {}, "mismatches": []}
     for conv in convs:
-        msgs = []
-        for m in conv["messages"]:
-            msg = {"role": m["role"], "content": m["content"]}
-            if reasoning == "keep" and m["reasoning"] is not None:
-                msg["reasoning_content"] = m["reasoning"]
-            if m["tool_calls"] is not None:
-                msg["tool_calls"] = json.loads(m["tool_calls"])
-            msgs.append(msg)
-        tools = json.loads(conv["tools"]) if conv["tools"] is not None else None
+        msgs, tools = messages(conv, reasoning)
         key = (conv["source"], conv["id"])
-        full, sp = spans(msgs, tools)
-        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = enc["input_ids"]
-        mask = []
-        s = 0
-        for a, b in enc["offset_mapping"]:
-            while s < len(sp or []) and a >= sp[s][1]:
-                s += 1
-            mask.append(1 if sp and s < len(sp) and b > sp[s][0] else 0)
+        full, ids, mask, sp = ref.encode(msgs, tools)
         # apply_chat_template's own tokenization must agree with tokenizing its text.
         direct = tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=False, **kwargs)
         if hasattr(direct, "tolist"):

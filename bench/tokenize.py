@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Tokenize benchmark: dflash's `tokenize` stage against Python `transformers` + `datasets.map`
+doing the same templating and masking, on the same real conversations, in the same run.
+
+    python3 bench/tokenize.py [--rows 2000]
+
+Needs transformers, datasets and pyarrow, and `scripts/fetch-assets` (the real Qwen3 tokenizer
+and chat template, and the ShareGPT dump: real multi-turn conversations, code and many
+languages). Builds dflash in release mode first. Both sides render every conversation with the
+Qwen3 template, find the generated spans the same way (tests/support/tokenize_reference.py is the
+Python side, the one the CI exactness test uses), tokenize with offsets and build the loss mask.
+Each side runs pinned to one core, then to two (dflash: RAYON_NUM_THREADS; datasets: num_proc).
+Reported: output tokens per second per core, the ratio, and the scaling from one to two cores.
+"""
+import argparse, json, os, subprocess, sys, tempfile, time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DFLASH = os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "dflash")
+ASSETS = os.environ.get("DFLASH_ASSETS", os.path.join(ROOT, ".assets"))
+
+PYTHON = r"""
+import sys, time, glob, json
+sys.path.insert(0, sys.argv[1])
+import datasets
+from transformers import AutoTokenizer
+from tokenize_reference import Reference, messages
+data, model, procs = sys.argv[2], sys.argv[3], int(sys.argv[4])
+datasets.disable_progress_bars()
+tok = AutoTokenizer.from_pretrained(model)
+ref = Reference(tok, {}, "all")
+ds = datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in sorted(glob.glob(data + "/*.arrow"))])
+
+def encode(conv):
+    msgs, tools = messages(conv, "keep")
+    try:
+        _, ids, mask, sp = ref.encode(msgs, tools)
+    except Exception:
+        ids, mask = [], []
+    return {"input_ids": ids, "loss_mask": mask, "length": len(ids)}
+
+t0 = time.perf_counter()
+out = ds.map(encode, remove_columns=[c for c in ds.column_names if c not in ("id", "source")],
+             num_proc=procs if procs > 1 else None, load_from_cache_file=False, keep_in_memory=True)
+out = out.filter(lambda r: 1 in r["loss_mask"], keep_in_memory=True)
+secs = time.perf_counter() - t0
+print(json.dumps({"seconds": secs, "rows": len(out), "tokens": sum(out["length"])}))
+"""
+
+
+def dflash_run(work, pipeline, store, threads, cpus):
+    env = dict(os.environ, DFLASH_WORK=os.path.join(work, "work"), RAYON_NUM_THREADS=str(threads))
+    r = subprocess.run(["taskset", "-c", cpus, DFLASH, "run", pipeline, "--json", "--store", store],
+                       env=env, check=True, capture_output=True, text=True, cwd=work)
+    stage = next(s for s in json.loads(r.stdout)["stages"] if s["id"] == "tok")
+    shown = subprocess.run([DFLASH, "show", "tok", "-p", pipeline, "--store", store], env=env, check=True,
+                           capture_output=True, text=True, cwd=work)
+    return stage["seconds"], json.loads(shown.stdout)["stats"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=2000)
+    a = ap.parse_args()
+    subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    work = tempfile.mkdtemp(prefix="dflash-bench-tokenize-")
+    for name in ("qwen3", "sharegpt.json"):
+        os.symlink(os.path.join(ASSETS, name), os.path.join(work, name))
+    pipeline = os.path.join(work, "tok.yaml")
+    with open(pipeline, "w") as f:
+        f.write(f"""stages:
+  sg: {{kind: download, params: {{path: sharegpt.json, format: sharegpt, limit: {a.rows}}}}}
+  tok: {{kind: tokenize, inputs: [sg], params: {{tokenizer: qwen3}}}}
+""")
+    one_s, stats = dflash_run(work, pipeline, os.path.join(work, "store1"), 1, "0")
+    two_s, _ = dflash_run(work, pipeline, os.path.join(work, "store2"), 2, "0,1")
+    data = os.path.join(work, "conversations")
+    subprocess.run([DFLASH, "export", "sg", "-p", pipeline, "--store", os.path.join(work, "store1"), data],
+                   check=True, cwd=work, capture_output=True,
+                   env=dict(os.environ, DFLASH_WORK=os.path.join(work, "work")))
+    support = os.path.join(ROOT, "tests", "support")
+    py = {}
+    for procs, cpus in ((1, "0"), (2, "0,1")):
+        r = subprocess.run(["taskset", "-c", cpus, sys.executable, "-c", PYTHON, support, data,
+                            os.path.join(work, "qwen3"), str(procs)],
+                           check=True, capture_output=True, text=True,
+                           env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+        py[procs] = json.loads(r.stdout.strip().splitlines()[-1])
+    tokens = stats["tokens"]
+    if py[1]["tokens"] != tokens or py[1]["rows"] != stats["rows"]:
+        sys.exit(f"the two sides disagree: dflash {stats['rows']} rows / {tokens} tokens, "
+                 f"python {py[1]['rows']} rows / {py[1]['tokens']} tokens")
+    d1, d2 = tokens / one_s, tokens / two_s
+    p1, p2 = tokens / py[1]["seconds"], tokens / py[2]["seconds"]
+    print(f"| tokenize {stats['rows']:,} ShareGPT conversations ({tokens:,} tokens, Qwen3 template + loss masks) "
+          f"| dflash: {d1 / 1e3:,.0f}K tokens/s on 1 core, {d2 / 1e3:,.0f}K on 2 ({d2 / d1:.2f}x) "
+          f"| transformers + datasets.map: {p1 / 1e3:,.0f}K tokens/s on 1 core, {p2 / 1e3:,.0f}K on 2 ({p2 / p1:.2f}x) "
+          f"| {d1 / p1:.1f}x per core |")
+
+
+if __name__ == "__main__":
+    main()
