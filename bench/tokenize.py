@@ -27,7 +27,7 @@ from tokenize_reference import Reference, messages
 data, model, procs = sys.argv[2], sys.argv[3], int(sys.argv[4])
 datasets.disable_progress_bars()
 tok = AutoTokenizer.from_pretrained(model)
-ref = Reference(tok, {}, "all")
+ref = Reference.transformers(tok, {}, "all")
 ds = datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in sorted(glob.glob(data + "/*.arrow"))])
 
 def encode(conv):
@@ -82,8 +82,10 @@ def main():
     for procs, cpus in ((1, "0"), (2, "0,1")):
         r = subprocess.run(["taskset", "-c", cpus, sys.executable, "-c", PYTHON, support, data,
                             os.path.join(work, "qwen3"), str(procs)],
-                           check=True, capture_output=True, text=True,
+                           capture_output=True, text=True,
                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+        if r.returncode != 0:
+            sys.exit(f"the Python side failed:\n{r.stderr}")
         py[procs] = json.loads(r.stdout.strip().splitlines()[-1])
     tokens = stats["tokens"]
     if py[1]["tokens"] != tokens or py[1]["rows"] != stats["rows"]:

@@ -60,6 +60,18 @@ fn export(env: &Env, stage: &str) -> PathBuf {
 
 /// Compare a tokenize stage's output with `transformers`; returns the reference's report.
 fn reference(env: &Env, stage: &str, kwargs: &str, train_on: &str, reasoning: &str) -> Value {
+    reference_for(env, "qwen3", stage, kwargs, train_on, reasoning)
+}
+
+/// Compare with the reference for `model` (a folder: `transformers`; a `.gguf`: llama.cpp).
+fn reference_for(
+    env: &Env,
+    model: &str,
+    stage: &str,
+    kwargs: &str,
+    train_on: &str,
+    reasoning: &str,
+) -> Value {
     let convs: Vec<String> = ["crafted", "sharegpt", "humaneval"]
         .iter()
         .map(|s| export(env, s).display().to_string())
@@ -67,7 +79,7 @@ fn reference(env: &Env, stage: &str, kwargs: &str, train_on: &str, reasoning: &s
     let tokens = export(env, stage);
     let out = Command::new("python3")
         .arg(repo().join("tests/support/tokenize_reference.py"))
-        .arg(env.path().join("qwen3"))
+        .arg(env.path().join(model))
         .arg(convs.join(":"))
         .arg(&tokens)
         .args([kwargs, train_on, reasoning])
@@ -234,5 +246,28 @@ fn token_files_carry_stats_and_hf_datasets_reads_them() {
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
         format!("{rows} ['id', 'input_ids', 'length', 'loss_mask', 'source']")
+    );
+}
+
+#[test]
+fn a_gguf_model_tokenizes_as_llama_cpp_does() {
+    // SmolLM2's GGUF holds no tokenizer.json: vocabulary, merges, pre-tokenizer name and chat
+    // template come from its metadata; llama.cpp (llama-cpp-python) is the reference.
+    let env = env_with(&format!(
+        "name: tok\nstages:{SOURCES}
+  smol:
+    kind: tokenize
+    inputs: [crafted, sharegpt, humaneval]
+    params: {{tokenizer: smollm2.gguf}}
+"
+    ));
+    env.run("tok.yaml", 0);
+    let report = reference_for(&env, "smollm2.gguf", "smol", "{}", "all", "keep");
+    assert!(count(&report, "compared") > 400, "{report:#}");
+    assert!(count(&report, "non_ascii") > 0);
+    assert_eq!(
+        segments(&report, "three-turns"),
+        ["b<|im_end|>", "d  <|im_end|>", "f<|im_end|>"],
+        "SmolLM2's template has no reasoning"
     );
 }

@@ -9,6 +9,7 @@ Prints a JSON report; exits 1 on any difference.
 usage: tokenize_reference.py MODEL_DIR CONVERSATION_DIRS TOKENS_DIR KWARGS_JSON TRAIN_ON REASONING
 """
 
+import bisect
 import json
 import os
 import sys
@@ -36,16 +37,71 @@ def common_prefix(a, b):
 
 
 class Reference:
-    """`transformers` templating and tokenization with dflash's loss-mask rule."""
+    """Templating and tokenization by a reference implementation, with dflash's loss-mask rule.
 
-    def __init__(self, tok, kwargs, train_on):
-        self.tok, self.kwargs, self.train_on = tok, kwargs, train_on
-        self.end_tokens = [tok.eos_token] if tok.eos_token else []
+    `render(msgs, tools, add_generation_prompt)` gives the text; `tokenize(text)` gives ids and
+    character offsets; a turn ends after the first of `end_tokens` after its content.
+    """
 
-    def render(self, msgs, tools, gen):
-        return self.tok.apply_chat_template(
-            msgs, tools=tools, tokenize=False, add_generation_prompt=gen, **self.kwargs
-        )
+    def __init__(self, render, tokenize, end_tokens, train_on):
+        self.render, self.tokenize = render, tokenize
+        self.end_tokens, self.train_on = end_tokens, train_on
+
+    @classmethod
+    def transformers(cls, tok, kwargs, train_on):
+        """`apply_chat_template` and the fast tokenizer's offsets."""
+        def render(msgs, tools, gen):
+            return tok.apply_chat_template(
+                msgs, tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs)
+
+        def tokenize(text):
+            enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            return enc["input_ids"], enc["offset_mapping"]
+
+        return cls(render, tokenize, [tok.eos_token] if tok.eos_token else [], train_on)
+
+    @classmethod
+    def llama_cpp(cls, path, kwargs, train_on):
+        """llama.cpp's own tokenizer for a GGUF file, and its template rendered by `transformers`."""
+        from llama_cpp import Llama
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        import ctypes
+        import llama_cpp
+
+        llm = Llama(model_path=path, vocab_only=True, verbose=False)
+        buf = ctypes.create_string_buffer(4096)
+
+        def piece(t):
+            # The raw C call: `Llama.detokenize` cuts pieces at 32 bytes.
+            n = llama_cpp.llama_token_to_piece(llm._model.vocab, t, buf, len(buf), 0, True)
+            return buf.raw[:n]
+
+        special = {"bos_token": piece(llm.token_bos()).decode(), "eos_token": piece(llm.token_eos()).decode()}
+        template = llm.metadata["tokenizer.chat_template"]
+
+        def render(msgs, tools, gen):
+            out, _ = render_jinja_template(conversations=[msgs], tools=tools, chat_template=template,
+                                           add_generation_prompt=gen, **special, **kwargs)
+            return out[0]
+
+        def tokenize(text):
+            ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+            # Byte offsets from the pieces, then characters: a token that splits a character
+            # covers that whole character (what fast tokenizers report, too).
+            data = text.encode()
+            char_starts = [b for b in range(len(data)) if (data[b] & 0xC0) != 0x80]
+            offsets, pos = [], 0
+            for t in ids:
+                end = pos + len(piece(t))
+                offsets.append((bisect.bisect_right(char_starts, pos) - 1, bisect.bisect_left(char_starts, end)))
+                pos = end
+            assert pos == len(data), "pieces do not add up to the text"
+            return ids, offsets
+
+        ref = cls(render, tokenize, [special["eos_token"]], train_on)
+        ref.decode = lambda ids: b"".join(piece(t) for t in ids).decode(errors="replace")
+        return ref
 
     def spans(self, msgs, tools):
         render = self.render
@@ -98,14 +154,14 @@ class Reference:
     def encode(self, msgs, tools):
         """(text, ids, mask, spans) of one conversation."""
         full, sp = self.spans(msgs, tools)
-        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = self.tokenize(full)
         mask = []
         s = 0
-        for a, b in enc["offset_mapping"]:
+        for a, b in offsets:
             while s < len(sp or []) and a >= sp[s][1]:
                 s += 1
             mask.append(1 if sp and s < len(sp) and b > sp[s][0] else 0)
-        return full, enc["input_ids"], mask, sp
+        return full, ids, mask, sp
 
 
 def messages(conv, reasoning):
@@ -124,9 +180,14 @@ def messages(conv, reasoning):
 
 def main():
     model, conv_dir, tok_dir, kwargs, train_on, reasoning = sys.argv[1:]
-    tok = AutoTokenizer.from_pretrained(model)
     kwargs = json.loads(kwargs)
-    ref = Reference(tok, kwargs, train_on)
+    if model.endswith(".gguf"):
+        tok = None
+        ref = Reference.llama_cpp(model, kwargs, train_on)
+    else:
+        tok = AutoTokenizer.from_pretrained(model)
+        ref = Reference.transformers(tok, kwargs, train_on)
+    decode = ref.decode if tok is None else tok.decode
 
     convs = [r for d in conv_dir.split(os.pathsep) for r in read_dir(d)]
     got = {(r["source"], r["id"]): r for r in read_dir(tok_dir)}
@@ -138,11 +199,12 @@ def main():
         key = (conv["source"], conv["id"])
         full, ids, mask, sp = ref.encode(msgs, tools)
         # apply_chat_template's own tokenization must agree with tokenizing its text.
-        direct = tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=False, **kwargs)
-        if hasattr(direct, "tolist"):
-            direct = direct.tolist()
-        if list(direct) != ids:
-            report["mismatches"].append({"id": key, "what": "apply_chat_template(tokenize=True) differs"})
+        if tok is not None:
+            direct = tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=False, **kwargs)
+            if hasattr(direct, "tolist"):
+                direct = direct.tolist()
+            if list(direct) != ids:
+                report["mismatches"].append({"id": key, "what": "apply_chat_template(tokenize=True) differs"})
         if not sp or 1 not in mask:
             report["expected_dropped"] += 1
             if key in got:
@@ -160,10 +222,10 @@ def main():
                 if m:
                     cur.append(t)
                 elif cur:
-                    segs.append(tok.decode(cur))
+                    segs.append(decode(cur))
                     cur = []
             if cur:
-                segs.append(tok.decode(cur))
+                segs.append(decode(cur))
             report["segments"][conv["id"]] = segs
         report["tokens"] += len(ids)
         report["masked_tokens"] += sum(mask)
@@ -177,14 +239,14 @@ def main():
                      min(len(ids), len(row["input_ids"])))
             report["mismatches"].append({
                 "id": key, "what": "input_ids", "at": i,
-                "dflash": tok.decode(row["input_ids"][max(0, i - 3):i + 3]),
-                "transformers": tok.decode(ids[max(0, i - 3):i + 3])})
+                "dflash": decode(row["input_ids"][max(0, i - 3):i + 3]),
+                "transformers": decode(ids[max(0, i - 3):i + 3])})
         elif row["loss_mask"] != mask or row["length"] != len(ids):
             i = next(k for k, (x, y) in enumerate(zip(row["loss_mask"], mask)) if x != y)
             report["mismatches"].append({
                 "id": key, "what": "loss_mask", "at": i, "dflash": row["loss_mask"][i],
-                "transformers": mask[i], "token": tok.decode(ids[i:i + 1]),
-                "context": tok.decode(ids[max(0, i - 8):i + 8])})
+                "transformers": mask[i], "token": decode(ids[i:i + 1]),
+                "context": decode(ids[max(0, i - 8):i + 8])})
     report["mismatches"] = report["mismatches"][:10]
     print(json.dumps(report))
     sys.exit(1 if report["mismatches"] else 0)
