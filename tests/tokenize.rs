@@ -271,3 +271,129 @@ fn a_gguf_model_tokenizes_as_llama_cpp_does() {
         "SmolLM2's template has no reasoning"
     );
 }
+
+/// Texts to tokenize: every message of the crafted, ShareGPT and HumanEval conversations.
+fn corpus() -> Vec<String> {
+    let env = env_with(&format!("name: tok\nstages:{SOURCES}"));
+    env.run("tok.yaml", 0);
+    let mut out = Vec::new();
+    for stage in ["crafted", "sharegpt", "humaneval"] {
+        let dir = export(&env, stage);
+        for f in dflash_stage_api::dataset::files(&dir)
+            .unwrap()
+            .into_values()
+            .flatten()
+        {
+            for row in dflash_stage_api::dataset::read_rows(&f).unwrap() {
+                let joined: Vec<&str> = row.messages.iter().map(|m| m.content.as_str()).collect();
+                out.push(joined.join("<|im_end|>\n<|im_start|>user\n"));
+            }
+        }
+    }
+    out
+}
+
+/// Variants of the real Qwen3 tokenizer that exercise every shape the fast path accepts:
+/// Llama 3's split with `ignore_merges`, GPT-2's byte-level regex after single digits, and
+/// ByteLevel offset trimming.
+fn variants() -> Vec<(&'static str, tokenizers::Tokenizer)> {
+    let qwen = assets().join("qwen3/tokenizer.json");
+    let spec: Value = serde_json::from_slice(&std::fs::read(&qwen).unwrap()).unwrap();
+    let with = |f: &dyn Fn(&mut Value)| {
+        let mut s = spec.clone();
+        f(&mut s);
+        s.to_string().parse::<tokenizers::Tokenizer>().unwrap()
+    };
+    let gguf =
+        dflash_stage_tokenize::load_model(&assets().join("SmolLM2-135M-Instruct.Q4_1.gguf"), None)
+            .unwrap()
+            .tokenizer;
+    vec![
+        ("qwen3", with(&|_| {})),
+        ("smollm2-gguf", gguf),
+        (
+            "llama3-split+ignore_merges+trim",
+            with(&|s| {
+                s["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = Value::from(
+                    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+                );
+                s["model"]["ignore_merges"] = Value::from(true);
+                s["post_processor"]["trim_offsets"] = Value::from(true);
+            }),
+        ),
+        (
+            "digits+gpt2+trim",
+            with(&|s| {
+                s["normalizer"] = Value::Null;
+                s["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+                    {"type": "Digits", "individual_digits": true},
+                    {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}]});
+                s["post_processor"]["trim_offsets"] = Value::from(true);
+            }),
+        ),
+    ]
+}
+
+fn hf(t: &tokenizers::Tokenizer, text: &str) -> (Vec<u32>, Vec<(usize, usize)>) {
+    let e = t.encode(text, false).unwrap();
+    (e.get_ids().to_vec(), e.get_offsets().to_vec())
+}
+
+#[test]
+fn the_fast_bpe_path_equals_tokenizers_on_real_text() {
+    let texts = corpus();
+    assert!(texts.len() > 400);
+    for (name, tok) in variants() {
+        let enc = dflash_stage_tokenize::Encoder::new(tok.clone(), true);
+        assert!(enc.is_fast(), "{name}: the fast path should apply");
+        let mut cache = enc.take_cache();
+        let mut tokens = 0;
+        for text in &texts {
+            let want = hf(&tok, text);
+            let got = enc.encode(text, &mut cache).unwrap();
+            assert_eq!(got.0, want.0, "{name}: ids differ for {text:?}");
+            assert_eq!(got.1, want.1, "{name}: offsets differ for {text:?}");
+            tokens += want.0.len();
+        }
+        assert!(tokens > 300_000, "{name}: {tokens} tokens");
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+    /// Strings built from the characters where splitting rules differ: spaces before words,
+    /// runs of spaces and newlines, tabs, digits, apostrophes, CJK, emoji, combining and
+    /// non-NFC sequences, and special-token text.
+    #[test]
+    fn the_fast_bpe_path_equals_tokenizers_on_tricky_strings(
+        parts in proptest::collection::vec(proptest::sample::select(vec![
+            " ", "  ", "   ", "\n", "\n\n", " \n", "\t", "\r\n", "\u{a0}", "\u{3000}", "a", "Hello",
+            "world", "'s", "'LL", "don't", "123", "4567", "٣", "x1y2", "中文", "🦀", "👍🏽", "é",
+            "e\u{301}", "Å", "!", "...", "(", "```", "<|im_end|>", "<think>", "</think>", "Ġ",
+            "ſ", "İ", "-----", "__init__", "\u{200b}", "\u{4}", "\u{13}x",
+        ]), 0..24)
+    ) {
+        let text: String = parts.concat();
+        for (name, tok, enc) in VARIANTS.iter() {
+            let mut cache = enc.take_cache();
+            let got = enc.encode(&text, &mut cache).unwrap();
+            proptest::prop_assert_eq!(got, hf(tok, &text), "{} on {:?}", name, text);
+        }
+    }
+}
+
+type Variant = (
+    &'static str,
+    tokenizers::Tokenizer,
+    dflash_stage_tokenize::Encoder,
+);
+
+static VARIANTS: std::sync::LazyLock<Vec<Variant>> = std::sync::LazyLock::new(|| {
+    variants()
+        .into_iter()
+        .map(|(n, t)| {
+            let e = dflash_stage_tokenize::Encoder::new(t.clone(), true);
+            (n, t, e)
+        })
+        .collect()
+});

@@ -13,12 +13,14 @@ mod context;
 pub mod dataset;
 mod digest;
 mod error;
+mod log;
 mod params;
 
 pub use cancel::Cancel;
 pub use context::{Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput};
 pub use digest::{Digest, DigestParseError};
 pub use error::StageError;
+pub use log::StageLog;
 pub use params::{Mismatch, Param, ParamType, PathSeg, describe_value};
 
 /// One kind of stage (`command`, `download`, `mix`, ...): its schema, version and behaviour.

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use dflash_stage_api::dataset::{self, Writer};
 use dflash_stage_api::{
-    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
+    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageLog, StageOutput,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -212,7 +212,7 @@ impl StageKind for DownloadKind {
         };
         let client = Client::new(&hub::endpoint())?;
         let plan = plan_files(&p, ctx, &client)?;
-        let mut log = Log::open(ctx.log_path)?;
+        let mut log = StageLog::open(ctx.log_path)?;
         log.line(&format!("{} file(s) to read", plan.len()));
 
         let mut reports: Vec<FileReport> = Vec::new();
@@ -716,24 +716,6 @@ fn stats(reports: &[FileReport], source: &str, pins: &[Pin]) -> serde_json::Map<
         ),
     );
     m
-}
-
-struct Log(std::fs::File);
-
-impl Log {
-    fn open(path: &Path) -> Result<Self, StageError> {
-        Ok(Self(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)?,
-        ))
-    }
-
-    fn line(&mut self, s: &str) {
-        use std::io::Write;
-        let _ = writeln!(self.0, "{s}");
-    }
 }
 
 #[cfg(test)]

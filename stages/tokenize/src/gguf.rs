@@ -15,10 +15,14 @@ use dflash_stage_api::StageError;
 use serde_json::{Map, Value as Json, json};
 use tokenizers::Tokenizer;
 
+use crate::bpe::FastBpe;
+
 /// What a GGUF file says about tokenization.
 pub struct Gguf {
     /// The rebuilt tokenizer.
     pub tokenizer: Tokenizer,
+    /// Its fast path, built alongside.
+    pub fast: Option<FastBpe>,
     /// `tokenizer.chat_template`, when present.
     pub template: Option<String>,
     /// `bos_token`, `eos_token`, ... as templates see them.
@@ -267,10 +271,11 @@ pub fn load(path: &Path) -> Result<Gguf, StageError> {
                   "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
                   "ignore_merges": false, "vocab": vocab, "merges": merges},
     });
-    let tokenizer: Tokenizer = spec
-        .to_string()
-        .parse()
-        .map_err(|e| StageError::new(format!("cannot rebuild the tokenizer of `{shown}`: {e}")))?;
+    let (tokenizer, fast) = crate::model::both_paths(&spec, || {
+        spec.to_string()
+            .parse()
+            .map_err(|e| StageError::new(format!("cannot rebuild the tokenizer of `{shown}`: {e}")))
+    })?;
 
     let mut special = Map::new();
     for (name, key) in [
@@ -293,6 +298,7 @@ pub fn load(path: &Path) -> Result<Gguf, StageError> {
     }
     Ok(Gguf {
         tokenizer,
+        fast,
         template: text(&meta, "tokenizer.chat_template"),
         special,
         end_tokens,

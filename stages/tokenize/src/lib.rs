@@ -9,6 +9,8 @@
 //! each input file becomes one output file (`output`), committed as a shard as soon as it is
 //! written, so a rerun after a crash redoes only the files that were not finished.
 
+mod bpe;
+mod encoder;
 mod gguf;
 mod model;
 pub mod output;
@@ -18,16 +20,19 @@ mod template;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use arrow_array::Array as _;
 use dflash_stage_api::dataset::{self, BatchView};
 use dflash_stage_api::{
-    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
+    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageLog, StageOutput,
 };
 use rayon::prelude::*;
 use serde::Deserialize;
 use serde_json::{Value as Json, json};
 
+pub use crate::bpe::Cache;
+pub use crate::encoder::Encoder;
 pub use crate::model::{Model, load as load_model};
 pub use crate::spans::Which;
 use crate::stats::{Drop, FileStats};
@@ -147,7 +152,18 @@ impl StageKind for TokenizeKind {
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
         let p: Params = ctx.params()?;
+        let mut log = StageLog::open(ctx.log_path)?;
+        let started = Instant::now();
         let job = Job::new(&p, ctx.cwd)?;
+        log.line(&format!(
+            "loaded the tokenizer and template in {:.2} s ({} path)",
+            started.elapsed().as_secs_f64(),
+            if job.encoder.is_fast() {
+                "fast byte-level BPE"
+            } else {
+                "tokenizers"
+            }
+        ));
         let files = input_files(ctx)?;
         let done = ctx.shards.done();
         let total = files.len() as u64;
@@ -167,7 +183,15 @@ impl StageKind for TokenizeKind {
                     .set(i as u64, Some(total), &format!("tokenizing {name}"));
                 let dir = ctx.scratch_dir.join(format!("shard-{name}"));
                 std::fs::create_dir_all(dir.join("_tokenize"))?;
+                let t = Instant::now();
                 let stats = job.file(path, &dir.join(name), ctx)?;
+                let secs = t.elapsed().as_secs_f64();
+                log.line(&format!(
+                    "{name}: {} rows, {} tokens in {secs:.2} s ({:.0}K tokens/s)",
+                    stats.rows,
+                    stats.tokens,
+                    stats.tokens as f64 / secs.max(1e-9) / 1e3
+                ));
                 std::fs::write(
                     dir.join(&report),
                     serde_json::to_vec_pretty(&stats).expect("json"),
@@ -231,6 +255,7 @@ fn input_files(ctx: &StageContext<'_>) -> Result<Vec<(String, PathBuf)>, StageEr
 /// Everything fixed for a run: the model, the template and the policies.
 struct Job {
     model: Model,
+    encoder: Encoder,
     template: ChatTemplate,
     tools: Option<Json>,
     keep_reasoning: bool,
@@ -264,6 +289,9 @@ impl Job {
             .with_truncation(None)
             .map_err(|e| StageError::new(e.to_string()))?;
         model.tokenizer.with_padding(None);
+        // The fast path was built from the tokenizer's own JSON, before truncation was unset:
+        // it never truncates or pads.
+        let encoder = Encoder::from_parts(model.tokenizer.clone(), model.fast.take());
         let template = ChatTemplate::new(&model.template, &model.special, &p.template_kwargs)
             .map_err(|e| {
                 StageError::new(e.0).with_help("check `chat_template:` or the model's template")
@@ -289,6 +317,7 @@ impl Job {
             keep_truncated: p.truncated == "keep",
             kwargs: p.template_kwargs.clone(),
             model,
+            encoder,
         })
     }
 
@@ -298,6 +327,7 @@ impl Job {
             "template_kwargs": self.kwargs,
             "end_tokens": self.model.end_tokens,
             "vocab_size": self.model.tokenizer.get_vocab_size(true),
+            "fast_bpe": self.encoder.is_fast(),
         })
     }
 
@@ -317,7 +347,10 @@ impl Job {
             let view = BatchView::new(&batch);
             let results: Vec<Result<(output::Row, u32), Drop>> = (0..view.len())
                 .into_par_iter()
-                .map(|i| self.row(&view, i))
+                .map_init(
+                    || CacheGuard(&self.encoder, Some(self.encoder.take_cache())),
+                    |cache, i| self.row(&view, i, cache.1.as_mut().expect("held")),
+                )
                 .collect();
             let mut rows = Vec::with_capacity(results.len());
             for (i, r) in results.into_iter().enumerate() {
@@ -337,7 +370,12 @@ impl Job {
 
     /// Tokenize row `i` of a batch; also says how many of its trained turns do not follow the
     /// generation prompt.
-    fn row(&self, v: &BatchView<'_>, i: usize) -> Result<(output::Row, u32), Drop> {
+    fn row(
+        &self,
+        v: &BatchView<'_>,
+        i: usize,
+        cache: &mut Cache,
+    ) -> Result<(output::Row, u32), Drop> {
         let finish = (!v.finish_reason.is_null(i)).then(|| v.finish_reason.value(i));
         let cut_off = finish == Some("length");
         if cut_off && !self.keep_truncated {
@@ -392,13 +430,12 @@ impl Job {
                 format!("message {t}"),
             ),
         })?;
-        let encoding = self
-            .model
-            .tokenizer
-            .encode(rendered.text.as_str(), false)
+        let (ids, offsets) = self
+            .encoder
+            .encode(&rendered.text, cache)
             .map_err(|e| Drop::detail("the tokenizer failed", e))?;
-        let mut input_ids: Vec<i32> = encoding.get_ids().iter().map(|&t| t as i32).collect();
-        let mut loss_mask = mask(encoding.get_offsets(), &rendered.spans);
+        let mut input_ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+        let mut loss_mask = mask(&offsets, &rendered.spans);
         if let Some(max) = self.max_length {
             if input_ids.len() > max {
                 if self.drop_overflow {
@@ -424,6 +461,17 @@ impl Job {
             },
             rendered.unlike_prompt,
         ))
+    }
+}
+
+/// A worker's word cache, returned to the encoder's pool when the worker is done.
+struct CacheGuard<'a>(&'a Encoder, Option<Cache>);
+
+impl std::ops::Drop for CacheGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.1.take() {
+            self.0.put_cache(c);
+        }
     }
 }
 

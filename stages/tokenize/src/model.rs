@@ -8,12 +8,28 @@ use dflash_stage_api::StageError;
 use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
+use crate::bpe::FastBpe;
 use crate::gguf;
+
+/// The `tokenizers` tokenizer (built by `hf`) and the fast path for `spec`, built in parallel
+/// (each takes a few hundred milliseconds for a 150K vocabulary).
+pub(crate) fn both_paths(
+    spec: &Json,
+    hf: impl FnOnce() -> Result<Tokenizer, StageError>,
+) -> Result<(Tokenizer, Option<FastBpe>), StageError> {
+    std::thread::scope(|s| {
+        let fast = s.spawn(|| FastBpe::from_json(spec));
+        let tokenizer = hf()?;
+        Ok((tokenizer, fast.join().ok().flatten()))
+    })
+}
 
 /// What tokenization needs from a model.
 pub struct Model {
     /// The tokenizer.
     pub tokenizer: Tokenizer,
+    /// The fast path for it, when its shape allows (see `bpe`).
+    pub fast: Option<FastBpe>,
     /// The chat template source.
     pub template: String,
     /// Special tokens as templates see them (`bos_token`, `eos_token`, ...).
@@ -72,6 +88,7 @@ pub fn load(path: &Path, template: Option<String>) -> Result<Model, StageError> 
         })?;
         return Ok(Model {
             tokenizer: g.tokenizer,
+            fast: g.fast,
             template,
             special: g.special,
             end_tokens: g.end_tokens,
@@ -91,8 +108,11 @@ pub fn load(path: &Path, template: Option<String>) -> Result<Model, StageError> 
             ),
         );
     }
-    let tokenizer = Tokenizer::from_file(&tok_path)
-        .map_err(|e| StageError::new(format!("cannot load `{}`: {e}", tok_path.display())))?;
+    let spec = read_json(&tok_path)?.unwrap_or(Json::Null);
+    let (tokenizer, fast) = both_paths(&spec, || {
+        Tokenizer::from_file(&tok_path)
+            .map_err(|e| StageError::new(format!("cannot load `{}`: {e}", tok_path.display())))
+    })?;
     let config = read_json(&path.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
     let mut special = Map::new();
     for name in [
@@ -150,6 +170,7 @@ pub fn load(path: &Path, template: Option<String>) -> Result<Model, StageError> 
     }
     Ok(Model {
         tokenizer,
+        fast,
         template,
         special,
         end_tokens,
