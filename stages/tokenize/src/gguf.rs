@@ -290,10 +290,10 @@ pub fn load(path: &Path) -> Result<Gguf, StageError> {
     }
     let mut end_tokens = Vec::new();
     for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
-        if let Some(i) = id(&meta, key) {
-            if !end_tokens.contains(&tokens[i]) {
-                end_tokens.push(tokens[i].clone());
-            }
+        if let Some(i) = id(&meta, key)
+            && !end_tokens.contains(&tokens[i])
+        {
+            end_tokens.push(tokens[i].clone());
         }
     }
     Ok(Gguf {

@@ -296,12 +296,12 @@ impl Job {
             .map_err(|e| {
                 StageError::new(e.0).with_help("check `chat_template:` or the model's template")
             })?;
-        if let Some(m) = p.max_length {
-            if m < 1 {
-                return Err(StageError::new(format!(
-                    "`max_length` is {m}; it must be at least 1"
-                )));
-            }
+        if let Some(m) = p.max_length
+            && m < 1
+        {
+            return Err(StageError::new(format!(
+                "`max_length` is {m}; it must be at least 1"
+            )));
         }
         Ok(Self {
             template,
@@ -434,16 +434,18 @@ impl Job {
             .encoder
             .encode(&rendered.text, cache)
             .map_err(|e| Drop::detail("the tokenizer failed", e))?;
+        // Vocabularies stay far below 2^31 ids.
+        #[allow(clippy::cast_possible_wrap)]
         let mut input_ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
         let mut loss_mask = mask(&offsets, &rendered.spans);
-        if let Some(max) = self.max_length {
-            if input_ids.len() > max {
-                if self.drop_overflow {
-                    return Err(Drop::new("longer than max_length"));
-                }
-                input_ids.truncate(max);
-                loss_mask.truncate(max);
+        if let Some(max) = self.max_length
+            && input_ids.len() > max
+        {
+            if self.drop_overflow {
+                return Err(Drop::new("longer than max_length"));
             }
+            input_ids.truncate(max);
+            loss_mask.truncate(max);
         }
         if !loss_mask.contains(&1) {
             return Err(Drop::new(if self.max_length.is_some() {

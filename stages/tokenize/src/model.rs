@@ -161,10 +161,9 @@ pub fn load(path: &Path, template: Option<String>) -> Result<Model, StageError> 
             if let Some(t) = u32::try_from(id)
                 .ok()
                 .and_then(|id| tokenizer.id_to_token(id))
+                && !end_tokens.contains(&t)
             {
-                if !end_tokens.contains(&t) {
-                    end_tokens.push(t);
-                }
+                end_tokens.push(t);
             }
         }
     }

@@ -63,7 +63,7 @@ fn batch(rows: &[Row]) -> RecordBatch {
         ids.append(true);
         mask.values().append_slice(&r.loss_mask);
         mask.append(true);
-        length.push(r.input_ids.len() as i32);
+        length.push(i32::try_from(r.input_ids.len()).unwrap_or(i32::MAX));
     }
     let columns: Vec<ArrayRef> = vec![
         Arc::new(id.finish()),

@@ -128,7 +128,7 @@ fn content_ends(
         .ok_or(SpanError::Unlocatable(chosen[0]))?;
     // Empty content stays unmarked: a marker would make it truthy and change what the template
     // renders; its end is the turn's start (reasoning and tool calls follow as generated text).
-    let marked_turns: Vec<usize> = chosen
+    let to_mark: Vec<usize> = chosen
         .iter()
         .copied()
         .filter(|&i| !turns[i].content.is_empty())
@@ -149,7 +149,7 @@ fn content_ends(
     };
     let marked_render = |only: &[usize]| -> Result<Option<Vec<usize>>, SpanError> {
         let contents = with_marker(only);
-        let marked: Vec<Turn<'_>> = turns
+        let with_markers: Vec<Turn<'_>> = turns
             .iter()
             .zip(&contents)
             .map(|(m, c)| Turn {
@@ -157,7 +157,7 @@ fn content_ends(
                 ..m.clone()
             })
             .collect();
-        let out = template.render(&marked, tools, false).map_err(t)?;
+        let out = template.render(&with_markers, tools, false).map_err(t)?;
         // Trust the positions only if the markers were all the render changed.
         if out.replace(marker, "") != text {
             return Ok(None);
@@ -178,15 +178,15 @@ fn content_ends(
 
     let mut found: Vec<Option<usize>> = vec![None; chosen.len()];
     let index_of = |i: usize| chosen.iter().position(|&c| c == i).expect("chosen");
-    if !marked_turns.is_empty() {
-        if let Some(all) = marked_render(&marked_turns)? {
-            for (&i, e) in marked_turns.iter().zip(all) {
+    if !to_mark.is_empty() {
+        if let Some(all) = marked_render(&to_mark)? {
+            for (&i, e) in to_mark.iter().zip(all) {
                 found[index_of(i)] = Some(e);
             }
         } else {
             // One marker at a time, for templates whose output depends on the content in ways a
             // marker in every turn disturbs.
-            for &i in &marked_turns {
+            for &i in &to_mark {
                 let e = marked_render(&[i])?.ok_or(SpanError::Unlocatable(i))?;
                 found[index_of(i)] = Some(e[0]);
             }

@@ -133,6 +133,7 @@ fn message_json(t: &Turn<'_>) -> Json {
     Json::Object(m)
 }
 
+#[allow(clippy::needless_pass_by_value)] // minijinja passes owned arguments
 fn raise_exception(message: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
@@ -140,6 +141,7 @@ fn raise_exception(message: String) -> Result<Value, Error> {
 /// `strftime_now(format)` is refused: a render that depends on the day would make the same
 /// inputs produce different tokens, which breaks content addressing. Templates that call it
 /// (Llama 3's "Today Date") take a `date_string` kwarg instead.
+#[allow(clippy::needless_pass_by_value)] // minijinja passes owned arguments
 fn strftime_now(format: String) -> Result<Value, Error> {
     Err(Error::new(
         ErrorKind::InvalidOperation,
@@ -152,6 +154,7 @@ fn strftime_now(format: String) -> Result<Value, Error> {
 
 /// Python's `json.dumps(x, ensure_ascii=False, indent=indent, separators=separators,
 /// sort_keys=sort_keys)`, which `transformers` installs as `tojson`.
+#[allow(clippy::needless_pass_by_value)] // minijinja passes owned arguments
 fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent: Option<Value> = kwargs.get("indent")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
@@ -184,7 +187,7 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
         _ if indent.is_some() => (",".to_owned(), ": ".to_owned()),
         _ => (", ".to_owned(), ": ".to_owned()),
     };
-    let json: Json = serde_json::to_value(&value)
+    let json: Json = serde_json::to_value(value)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let style = Style {
         indent,
@@ -265,7 +268,9 @@ fn write_number(n: &serde_json::Number, out: &mut String) {
         return;
     }
     let f = n.as_f64().unwrap_or(0.0);
-    if f.is_finite() && f == f.trunc() && f.abs() < 1e16 {
+    #[allow(clippy::float_cmp)] // an exact test for a whole number
+    let whole = f == f.trunc();
+    if f.is_finite() && whole && f.abs() < 1e16 {
         let _ = write!(out, "{f:.1}");
         return;
     }
@@ -308,7 +313,7 @@ fn write_string(s: &str, ensure_ascii: bool, out: &mut String) {
 mod tests {
     use super::*;
 
-    fn render(src: &str, ctx: Json) -> String {
+    fn render(src: &str, ctx: &Json) -> String {
         let t = ChatTemplate::new(src, &Map::new(), ctx.as_object().unwrap()).unwrap();
         t.render(&[], None, false).unwrap()
     }
@@ -319,12 +324,12 @@ mod tests {
             serde_json::json!({"x": {"b": [1, 2.5, "é<>&\n", null, true], "a": {}, "c": 1e-5}});
         // json.dumps({"b": [1, 2.5, "é<>&\n", None, True], "a": {}, "c": 1e-5}, ensure_ascii=False)
         assert_eq!(
-            render("{{ x | tojson }}", ctx.clone()),
+            render("{{ x | tojson }}", &ctx),
             r#"{"b": [1, 2.5, "é<>&\n", null, true], "a": {}, "c": 1e-05}"#
         );
         // json.dumps(..., indent=2)
         assert_eq!(
-            render("{{ x.b | tojson(indent=2) }}", ctx),
+            render("{{ x.b | tojson(indent=2) }}", &ctx),
             "[\n  1,\n  2.5,\n  \"é<>&\\n\",\n  null,\n  true\n]"
         );
     }
@@ -335,7 +340,7 @@ mod tests {
         assert_eq!(
             render(
                 "{{ s.split('</think>')[-1].lstrip('\\n') }}|{{ s.strip('\\n').startswith('<think>') }}",
-                ctx
+                &ctx
             ),
             "hi|True"
         );
