@@ -397,3 +397,52 @@ static VARIANTS: std::sync::LazyLock<Vec<Variant>> = std::sync::LazyLock::new(||
         })
         .collect()
 });
+
+#[test]
+fn a_model_folder_in_an_object_store_is_pinned_by_etag_and_tokenizes_the_same() {
+    let server = support::Seaweed::start();
+    let prefix = server.url();
+    let store = dflash::store::Store::open_with(&prefix, &server.options()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        let bytes = std::fs::read(assets().join("qwen3").join(f)).unwrap();
+        rt.block_on(store.put_create(&format!("models/qwen3/{f}"), bytes.into()))
+            .unwrap();
+    }
+    let mut env = env_with(&format!(
+        "name: tok\nstages:
+  crafted:
+    kind: download
+    params: {{path: conversations.jsonl, format: messages}}
+  local:
+    kind: tokenize
+    inputs: [crafted]
+    params: {{tokenizer: qwen3}}
+  remote:
+    kind: tokenize
+    inputs: [crafted]
+    params: {{tokenizer: '{prefix}/models/qwen3'}}
+"
+    ));
+    for (k, v) in server.env() {
+        env.set(&k, &v);
+    }
+    let (status, _) = env.run("tok.yaml", 0);
+    assert_eq!(status["remote"], "ran");
+    let show = |stage: &str| -> Value {
+        let o = env.dflash(&["show", stage, "-p", "tok.yaml"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let (local, remote) = (show("local"), show("remote"));
+    assert_eq!(
+        local["files"], remote["files"],
+        "the same bytes from either place"
+    );
+    let pins = remote["fingerprint"]["pins"].to_string();
+    assert!(
+        pins.contains("tokenizer:tokenizer.json") && pins.contains("etag="),
+        "{pins}"
+    );
+    assert!(!remote.to_string().contains(support::SECRET_KEY));
+}

@@ -15,6 +15,8 @@ mod digest;
 mod error;
 mod log;
 mod params;
+#[cfg(feature = "remote")]
+pub mod remote;
 
 pub use cancel::Cancel;
 pub use context::{Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput};

@@ -226,18 +226,7 @@ impl Client {
     }
 }
 
-/// A URL as shown to users: no userinfo, no query string (which may hold signed tokens).
-pub fn shown(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) => {
-            let _ = u.set_username("");
-            let _ = u.set_password(None);
-            u.set_query(None);
-            u.to_string()
-        }
-        Err(_) => "<unparseable URL>".into(),
-    }
-}
+pub use dflash_stage_api::remote::shown;
 
 fn root_cause(e: &dyn std::error::Error) -> String {
     let mut cur = e;

@@ -19,6 +19,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use dflash_stage_api::dataset::{self, Writer};
+use dflash_stage_api::remote;
 use dflash_stage_api::{
     Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageLog, StageOutput,
 };
@@ -180,8 +181,8 @@ impl StageKind for DownloadKind {
                 }])
             }
             Source::Object(url) => {
-                let (store, path) = object_store_for(url)?;
-                let meta = block_on(store.head(&path))?
+                let (store, path) = remote::open(url)?;
+                let meta = remote::block_on(store.head(&path))?
                     .map_err(|e| StageError::new(format!("cannot read `{}`: {e}", shown(url))))?;
                 Ok(vec![Pin {
                     name: format!("object:{}", shown(url)),
@@ -508,24 +509,6 @@ fn local_files(path: &Path) -> Result<Vec<PathBuf>, StageError> {
     Ok(out)
 }
 
-fn block_on<F: std::future::Future>(f: F) -> Result<F::Output, StageError> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| StageError::new(format!("cannot start a runtime: {e}")))?;
-    Ok(rt.block_on(f))
-}
-
-fn object_store_for(
-    url: &str,
-) -> Result<(Box<dyn object_store::ObjectStore>, object_store::path::Path), StageError> {
-    let parsed = url::Url::parse(url)
-        .map_err(|e| StageError::new(format!("`{}` is not a URL: {e}", shown(url))))?;
-    let opts = std::env::vars().map(|(k, v)| (k.to_ascii_lowercase(), v));
-    object_store::parse_url_opts(&parsed, opts)
-        .map_err(|e| StageError::new(format!("cannot open `{}`: {e}", shown(url))))
-}
-
 /// Bring one file to local disk (resuming an interrupted download); returns its path.
 fn fetch(
     file: &PlannedFile,
@@ -554,8 +537,8 @@ fn fetch(
                     + url.rsplit('/').next().unwrap_or("data"),
             );
             if !dest.exists() {
-                let (store, path) = object_store_for(url)?;
-                let bytes = block_on(async { store.get(&path).await?.bytes().await })?
+                let (store, path) = remote::open(url)?;
+                let bytes = remote::block_on(async { store.get(&path).await?.bytes().await })?
                     .map_err(|e| StageError::new(format!("cannot read `{}`: {e}", shown(url))))?;
                 let part = dest.with_extension("part");
                 std::fs::write(&part, &bytes)?;

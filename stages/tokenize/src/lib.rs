@@ -26,6 +26,7 @@ use arrow_array::Array as _;
 use dflash_stage_api::dataset::{self, BatchView};
 use dflash_stage_api::{
     Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageLog, StageOutput,
+    remote,
 };
 use rayon::prelude::*;
 use serde::Deserialize;
@@ -72,7 +73,8 @@ impl StageKind for TokenizeKind {
             Param::new(
                 "tokenizer",
                 ParamType::Str,
-                "a model folder (`tokenizer.json`, `tokenizer_config.json`) or a `.gguf` file",
+                "a model folder (`tokenizer.json`, `tokenizer_config.json`) or a `.gguf` file; \
+                 local, or in an object store (`s3://bucket/models/Qwen3-8B`)",
             )
             .required(),
             Param::new(
@@ -127,15 +129,40 @@ impl StageKind for TokenizeKind {
     fn pin(&self, params: &Json, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
         let p: Params = serde_json::from_value(params.clone())
             .map_err(|e| StageError::new(format!("params do not fit: {e}")))?;
-        let mut files = model::identity_files(Path::new(&p.tokenizer));
-        if files.is_empty() {
+        let mut pins = Vec::new();
+        if remote::is_object_url(&p.tokenizer) {
+            for (name, url) in model::remote_files(&p.tokenizer) {
+                if let Some(identity) = remote::identity(&url)? {
+                    pins.push(Pin {
+                        name: format!("tokenizer:{name}"),
+                        identity,
+                    });
+                }
+            }
+            let has_tokenizer = pins
+                .iter()
+                .any(|p| p.name == "tokenizer:tokenizer.json" || p.name.ends_with(".gguf"));
+            if !has_tokenizer {
+                return Err(StageError::new(format!(
+                    "`{}` holds no `tokenizer.json`",
+                    remote::shown(&p.tokenizer)
+                ))
+                .with_help("give the prefix of a model folder, or the URL of a `.gguf` object"));
+            }
+        }
+        let mut files = if pins.is_empty() {
+            model::identity_files(Path::new(&p.tokenizer))
+        } else {
+            Vec::new()
+        };
+        if files.is_empty() && pins.is_empty() {
             return Err(missing_tokenizer(Path::new(&p.tokenizer)));
         }
         if let Some(t) = &p.chat_template {
             files.push(PathBuf::from(t));
         }
         // Names without the folder: the content decides the key, not where it lies.
-        files
+        let local: Vec<Pin> = files
             .iter()
             .map(|f| {
                 let name = f.file_name().map_or_else(
@@ -147,14 +174,16 @@ impl StageKind for TokenizeKind {
                     identity: pinner.file_digest(f)?.to_hex(),
                 })
             })
-            .collect()
+            .collect::<Result<_, StageError>>()?;
+        pins.extend(local);
+        Ok(pins)
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
         let p: Params = ctx.params()?;
         let mut log = StageLog::open(ctx.log_path)?;
         let started = Instant::now();
-        let job = Job::new(&p, ctx.cwd)?;
+        let job = Job::new(&p, ctx)?;
         log.line(&format!(
             "loaded the tokenizer and template in {:.2} s ({} path)",
             started.elapsed().as_secs_f64(),
@@ -267,7 +296,8 @@ struct Job {
 }
 
 impl Job {
-    fn new(p: &Params, cwd: &Path) -> Result<Self, StageError> {
+    fn new(p: &Params, ctx: &StageContext<'_>) -> Result<Self, StageError> {
+        let cwd = ctx.cwd;
         let template_text = p
             .chat_template
             .as_ref()
@@ -278,7 +308,11 @@ impl Job {
                 })
             })
             .transpose()?;
-        let model_path = cwd.join(&p.tokenizer);
+        let model_path = if remote::is_object_url(&p.tokenizer) {
+            model::fetch_remote(&p.tokenizer, ctx.pins, &ctx.scratch_dir.join("model"))?
+        } else {
+            cwd.join(&p.tokenizer)
+        };
         if model::identity_files(&model_path).is_empty() {
             return Err(missing_tokenizer(Path::new(&p.tokenizer)));
         }

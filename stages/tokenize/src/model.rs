@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use dflash_stage_api::StageError;
+use dflash_stage_api::{Pin, StageError, remote};
 use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
@@ -38,22 +38,65 @@ pub struct Model {
     pub end_tokens: Vec<String>,
 }
 
-/// The files of a model that decide tokenization, for pinning: the tokenizer, its config, the
-/// template, the generation config (its end tokens) — or the GGUF file itself.
+/// The files of a model folder that decide tokenization: the tokenizer, its config, the
+/// template and the generation config (its end tokens).
+const FOLDER_FILES: [&str; 4] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+];
+
+/// The local files that decide tokenization, for pinning: those of a folder, or the GGUF file.
 pub fn identity_files(path: &Path) -> Vec<PathBuf> {
     if path.is_file() {
         return vec![path.to_owned()];
     }
-    [
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "chat_template.jinja",
-        "generation_config.json",
-    ]
-    .iter()
-    .map(|f| path.join(f))
-    .filter(|p| p.is_file())
-    .collect()
+    FOLDER_FILES
+        .iter()
+        .map(|f| path.join(f))
+        .filter(|p| p.is_file())
+        .collect()
+}
+
+/// The objects a remote model may hold, as (file name, URL): the folder's files under the
+/// prefix, or the `.gguf` object itself.
+pub fn remote_files(url: &str) -> Vec<(String, String)> {
+    if url.ends_with(".gguf") {
+        let name = url.rsplit('/').next().unwrap_or("model.gguf").to_owned();
+        return vec![(name, url.to_owned())];
+    }
+    let base = url.trim_end_matches('/');
+    FOLDER_FILES
+        .iter()
+        .map(|f| ((*f).to_owned(), format!("{base}/{f}")))
+        .collect()
+}
+
+/// Bring the remote model at `url` into `dir`, exactly the versions `pins` name (each object
+/// is checked again after the copy, so one replaced meanwhile fails the stage instead of
+/// tokenizing with other files than the key says). Returns the local model path.
+pub fn fetch_remote(url: &str, pins: &[Pin], dir: &Path) -> Result<PathBuf, StageError> {
+    std::fs::create_dir_all(dir)?;
+    let mut local = dir.to_owned();
+    for (name, object) in remote_files(url) {
+        let Some(pin) = pins.iter().find(|p| p.name == format!("tokenizer:{name}")) else {
+            continue;
+        };
+        let dest = dir.join(&name);
+        remote::fetch(&object, &dest)?;
+        if remote::identity(&object)?.as_deref() != Some(pin.identity.as_str()) {
+            return Err(StageError::new(format!(
+                "`{}` changed while the stage ran",
+                remote::shown(&object)
+            ))
+            .with_help("run again: the new version gets its own key"));
+        }
+        if name.ends_with(".gguf") {
+            local = dest;
+        }
+    }
+    Ok(local)
 }
 
 fn read_json(path: &Path) -> Result<Option<Json>, StageError> {
