@@ -19,6 +19,7 @@ impl Registry {
         r.add(Arc::new(dflash_stage_download::DownloadKind));
         r.add(Arc::new(dflash_stage_mix::MixKind));
         r.add(Arc::new(dflash_stage_tokenize::TokenizeKind));
+        r.add(Arc::new(dflash_stage_generate::GenerateKind));
         r
     }
 

@@ -15,6 +15,7 @@ mod digest;
 mod error;
 mod log;
 mod params;
+pub mod process;
 #[cfg(feature = "remote")]
 pub mod remote;
 

@@ -16,6 +16,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dflash_stage_api::process::{SIGKILL, SIGTERM, kill_group};
 use dflash_stage_api::{
     Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
 };
@@ -204,7 +205,7 @@ fn wait_or_cancel(
     mut child: std::process::Child,
     ctx: &StageContext<'_>,
 ) -> Result<std::process::ExitStatus, StageError> {
-    let pid = i32::try_from(child.id()).expect("pids fit in i32");
+    let pid = child.id();
     let finished = Arc::new(Mutex::new(false));
     let cancel = ctx.cancel.clone();
     let watcher = {
@@ -218,9 +219,9 @@ fn wait_or_cancel(
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
                     {
-                        kill_group(pid, libc::SIGTERM);
+                        kill_group(pid, SIGTERM);
                         if !cancel_grace(&finished) {
-                            kill_group(pid, libc::SIGKILL);
+                            kill_group(pid, SIGKILL);
                         }
                     }
                     return;
@@ -259,14 +260,6 @@ fn cancel_grace(finished: &Mutex<bool>) -> bool {
         std::thread::sleep(Duration::from_millis(100));
     }
     false
-}
-
-#[allow(unsafe_code)]
-fn kill_group(pid: i32, sig: i32) {
-    // SAFETY: kill(2) with a negative pid signals a process group; it has no memory effects.
-    unsafe {
-        libc::kill(-pid, sig);
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,368 @@
+//! The OpenAI-compatible client: chat completions spread over several endpoints (SGLang, vLLM,
+//! llama.cpp's server), each with its own in-flight limit.
+//!
+//! A request goes to the live endpoint with the most free capacity. Failures that a retry can
+//! cure (connection errors, resets, timeouts, 5xx, 429, a body that is not the JSON promised) are
+//! retried with exponential backoff and jitter, up to a bound, preferring another endpoint; an
+//! endpoint that fails three times in a row is drained for a cool-down that doubles each time,
+//! so a dead server stops taking requests while the others carry on. A 4xx other than 408/429 is
+//! the request's own fault (a prompt longer than the context, say) and is not retried.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use dflash_stage_api::StageError;
+use serde_json::{Map, Value as Json, json};
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Consecutive failures after which an endpoint is drained.
+const DRAIN_AFTER: u32 = 3;
+
+/// One server.
+pub struct Endpoint {
+    /// Base URL, ending in `/v1`.
+    pub url: String,
+    /// Requests it may hold at once.
+    pub capacity: usize,
+    /// Requests it holds now.
+    pub in_flight: AtomicUsize,
+    /// Requests sent.
+    pub sent: AtomicU64,
+    /// Failed attempts.
+    pub errors: AtomicU64,
+    consecutive: AtomicU32,
+    drains: AtomicU32,
+    dead_until: Mutex<Option<Instant>>,
+}
+
+impl Endpoint {
+    /// An endpoint at `url` holding at most `capacity` requests.
+    pub fn new(url: &str, capacity: usize) -> Self {
+        Self {
+            url: url.trim_end_matches('/').to_owned(),
+            capacity: capacity.max(1),
+            in_flight: AtomicUsize::new(0),
+            sent: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            consecutive: AtomicU32::new(0),
+            drains: AtomicU32::new(0),
+            dead_until: Mutex::new(None),
+        }
+    }
+
+    fn drained_until(&self) -> Option<Instant> {
+        let d = *self
+            .dead_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        d.filter(|t| *t > Instant::now())
+    }
+
+    fn failed(&self) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        if self.consecutive.fetch_add(1, Ordering::Relaxed) + 1 >= DRAIN_AFTER {
+            self.consecutive.store(0, Ordering::Relaxed);
+            let n = self.drains.fetch_add(1, Ordering::Relaxed).min(4);
+            *self
+                .dead_until
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some(Instant::now() + Duration::from_secs(2 << n));
+        }
+    }
+
+    fn succeeded(&self) {
+        self.consecutive.store(0, Ordering::Relaxed);
+        self.drains.store(0, Ordering::Relaxed);
+    }
+
+    /// Whether it is drained now.
+    pub fn is_drained(&self) -> bool {
+        self.drained_until().is_some()
+    }
+}
+
+/// One generated reply.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    /// The visible text.
+    pub content: String,
+    /// The reasoning, when the server splits it off (`reasoning_content`, or vLLM's `reasoning`).
+    pub reasoning: Option<String>,
+    /// `stop`, `length`, ...
+    pub finish_reason: String,
+    /// Tokens generated, as the server counts them.
+    pub completion_tokens: u64,
+}
+
+/// Why a request has no reply.
+#[derive(Debug)]
+pub enum Failure {
+    /// The request itself is refused (4xx): retrying cannot help.
+    Refused(String),
+    /// Every attempt failed; the servers are the problem.
+    Exhausted(String),
+}
+
+/// The client.
+pub struct Client {
+    http: reqwest::Client,
+    /// The endpoints.
+    pub endpoints: Vec<Endpoint>,
+    model: String,
+    /// Fields sent with every request (sampling, `chat_template_kwargs`, extra fields).
+    body: Map<String, Json>,
+    timeout: Duration,
+    attempts: u32,
+}
+
+/// A URL as it may be shown (no credentials or query).
+pub fn shown(url: &str) -> String {
+    dflash_stage_api::remote::shown(url)
+}
+
+impl Client {
+    /// A client for `model` on `endpoints`.
+    pub fn new(
+        endpoints: Vec<Endpoint>,
+        model: &str,
+        body: Map<String, Json>,
+        timeout: Duration,
+        attempts: u32,
+    ) -> Result<Self, StageError> {
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(1024)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| StageError::new(format!("cannot build the HTTP client: {e}")))?;
+        Ok(Self {
+            http,
+            endpoints,
+            model: model.to_owned(),
+            body,
+            timeout,
+            attempts: attempts.max(1),
+        })
+    }
+
+    /// Total requests the endpoints hold at once.
+    pub fn capacity(&self) -> usize {
+        self.endpoints.iter().map(|e| e.capacity).sum()
+    }
+
+    /// Check that every endpoint serves the model; returns what each reported.
+    pub async fn check_models(&self) -> Result<Vec<(String, Vec<String>)>, StageError> {
+        let mut out = Vec::new();
+        for e in &self.endpoints {
+            let url = format!("{}/models", e.url);
+            let models = async {
+                let r = self
+                    .http
+                    .get(&url)
+                    .timeout(Duration::from_secs(30))
+                    .send()
+                    .await
+                    .map_err(|err| root(&err))?;
+                if !r.status().is_success() {
+                    return Err(format!("HTTP {}", r.status()));
+                }
+                let bytes = r.bytes().await.map_err(|err| root(&err))?;
+                let v: Json = serde_json::from_slice(&bytes).map_err(|err| err.to_string())?;
+                Ok(v["data"]
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|m| m["id"].as_str().map(str::to_owned))
+                            .collect::<Vec<_>>()
+                    })
+                    .unwrap_or_default())
+            }
+            .await
+            .map_err(|why| {
+                StageError::new(format!("`{}` did not list its models: {why}", shown(&url)))
+                    .with_help("is the server up? `endpoints:` take base URLs such as `http://127.0.0.1:30000/v1`")
+            })?;
+            if !models.iter().any(|m| m == &self.model) {
+                return Err(StageError::new(format!(
+                    "`{}` serves {}, not `{}`",
+                    shown(&e.url),
+                    if models.is_empty() {
+                        "no model".to_owned()
+                    } else {
+                        models
+                            .iter()
+                            .map(|m| format!("`{m}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    },
+                    self.model
+                ))
+                .with_help("set `model:` to the name the server reports (GET /v1/models)"));
+            }
+            out.push((shown(&e.url), models));
+        }
+        Ok(out)
+    }
+
+    /// The live endpoint with the most free capacity (by share), or when every endpoint is
+    /// drained, how long until the first one comes back.
+    fn pick(&self, avoid: Option<usize>) -> Result<usize, Duration> {
+        let live: Vec<usize> = (0..self.endpoints.len())
+            .filter(|&i| !self.endpoints[i].is_drained())
+            .collect();
+        let candidates: Vec<usize> = if live.len() > 1 {
+            live.iter().copied().filter(|&i| Some(i) != avoid).collect()
+        } else {
+            live
+        };
+        candidates
+            .into_iter()
+            .min_by(|&a, &b| {
+                let load = |i: usize| {
+                    let e = &self.endpoints[i];
+                    e.in_flight.load(Ordering::Relaxed) as f64 / e.capacity as f64
+                };
+                load(a).total_cmp(&load(b))
+            })
+            .ok_or_else(|| {
+                self.endpoints
+                    .iter()
+                    .filter_map(Endpoint::drained_until)
+                    .min()
+                    .map_or(Duration::from_millis(100), |t| {
+                        t.saturating_duration_since(Instant::now())
+                    })
+            })
+    }
+
+    /// One chat completion for `messages`; `key` seeds the jitter (and names the request in
+    /// errors).
+    pub async fn complete(
+        &self,
+        messages: &[Json],
+        seed: Option<u64>,
+        key: &str,
+    ) -> Result<Reply, Failure> {
+        let mut body = self.body.clone();
+        body.insert("model".into(), Json::String(self.model.clone()));
+        body.insert("messages".into(), Json::Array(messages.to_vec()));
+        if let Some(s) = seed {
+            body.insert("seed".into(), json!(s));
+        }
+        let body = Json::Object(body);
+        let mut last = String::new();
+        let mut avoid = None;
+        for attempt in 0..self.attempts {
+            if attempt > 0 {
+                // Exponential backoff with jitter in [0.5, 1.5), capped at 30 s.
+                let base = (0.25 * f64::from(1u32 << attempt.min(7))).min(30.0);
+                let jitter =
+                    0.5 + (xxh3_64(format!("{key}/{attempt}").as_bytes()) % 1000) as f64 / 1000.0;
+                tokio::time::sleep(Duration::from_secs_f64(base * jitter)).await;
+            }
+            let i = loop {
+                match self.pick(avoid) {
+                    Ok(i) => break i,
+                    Err(wait) => tokio::time::sleep(wait.max(Duration::from_millis(50))).await,
+                }
+            };
+            let e = &self.endpoints[i];
+            e.in_flight.fetch_add(1, Ordering::Relaxed);
+            e.sent.fetch_add(1, Ordering::Relaxed);
+            let result = self.attempt(e, &body).await;
+            e.in_flight.fetch_sub(1, Ordering::Relaxed);
+            match result {
+                Ok(reply) => {
+                    e.succeeded();
+                    return Ok(reply);
+                }
+                Err(Attempt::Refused(why)) => {
+                    e.succeeded();
+                    return Err(Failure::Refused(why));
+                }
+                Err(Attempt::Retry(why)) => {
+                    e.failed();
+                    last = format!("{}: {why}", shown(&e.url));
+                    avoid = Some(i);
+                }
+            }
+        }
+        Err(Failure::Exhausted(format!(
+            "{} attempts failed, the last at {last}",
+            self.attempts
+        )))
+    }
+
+    async fn attempt(&self, e: &Endpoint, body: &Json) -> Result<Reply, Attempt> {
+        let r = self
+            .http
+            .post(format!("{}/chat/completions", e.url))
+            .timeout(self.timeout)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .map_err(|err| {
+                Attempt::Retry(if err.is_timeout() {
+                    format!("no answer within {} s", self.timeout.as_secs())
+                } else {
+                    root(&err)
+                })
+            })?;
+        let status = r.status();
+        let bytes = r.bytes().await.map_err(|err| Attempt::Retry(root(&err)))?;
+        if status.as_u16() == 429 || status.as_u16() == 408 || status.is_server_error() {
+            return Err(Attempt::Retry(format!("HTTP {status}")));
+        }
+        if !status.is_success() {
+            let text = String::from_utf8_lossy(&bytes);
+            let snippet: String = text.chars().take(300).collect();
+            return Err(Attempt::Refused(format!("HTTP {status}: {snippet}")));
+        }
+        let v: Json = serde_json::from_slice(&bytes)
+            .map_err(|err| Attempt::Retry(format!("the answer is not JSON ({err})")))?;
+        let choice = &v["choices"][0];
+        let message = &choice["message"];
+        let Some(content) = message["content"]
+            .as_str()
+            .or_else(|| message["content"].is_null().then_some(""))
+        else {
+            return Err(Attempt::Retry(
+                "the answer has no `choices[0].message`".into(),
+            ));
+        };
+        if !message.is_object() {
+            return Err(Attempt::Retry(
+                "the answer has no `choices[0].message`".into(),
+            ));
+        }
+        let reasoning = ["reasoning_content", "reasoning"]
+            .iter()
+            .find_map(|k| message[*k].as_str())
+            .filter(|r| !r.is_empty())
+            .map(str::to_owned);
+        Ok(Reply {
+            content: content.to_owned(),
+            reasoning,
+            finish_reason: choice["finish_reason"]
+                .as_str()
+                .unwrap_or("stop")
+                .to_owned(),
+            completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap_or(0),
+        })
+    }
+}
+
+enum Attempt {
+    Retry(String),
+    Refused(String),
+}
+
+fn root(e: &dyn std::error::Error) -> String {
+    let mut cur = e;
+    while let Some(next) = cur.source() {
+        cur = next;
+    }
+    cur.to_string()
+}

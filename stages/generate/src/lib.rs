@@ -1,0 +1,560 @@
+//! The `generate` stage kind: regenerate the assistant turns of upstream conversations with the
+//! target model, on any number of OpenAI-compatible servers (SGLang, vLLM, llama.cpp's server),
+//! optionally started by the stage itself (`launch`).
+//!
+//! Every prompt (times `n` samples) is one request key. Answers are saved as they arrive into
+//! create-only shards (`shards`), so a crash or Ctrl-C costs at most one shard's worth of work: a
+//! rerun reads which keys the committed shards answer and sends only the rest; a finished stage
+//! is cached like any other. Requests are spread over the endpoints by free capacity and retried
+//! on transient failures (`client`). Multi-turn conversations are regenerated turn by turn: each
+//! assistant turn is generated from the conversation so far, with the earlier turns already
+//! regenerated (`turns: all`), or only the last reply is (`turns: last`).
+
+mod client;
+mod launch;
+mod shards;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use dflash_stage_api::dataset::{self, Conversation, Message};
+use dflash_stage_api::{
+    Param, ParamType, StageContext, StageError, StageKind, StageLog, StageOutput,
+};
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{Map, Value as Json, json};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::client::{Client, Endpoint, Failure, Reply};
+use crate::shards::{Answered, ShardWriter};
+
+/// The `generate` stage kind.
+pub struct GenerateKind;
+
+#[derive(Deserialize)]
+struct Params {
+    model: String,
+    endpoints: Vec<String>,
+    max_in_flight: i64,
+    launch: Option<Json>,
+    max_tokens: i64,
+    temperature: f64,
+    top_p: f64,
+    seed: Option<i64>,
+    stop: Vec<String>,
+    n: i64,
+    thinking: Option<bool>,
+    chat_template_kwargs: Map<String, Json>,
+    extra_body: Map<String, Json>,
+    keep_reasoning: bool,
+    turns: String,
+    truncated: String,
+    request_timeout_s: i64,
+    attempts: i64,
+    shard_rows: i64,
+    shard_seconds: f64,
+}
+
+impl StageKind for GenerateKind {
+    fn name(&self) -> &'static str {
+        "generate"
+    }
+
+    fn version(&self) -> u32 {
+        1
+    }
+
+    fn summary(&self) -> &'static str {
+        "regenerate assistant turns with the target model on OpenAI-compatible servers"
+    }
+
+    fn params(&self) -> Vec<Param> {
+        let strs = || ParamType::List(Box::new(ParamType::Str));
+        let any_map = || ParamType::Map(Box::new(ParamType::Any));
+        vec![
+            Param::new(
+                "model",
+                ParamType::Str,
+                "the served model name, checked against each endpoint's /v1/models",
+            )
+            .required(),
+            Param::new(
+                "endpoints",
+                strs(),
+                "base URLs of running servers, e.g. `http://10.0.0.5:30000/v1`",
+            )
+            .default(json!([])),
+            Param::new(
+                "max_in_flight",
+                ParamType::Int,
+                "requests each endpoint holds at once",
+            )
+            .default(64),
+            Param::new(
+                "launch",
+                ParamType::Any,
+                "start servers: {command: \"... --port {port}\", gpus: [0, 1, ...], port: 30000, \
+                 ready_path: /v1/models, ready_timeout_s: 1800}",
+            ),
+            Param::new("max_tokens", ParamType::Int, "the most tokens per reply").default(2048),
+            Param::new("temperature", ParamType::Float, "sampling temperature").default(0.0),
+            Param::new("top_p", ParamType::Float, "nucleus sampling").default(1.0),
+            Param::new(
+                "seed",
+                ParamType::Int,
+                "a base seed; each request gets its own, derived from it and the prompt",
+            ),
+            Param::new("stop", strs(), "stop strings").default(json!([])),
+            Param::new("n", ParamType::Int, "samples per prompt").default(1),
+            Param::new(
+                "thinking",
+                ParamType::Bool,
+                "thinking mode, sent as `chat_template_kwargs.enable_thinking`",
+            ),
+            Param::new(
+                "chat_template_kwargs",
+                any_map(),
+                "values for the server's chat template",
+            )
+            .default(json!({})),
+            Param::new(
+                "extra_body",
+                any_map(),
+                "more request fields, passed through (e.g. `top_k`, `repetition_penalty`)",
+            )
+            .default(json!({})),
+            Param::new(
+                "keep_reasoning",
+                ParamType::Bool,
+                "keep the reasoning (`reasoning_content`) apart from the content",
+            )
+            .default(true),
+            Param::new(
+                "turns",
+                ParamType::Enum(&["all", "last"]),
+                "regenerate every assistant turn in order, or only the last reply",
+            )
+            .default("all"),
+            Param::new(
+                "truncated",
+                ParamType::Enum(&["keep", "drop"]),
+                "replies cut off by `max_tokens` (`finish_reason: length`): keep them, marked, \
+                 or leave them out",
+            )
+            .default("keep"),
+            Param::new(
+                "request_timeout_s",
+                ParamType::Int,
+                "seconds one request may take",
+            )
+            .default(1800),
+            Param::new(
+                "attempts",
+                ParamType::Int,
+                "tries per request before the stage gives up",
+            )
+            .default(8),
+            Param::new(
+                "shard_rows",
+                ParamType::Int,
+                "save a shard after this many rows...",
+            )
+            .default(2000),
+            Param::new(
+                "shard_seconds",
+                ParamType::Float,
+                "...or after this many seconds",
+            )
+            .default(60.0),
+        ]
+    }
+
+    fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
+        let p: Params = ctx.params()?;
+        let launch: Option<launch::Launch> = p
+            .launch
+            .as_ref()
+            .map(|l| {
+                serde_json::from_value(l.clone()).map_err(|e| {
+                    StageError::new(format!("`launch` does not fit: {e}"))
+                        .with_help("launch: {command: \"sglang ... --port {port}\", gpus: [0, 1]}")
+                })
+            })
+            .transpose()?;
+        if p.endpoints.is_empty() && launch.is_none() {
+            return Err(StageError::new("generate has no server")
+                .with_help("list `endpoints:` of running servers, or say how to `launch:` them"));
+        }
+        if p.n < 1 || p.max_tokens < 1 || p.max_in_flight < 1 {
+            return Err(StageError::new(
+                "`n`, `max_tokens` and `max_in_flight` must be at least 1",
+            ));
+        }
+        let mut log = StageLog::open(ctx.log_path)?;
+        let resumed = shards::resume(ctx)?;
+        let tasks = tasks(ctx, &p)?;
+        let todo: Vec<&Task> = tasks
+            .iter()
+            .filter(|t| !resumed.keys.contains(&t.key))
+            .collect();
+        log.line(&format!(
+            "{} requests, {} answered by earlier attempts, {} to send",
+            tasks.len(),
+            tasks.len() - todo.len(),
+            todo.len()
+        ));
+
+        let servers = launch
+            .as_ref()
+            .map(|l| launch::start(l, &ctx.out_dir.join("_generate/servers"), ctx.cancel))
+            .transpose()?;
+        let mut urls = p.endpoints.clone();
+        if let Some(s) = &servers {
+            urls.extend(s.endpoints.iter().cloned());
+        }
+        let capacity = p.max_in_flight as usize;
+        let endpoints = urls.iter().map(|u| Endpoint::new(u, capacity)).collect();
+        let client = Client::new(
+            endpoints,
+            &p.model,
+            request_body(&p),
+            Duration::from_secs(p.request_timeout_s.max(1) as u64),
+            p.attempts.max(1) as u32,
+        )?;
+
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| StageError::new(format!("cannot start a runtime: {e}")))?;
+        let served = rt.block_on(client.check_models())?;
+
+        let every = Duration::from_secs_f64(p.shard_seconds.max(0.01));
+        let (tx, rx) = mpsc::channel::<Answered>();
+        let started = Instant::now();
+        let tokens = AtomicU64::new(0);
+        let answered = AtomicU64::new(0);
+        let (outcome, reports) = std::thread::scope(|scope| {
+            let resumed = &resumed;
+            let p = &p;
+            let writer = scope.spawn(move || -> Result<Vec<shards::ShardReport>, StageError> {
+                let mut w = ShardWriter::new(ctx, resumed, p.shard_rows.max(1) as usize, every);
+                loop {
+                    match rx.recv_timeout(every.min(Duration::from_millis(500))) {
+                        Ok(a) => w.push(a)?,
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                    }
+                    w.tick()?;
+                }
+                w.finish()?;
+                Ok(w.reports)
+            });
+            let outcome = rt.block_on(dispatch(
+                &client, &todo, p, ctx, &tx, &tokens, &answered, started,
+            ));
+            drop(tx);
+            let reports = writer
+                .join()
+                .unwrap_or_else(|_| Err(StageError::new("the shard writer panicked")));
+            (outcome, reports)
+        });
+        drop(servers);
+        let reports = reports?;
+        outcome?;
+
+        let mut finish: BTreeMap<String, u64> = BTreeMap::new();
+        let (mut rows, mut dropped, mut completion_tokens) = (0u64, 0u64, 0u64);
+        for r in &reports {
+            rows += r.rows;
+            dropped += r.dropped;
+            completion_tokens += r.completion_tokens;
+            for (k, v) in &r.finish {
+                *finish.entry(k.clone()).or_default() += v;
+            }
+        }
+        let secs = started.elapsed().as_secs_f64();
+        log.line(&format!(
+            "sent {} requests in {secs:.1} s; {} tokens generated this attempt",
+            todo.len(),
+            tokens.load(Ordering::Relaxed)
+        ));
+        let endpoints: Vec<Json> = client
+            .endpoints
+            .iter()
+            .zip(&served)
+            .map(|(e, (url, models))| {
+                json!({"url": url, "models": models, "sent": e.sent.load(Ordering::Relaxed),
+                       "failed_attempts": e.errors.load(Ordering::Relaxed)})
+            })
+            .collect();
+        let mut stats = Map::new();
+        stats.insert("rows".into(), json!(rows));
+        stats.insert("requests".into(), json!(tasks.len()));
+        stats.insert("finish_reasons".into(), json!(finish));
+        stats.insert("dropped_truncated".into(), json!(dropped));
+        stats.insert("completion_tokens".into(), json!(completion_tokens));
+        stats.insert("model".into(), json!(p.model));
+        stats.insert("endpoints".into(), Json::Array(endpoints));
+        stats.insert("shards".into(), json!(reports.len()));
+        let summary = format!(
+            "{rows} rows, {completion_tokens} tokens generated; finish: {}",
+            finish
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Ok(StageOutput {
+            stats,
+            summary: Some(summary),
+        })
+    }
+}
+
+/// Sampling and template fields sent with every request.
+fn request_body(p: &Params) -> Map<String, Json> {
+    let mut body = p.extra_body.clone();
+    body.insert("max_tokens".into(), json!(p.max_tokens));
+    body.insert("temperature".into(), json!(p.temperature));
+    body.insert("top_p".into(), json!(p.top_p));
+    if !p.stop.is_empty() {
+        body.insert("stop".into(), json!(p.stop));
+    }
+    let mut kwargs = p.chat_template_kwargs.clone();
+    if let Some(t) = p.thinking {
+        kwargs.insert("enable_thinking".into(), json!(t));
+    }
+    if !kwargs.is_empty() {
+        body.insert("chat_template_kwargs".into(), Json::Object(kwargs));
+    }
+    body
+}
+
+/// One request: a prompt row and a sample number.
+struct Task {
+    key: String,
+    split: String,
+    sample: u32,
+    row: Conversation,
+}
+
+/// Every request the inputs ask for, in input order.
+fn tasks(ctx: &StageContext<'_>, p: &Params) -> Result<Vec<Task>, StageError> {
+    let mut out = Vec::new();
+    for input in ctx.inputs {
+        for (split, files) in dataset::files(&input.dir)? {
+            for f in files {
+                for row in dataset::read_rows(&f)? {
+                    for sample in 0..p.n as u32 {
+                        out.push(Task {
+                            key: format!("{}\u{1f}{}\u{1f}{sample}", row.source, row.id),
+                            split: split.clone(),
+                            sample,
+                            row: row.clone(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(StageError::new("the inputs hold no conversations")
+            .with_help("generate takes `download` or `mix` stages as inputs"));
+    }
+    Ok(out)
+}
+
+/// Send every task, at most the endpoints' capacity at once; answered rows go to `tx`.
+#[allow(clippy::too_many_arguments)]
+async fn dispatch(
+    client: &Client,
+    todo: &[&Task],
+    p: &Params,
+    ctx: &StageContext<'_>,
+    tx: &mpsc::Sender<Answered>,
+    tokens: &AtomicU64,
+    answered: &AtomicU64,
+    started: Instant,
+) -> Result<(), StageError> {
+    let total = todo.len() as u64;
+    let mut stream = futures::stream::iter(todo.iter().map(|t| converse(client, t, p)))
+        .buffer_unordered(client.capacity());
+    let mut last_progress = Instant::now();
+    let mut failure: Option<StageError> = None;
+    while let Some(result) = stream.next().await {
+        match result {
+            Ok(a) => {
+                tokens.fetch_add(a.completion_tokens, Ordering::Relaxed);
+                answered.fetch_add(1, Ordering::Relaxed);
+                if tx.send(a).is_err() {
+                    // The writer stopped on an error of its own, which it reports.
+                    return Ok(());
+                }
+            }
+            Err(e) => {
+                // Keep what the other requests in flight bring back, then fail.
+                failure.get_or_insert(e);
+                break;
+            }
+        }
+        if ctx.cancel.is_cancelled() {
+            return Err(StageError::cancelled());
+        }
+        if last_progress.elapsed() > Duration::from_millis(500) {
+            last_progress = Instant::now();
+            ctx.progress.set(
+                answered.load(Ordering::Relaxed),
+                Some(total),
+                &progress_line(client, tokens, answered, total, started),
+            );
+        }
+    }
+    failure.map_or(Ok(()), Err)
+}
+
+fn progress_line(
+    client: &Client,
+    tokens: &AtomicU64,
+    answered: &AtomicU64,
+    total: u64,
+    started: Instant,
+) -> String {
+    let secs = started.elapsed().as_secs_f64().max(1e-3);
+    let done = answered.load(Ordering::Relaxed);
+    let rate = done as f64 / secs;
+    let eta = if rate > 0.0 {
+        format!("{:.0} s", (total.saturating_sub(done)) as f64 / rate)
+    } else {
+        "?".into()
+    };
+    let per: Vec<String> = client
+        .endpoints
+        .iter()
+        .map(|e| {
+            format!(
+                "{}{} in flight, {} errors",
+                if e.is_drained() { "(drained) " } else { "" },
+                e.in_flight.load(Ordering::Relaxed),
+                e.errors.load(Ordering::Relaxed)
+            )
+        })
+        .collect();
+    format!(
+        "{:.0} tokens/s, ETA {eta}; {}",
+        tokens.load(Ordering::Relaxed) as f64 / secs,
+        per.join(" | ")
+    )
+}
+
+/// The messages sent for the conversation so far.
+fn wire(messages: &[Message]) -> Vec<Json> {
+    messages
+        .iter()
+        .map(|m| json!({"role": m.role, "content": m.content}))
+        .collect()
+}
+
+/// Regenerate one task's assistant turns; the row to save (or `None` when dropped by policy).
+async fn converse(client: &Client, t: &Task, p: &Params) -> Result<Answered, StageError> {
+    let original = &t.row.messages;
+    // Where replies are generated: in place of every assistant turn that answers something,
+    // and after a conversation that ends waiting for one.
+    let mut points: Vec<usize> = original
+        .iter()
+        .enumerate()
+        .filter(|(i, m)| *i > 0 && m.role == "assistant")
+        .map(|(i, _)| i)
+        .collect();
+    let ends_open = original.last().is_some_and(|m| m.role != "assistant");
+    if ends_open {
+        points.push(original.len());
+    }
+    if p.turns == "last" {
+        points = points.split_off(points.len().saturating_sub(1));
+    }
+    let seed = p
+        .seed
+        .map(|s| xxh3_64(format!("{s}\u{1f}{}", t.key).as_bytes()));
+    let mut convo: Vec<Message> = Vec::new();
+    let mut finish = String::from("stop");
+    let mut tokens = 0;
+    let mut cursor = 0;
+    for (k, &point) in points.iter().enumerate() {
+        // Context up to this point: original non-assistant turns (and, with `turns: last`,
+        // the original assistant turns before it), then the reply.
+        for m in &original[cursor..point] {
+            if m.role != "assistant" || p.turns == "last" {
+                convo.push(m.clone());
+            }
+        }
+        cursor = (point + 1).min(original.len());
+        if convo.last().is_none_or(|m| m.role == "assistant") {
+            continue;
+        }
+        let key = format!("{}#{k}", t.key);
+        let reply: Reply = match client.complete(&wire(&convo), seed, &key).await {
+            Ok(r) => r,
+            Err(Failure::Refused(why)) => {
+                // The request itself is refused: saved as an error row, so it is not
+                // retried forever and the count shows it.
+                let mut row = t.row.clone();
+                row.id = out_id(t, p);
+                row.finish_reason = Some("error".into());
+                row.metadata = Some(json!({"error": why}).to_string());
+                return Ok(Answered {
+                    key: t.key.clone(),
+                    split: t.split.clone(),
+                    row: Some(row),
+                    completion_tokens: tokens,
+                });
+            }
+            Err(Failure::Exhausted(why)) => {
+                return Err(StageError::new(format!("a request failed for good: {why}"))
+                    .with_help("the rows saved so far are kept; run again to send the rest"));
+            }
+        };
+        tokens += reply.completion_tokens;
+        finish.clone_from(&reply.finish_reason);
+        convo.push(Message {
+            role: "assistant".into(),
+            content: reply.content,
+            reasoning: if p.keep_reasoning {
+                reply.reasoning
+            } else {
+                None
+            },
+            tool_calls: None,
+        });
+        if finish == "length" {
+            // A cut-off turn ends the conversation: later turns would answer a broken reply.
+            break;
+        }
+    }
+    let keep = !(finish == "length" && p.truncated == "drop");
+    let row = keep.then(|| Conversation {
+        id: out_id(t, p),
+        source: t.row.source.clone(),
+        category: t.row.category.clone(),
+        messages: convo,
+        tools: t.row.tools.clone(),
+        metadata: t.row.metadata.clone(),
+        finish_reason: Some(finish),
+    });
+    Ok(Answered {
+        key: t.key.clone(),
+        split: t.split.clone(),
+        row,
+        completion_tokens: tokens,
+    })
+}
+
+fn out_id(t: &Task, p: &Params) -> String {
+    if p.n > 1 {
+        format!("{}-s{}", t.row.id, t.sample)
+    } else {
+        t.row.id.clone()
+    }
+}

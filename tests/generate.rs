@@ -1,0 +1,456 @@
+//! End-to-end tests of `generate`: against a fault-injecting OpenAI-compatible server written
+//! for the tests (`tests/support/llm_server.py`, a mock) and against the real thing, llama.cpp's
+//! server (llama-cpp-python) serving SmolLM2 on 127.0.0.1; `kill -9` in the middle of a run.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+mod support;
+use support::env::Env;
+use support::free_port;
+use support::hub::assets;
+
+/// A running `llm_server.py`; killed on drop.
+struct Mock {
+    child: Child,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Mock {
+    fn start(dir: &Path, args: &[&str]) -> Self {
+        let tag = free_port();
+        let port_file = dir.join(format!("mock-{tag}.port"));
+        let log = dir.join(format!("mock-{tag}.log"));
+        let child = Command::new("python3")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/llm_server.py"))
+            .arg("--port-file")
+            .arg(&port_file)
+            .arg("--log")
+            .arg(&log)
+            .args(args)
+            .stdout(Stdio::null())
+            // Clients hanging up on purpose (timeouts, resets) make it print broken pipes.
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let port = loop {
+            if let Ok(p) = std::fs::read_to_string(&port_file) {
+                break p.trim().parse().unwrap();
+            }
+            assert!(Instant::now() < deadline, "the mock server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Self { child, port, log }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/v1", self.port)
+    }
+
+    /// Every request it saw.
+    fn requests(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
+
+impl Drop for Mock {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `count` one-turn prompts plus one two-turn conversation, as a `download` stage reads them.
+fn prompts(env: &Env, count: usize) {
+    let mut lines: Vec<String> = (0..count)
+        .map(|i| format!(r#"{{"id": "p{i}", "prompt": "prompt number {i}"}}"#))
+        .collect();
+    lines.push(
+        r#"{"id": "multi", "conversations": [{"from": "human", "value": "first question"}, {"from": "gpt", "value": "old answer"}, {"from": "human", "value": "second question"}, {"from": "gpt", "value": "old answer 2"}]}"#
+            .into(),
+    );
+    env.write("prompts.jsonl", &(lines.join("\n") + "\n"));
+}
+
+fn pipeline(endpoints: &[String], extra: &str) -> String {
+    let eps: Vec<String> = endpoints.iter().map(|e| format!("'{e}'")).collect();
+    format!(
+        "name: gen
+stages:
+  prompts:
+    kind: download
+    params: {{path: prompts.jsonl}}
+  answers:
+    kind: generate
+    inputs: [prompts]
+    params: {{model: target, endpoints: [{}], max_in_flight: 4, request_timeout_s: 2, {extra}}}
+",
+        eps.join(", ")
+    )
+}
+
+/// The rows of the `answers` artifact: id -> row.
+fn rows(env: &Env) -> BTreeMap<String, Value> {
+    let out = env.path().join(format!("export-{}", free_port()));
+    let o = env.dflash(&["export", "answers", "-p", "gen.yaml", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let py = Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sys, os, json, pyarrow as pa\n\
+             rows = []\n\
+             for f in sorted(os.listdir(sys.argv[1])):\n\
+             \x20   if f.endswith('.arrow'):\n\
+             \x20       rows += pa.ipc.open_stream(open(os.path.join(sys.argv[1], f), 'rb')).read_all().to_pylist()\n\
+             print(json.dumps(rows))",
+        )
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    let list: Vec<Value> = serde_json::from_slice(&py.stdout).unwrap();
+    let mut by_id = BTreeMap::new();
+    for r in list {
+        let id = r["id"].as_str().unwrap().to_owned();
+        assert!(
+            by_id.insert(id.clone(), r).is_none(),
+            "row `{id}` is duplicated"
+        );
+    }
+    by_id
+}
+
+fn stats(env: &Env) -> Value {
+    let o = env.dflash(&["show", "answers", "-p", "gen.yaml"]);
+    assert!(o.status.success());
+    serde_json::from_slice::<Value>(&o.stdout).unwrap()["stats"].clone()
+}
+
+#[test]
+fn generates_turn_by_turn_and_a_rerun_sends_nothing() {
+    let env = Env::new();
+    let mock = Mock::start(env.path(), &[]);
+    prompts(&env, 20);
+    env.write(
+        "gen.yaml",
+        &pipeline(&[mock.url()], "thinking: false, seed: 7"),
+    );
+    let (st, _) = env.run("gen.yaml", 0);
+    assert_eq!(st["answers"], "ran");
+    let rows = rows(&env);
+    assert_eq!(rows.len(), 21);
+    assert_eq!(
+        rows["p3"]["messages"][1]["content"],
+        "echo[1]: prompt number 3"
+    );
+    // The second turn was generated from the first regenerated answer, not the old one.
+    let multi = &rows["multi"]["messages"];
+    assert_eq!(multi[1]["content"], "echo[1]: first question");
+    assert_eq!(multi[3]["content"], "echo[3]: second question");
+    assert_eq!(rows["p0"]["finish_reason"], "stop");
+    let sent = mock.requests();
+    assert_eq!(sent.len(), 22);
+    assert!(
+        sent.iter()
+            .all(|r| r["kwargs"]["enable_thinking"] == false && r["seed"].is_u64()),
+        "thinking mode and per-request seeds reach the server"
+    );
+    let s = stats(&env);
+    assert_eq!(s["finish_reasons"]["stop"], 21);
+
+    let (st, _) = env.run("gen.yaml", 0);
+    assert_eq!(st["answers"], "cached");
+    assert_eq!(
+        mock.requests().len(),
+        22,
+        "the same pipeline twice sends nothing"
+    );
+}
+
+#[test]
+fn faults_are_retried_and_nothing_is_lost_or_duplicated() {
+    for fault in ["burst5xx", "hang", "reset", "malformed"] {
+        let env = Env::new();
+        let mock = Mock::start(
+            env.path(),
+            &["--fault", fault, "--every", "4", "--hang", "5"],
+        );
+        prompts(&env, 24);
+        env.write("gen.yaml", &pipeline(&[mock.url()], "attempts: 6"));
+        let (st, _) = env.run("gen.yaml", 0);
+        assert_eq!(st["answers"], "ran", "{fault}");
+        let rows = rows(&env);
+        assert_eq!(rows.len(), 25, "{fault}: every prompt answered once");
+        assert!(
+            rows.values().all(|r| r["finish_reason"] == "stop"),
+            "{fault}"
+        );
+        let failed = mock
+            .requests()
+            .iter()
+            .filter(|r| r["status"] != 200)
+            .count();
+        assert!(failed > 0, "{fault}: the fault was injected");
+    }
+}
+
+#[test]
+fn a_dead_endpoint_is_drained_and_its_requests_go_elsewhere() {
+    let env2 = Env::new();
+    let live = Mock::start(env2.path(), &[]);
+    let dying = Mock::start(env2.path(), &["--delay", "0.05"]);
+    prompts(&env2, 40);
+    env2.write(
+        "gen.yaml",
+        &pipeline(&[dying.url(), live.url()], "attempts: 8"),
+    );
+    let mut run = Command::new(env!("CARGO_BIN_EXE_dflash"));
+    run.args(["run", "gen.yaml", "--json"])
+        .current_dir(env2.path())
+        .env("DFLASH_WORK", env2.path().join(".work"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let child = run.spawn().unwrap();
+    // Kill one server once it has answered a few requests: its in-flight and later requests
+    // must be retried on the other.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while dying.requests().len() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the dying server got no requests"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(dying);
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let rows = rows(&env2);
+    assert_eq!(rows.len(), 41, "every prompt answered exactly once");
+}
+
+#[test]
+fn a_wrong_model_name_or_no_server_fails_with_a_clear_error() {
+    let env = Env::new();
+    let mock = Mock::start(env.path(), &["--model", "Qwen/Qwen3-8B"]);
+    prompts(&env, 2);
+    env.write("gen.yaml", &pipeline(&[mock.url()], ""));
+    let out = env.dflash(&["run", "gen.yaml"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("serves `Qwen/Qwen3-8B`, not `target`") && err.contains("set `model:`"),
+        "{err}"
+    );
+    assert!(
+        mock.requests().is_empty(),
+        "nothing is generated for the wrong model"
+    );
+
+    env.write(
+        "gen.yaml",
+        &pipeline(&[format!("http://127.0.0.1:{}/v1", free_port())], ""),
+    );
+    let out = env.dflash(&["run", "gen.yaml"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did not list its models"), "{err}");
+}
+
+#[test]
+fn refused_prompts_are_saved_as_errors_and_truncation_is_counted() {
+    let env = Env::new();
+    let mock = Mock::start(env.path(), &["--fault", "refuse"]);
+    env.write(
+        "prompts.jsonl",
+        "{\"id\": \"ok\", \"prompt\": \"short\"}\n{\"id\": \"bad\", \"prompt\": \"REFUSE this\"}\n{\"id\": \"long\", \"prompt\": \"a b c d e f g h i j\"}\n",
+    );
+    env.write("gen.yaml", &pipeline(&[mock.url()], "max_tokens: 4"));
+    env.run("gen.yaml", 0);
+    let rows = rows(&env);
+    assert_eq!(rows["bad"]["finish_reason"], "error");
+    assert!(
+        rows["bad"]["metadata"]
+            .as_str()
+            .unwrap()
+            .contains("HTTP 400")
+    );
+    assert_eq!(rows["long"]["finish_reason"], "length");
+    let s = stats(&env);
+    assert_eq!(s["finish_reasons"]["error"], 1);
+    assert_eq!(s["finish_reasons"]["length"], 1, "{s}");
+    assert_eq!(s["finish_reasons"]["stop"], 1, "{s}");
+}
+
+#[test]
+fn kill_9_mid_generation_then_rerun_answers_every_prompt_exactly_once() {
+    let env = Env::new();
+    let mock = Mock::start(env.path(), &["--delay", "0.02"]);
+    prompts(&env, 300);
+    env.write(
+        "gen.yaml",
+        &pipeline(&[mock.url()], "shard_rows: 10, shard_seconds: 0.2"),
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["run", "gen.yaml"])
+        .current_dir(env.path())
+        .env("DFLASH_WORK", env.path().join(".work"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until some shards are committed, then SIGKILL (no chance to clean up).
+    let shards = env.path().join("cache/shards");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let n = support::env::walk(&shards)
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+            .count();
+        if n >= 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no shard was committed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let before = mock.requests().len();
+    assert!(before < 301, "killed before the end ({before} requests)");
+
+    let (st, _) = env.run("gen.yaml", 0);
+    assert_eq!(st["answers"], "resumed", "the committed shards were kept");
+    let rows = rows(&env);
+    assert_eq!(rows.len(), 301, "every prompt exactly once");
+    let resent = mock.requests().len() - before;
+    assert!(
+        resent < 301,
+        "the rerun sent only what was not saved ({resent} requests)"
+    );
+}
+
+#[test]
+fn launched_servers_share_the_work_and_are_stopped() {
+    let env = Env::new();
+    prompts(&env, 40);
+    let port = free_port();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/llm_server.py");
+    let log = env.path().join("launched.log");
+    env.write(
+        "gen.yaml",
+        &format!(
+            "name: gen
+stages:
+  prompts:
+    kind: download
+    params: {{path: prompts.jsonl}}
+  answers:
+    kind: generate
+    inputs: [prompts]
+    params:
+      model: target
+      max_in_flight: 2
+      launch: {{command: 'exec python3 {} --port {{port}} --delay 0.02 --log {}-{{gpu}}', gpus: [0, 1], port: {port}}}
+",
+            script.display(),
+            log.display()
+        ),
+    );
+    let (st, _) = env.run("gen.yaml", 0);
+    assert_eq!(st["answers"], "ran");
+    assert_eq!(rows(&env).len(), 41);
+    for gpu in 0..2 {
+        let n = std::fs::read_to_string(format!("{}-{gpu}", log.display()))
+            .unwrap()
+            .lines()
+            .count();
+        assert!(n > 5, "server {gpu} took part ({n} requests)");
+    }
+    for p in [port, port + 1] {
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", p)).is_err(),
+            "server on {p} is stopped"
+        );
+    }
+    let files = stats(&env);
+    assert_eq!(files["endpoints"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn llama_cpp_server_is_a_real_peer() {
+    let env = Env::new();
+    let port = free_port();
+    let gguf = assets().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let mut server = Command::new("python3")
+        .args(["-m", "llama_cpp.server", "--model"])
+        .arg(&gguf)
+        .args([
+            "--model_alias",
+            "smollm2",
+            "--host",
+            "127.0.0.1",
+            "--n_ctx",
+            "2048",
+        ])
+        .args(["--n_threads", "2", "--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "llama.cpp's server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    env.write(
+        "prompts.jsonl",
+        "{\"id\": \"fr\", \"prompt\": \"What is the capital of France?\"}\n{\"id\": \"count\", \"prompt\": \"Count from one to twenty in words.\"}\n",
+    );
+    env.write(
+        "gen.yaml",
+        &format!(
+            "name: gen
+stages:
+  prompts:
+    kind: download
+    params: {{path: prompts.jsonl}}
+  answers:
+    kind: generate
+    inputs: [prompts]
+    params: {{model: smollm2, endpoints: ['http://127.0.0.1:{port}/v1'], max_in_flight: 1, max_tokens: 24, seed: 1}}
+"
+        ),
+    );
+    let (st, _) = env.run("gen.yaml", 0);
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!(st["answers"], "ran");
+    let rows = rows(&env);
+    let fr = rows["fr"]["messages"][1]["content"].as_str().unwrap();
+    assert!(fr.contains("Paris"), "{fr}");
+    assert_eq!(
+        rows["count"]["finish_reason"], "length",
+        "24 tokens cannot count to twenty"
+    );
+    let s = stats(&env);
+    assert!(s["completion_tokens"].as_u64().unwrap() > 24);
+}
