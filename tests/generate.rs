@@ -454,3 +454,77 @@ stages:
     let s = stats(&env);
     assert!(s["completion_tokens"].as_u64().unwrap() > 24);
 }
+
+#[test]
+fn the_candle_backend_generates_in_process_and_tokenize_reads_it() {
+    let env = Env::new();
+    std::os::unix::fs::symlink(
+        assets().join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+        env.path().join("smollm2.gguf"),
+    )
+    .unwrap();
+    env.write(
+        "prompts.jsonl",
+        "{\"id\": \"fr\", \"prompt\": \"What is the capital of France?\"}\n{\"id\": \"two\", \"conversations\": [{\"from\": \"human\", \"value\": \"Hi!\"}, {\"from\": \"gpt\", \"value\": \"old\"}, {\"from\": \"human\", \"value\": \"Name a colour.\"}]}\n",
+    );
+    env.write(
+        "gen.yaml",
+        "name: gen
+stages:
+  prompts:
+    kind: download
+    params: {path: prompts.jsonl}
+  answers:
+    kind: generate
+    inputs: [prompts]
+    params: {backend: candle, model: smollm2.gguf, max_tokens: 12}
+  tokens:
+    kind: tokenize
+    inputs: [answers]
+    params: {tokenizer: smollm2.gguf}
+",
+    );
+    let (st, _) = env.run("gen.yaml", 0);
+    assert_eq!(st["tokens"], "ran");
+    let rows = rows(&env);
+    // Greedy decoding in candle gives what llama.cpp gives for the same rendered prompt (the
+    // model's own template, with its default system prompt).
+    let fr = rows["fr"]["messages"][1]["content"].as_str().unwrap();
+    let reference = Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sys\n\
+             from llama_cpp import Llama\n\
+             from transformers.utils.chat_template_utils import render_jinja_template\n\
+             llm = Llama(model_path=sys.argv[1], verbose=False, n_ctx=512)\n\
+             msgs = [{'role': 'user', 'content': 'What is the capital of France?'}]\n\
+             prompt = render_jinja_template([msgs], chat_template=llm.metadata['tokenizer.chat_template'], add_generation_prompt=True)[0][0]\n\
+             print(llm(prompt, max_tokens=12, temperature=0.0, top_k=1)['choices'][0]['text'], end='')",
+        )
+        .arg(env.path().join("smollm2.gguf"))
+        .output()
+        .unwrap();
+    assert!(
+        reference.status.success(),
+        "{}",
+        String::from_utf8_lossy(&reference.stderr)
+    );
+    assert_eq!(fr, String::from_utf8_lossy(&reference.stdout).trim_start());
+    let two = &rows["two"]["messages"];
+    assert_eq!(
+        two.as_array().unwrap().len(),
+        4,
+        "both turns regenerated: {two}"
+    );
+    assert_ne!(two[1]["content"], "old");
+    let s = stats(&env);
+    assert!(s["completion_tokens"].as_u64().unwrap() > 5, "{s}");
+    // The model file is pinned by content.
+    let o = env.dflash(&["show", "answers", "-p", "gen.yaml"]);
+    let m: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(
+        m["fingerprint"]["pins"]
+            .to_string()
+            .contains("model:smollm2.gguf")
+    );
+}

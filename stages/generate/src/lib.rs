@@ -12,6 +12,7 @@
 
 mod client;
 mod launch;
+mod local;
 mod shards;
 
 use std::collections::BTreeMap;
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use dflash_stage_api::dataset::{self, Conversation, Message};
 use dflash_stage_api::{
-    Param, ParamType, StageContext, StageError, StageKind, StageLog, StageOutput,
+    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageLog, StageOutput,
 };
 use futures::StreamExt;
 use serde::Deserialize;
@@ -29,6 +30,7 @@ use serde_json::{Map, Value as Json, json};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::client::{Client, Endpoint, Failure, Reply};
+use crate::local::Local;
 use crate::shards::{Answered, ShardWriter};
 
 /// The `generate` stage kind.
@@ -36,6 +38,7 @@ pub struct GenerateKind;
 
 #[derive(Deserialize)]
 struct Params {
+    backend: String,
     model: String,
     endpoints: Vec<String>,
     max_in_flight: i64,
@@ -76,9 +79,16 @@ impl StageKind for GenerateKind {
         let any_map = || ParamType::Map(Box::new(ParamType::Any));
         vec![
             Param::new(
+                "backend",
+                ParamType::Enum(&["openai", "candle"]),
+                "OpenAI-compatible servers, or in-process generation with candle",
+            )
+            .default("openai"),
+            Param::new(
                 "model",
                 ParamType::Str,
-                "the served model name, checked against each endpoint's /v1/models",
+                "the served model name, checked against each endpoint's /v1/models; with \
+                 `backend: candle`, a GGUF file",
             )
             .required(),
             Param::new(
@@ -172,6 +182,29 @@ impl StageKind for GenerateKind {
         ]
     }
 
+    fn pin(&self, params: &Json, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
+        // A local model enters the key by content; a served one by its name (the servers'
+        // own identity is recorded in the manifest).
+        if params["backend"] != "candle" {
+            return Ok(Vec::new());
+        }
+        let model = params["model"].as_str().unwrap_or_default();
+        let path = std::path::Path::new(model);
+        if !path.is_file() {
+            return Err(
+                StageError::new(format!("the model `{model}` does not exist"))
+                    .with_help("with `backend: candle`, `model:` is a GGUF file"),
+            );
+        }
+        let name = path
+            .file_name()
+            .map_or_else(|| model.to_owned(), |n| n.to_string_lossy().into_owned());
+        Ok(vec![Pin {
+            name: format!("model:{name}"),
+            identity: pinner.file_digest(path)?.to_hex(),
+        }])
+    }
+
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
         let p: Params = ctx.params()?;
         let launch: Option<launch::Launch> = p
@@ -184,7 +217,7 @@ impl StageKind for GenerateKind {
                 })
             })
             .transpose()?;
-        if p.endpoints.is_empty() && launch.is_none() {
+        if p.backend == "openai" && p.endpoints.is_empty() && launch.is_none() {
             return Err(StageError::new("generate has no server")
                 .with_help("list `endpoints:` of running servers, or say how to `launch:` them"));
         }
@@ -207,63 +240,65 @@ impl StageKind for GenerateKind {
             todo.len()
         ));
 
-        let servers = launch
-            .as_ref()
-            .map(|l| launch::start(l, &ctx.out_dir.join("_generate/servers"), ctx.cancel))
-            .transpose()?;
-        let mut urls = p.endpoints.clone();
-        if let Some(s) = &servers {
-            urls.extend(s.endpoints.iter().cloned());
-        }
-        let capacity = p.max_in_flight as usize;
-        let endpoints = urls.iter().map(|u| Endpoint::new(u, capacity)).collect();
-        let client = Client::new(
-            endpoints,
-            &p.model,
-            request_body(&p),
-            Duration::from_secs(p.request_timeout_s.max(1) as u64),
-            p.attempts.max(1) as u32,
-        )?;
-
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| StageError::new(format!("cannot start a runtime: {e}")))?;
-        let served = rt.block_on(client.check_models())?;
-
         let every = Duration::from_secs_f64(p.shard_seconds.max(0.01));
-        let (tx, rx) = mpsc::channel::<Answered>();
         let started = Instant::now();
         let tokens = AtomicU64::new(0);
         let answered = AtomicU64::new(0);
-        let (outcome, reports) = std::thread::scope(|scope| {
-            let resumed = &resumed;
-            let p = &p;
-            let writer = scope.spawn(move || -> Result<Vec<shards::ShardReport>, StageError> {
-                let mut w = ShardWriter::new(ctx, resumed, p.shard_rows.max(1) as usize, every);
-                loop {
-                    match rx.recv_timeout(every.min(Duration::from_millis(500))) {
-                        Ok(a) => w.push(a)?,
-                        Err(mpsc::RecvTimeoutError::Timeout) => {}
-                        Err(mpsc::RecvTimeoutError::Disconnected) => break,
-                    }
-                    w.tick()?;
-                }
-                w.finish()?;
-                Ok(w.reports)
-            });
-            let outcome = rt.block_on(dispatch(
-                &client, &todo, p, ctx, &tx, &tokens, &answered, started,
+        let progress = Counters {
+            tokens: &tokens,
+            answered: &answered,
+            total: todo.len() as u64,
+            started,
+        };
+        let (reports, endpoints) = if p.backend == "candle" {
+            let mut local = Local::load(&ctx.cwd.join(&p.model), &template_kwargs(&p))?;
+            log.line(&format!(
+                "loaded `{}` in {:.1} s",
+                p.model,
+                started.elapsed().as_secs_f64()
             ));
-            drop(tx);
-            let reports = writer
-                .join()
-                .unwrap_or_else(|_| Err(StageError::new("the shard writer panicked")));
-            (outcome, reports)
-        });
-        drop(servers);
-        let reports = reports?;
-        outcome?;
+            let reports = with_writer(ctx, &resumed, p.shard_rows, every, |tx| {
+                generate_locally(&mut local, &todo, &p, ctx, tx, &progress)
+            })?;
+            (reports, Vec::new())
+        } else {
+            let servers = launch
+                .as_ref()
+                .map(|l| launch::start(l, &ctx.out_dir.join("_generate/servers"), ctx.cancel))
+                .transpose()?;
+            let mut urls = p.endpoints.clone();
+            if let Some(s) = &servers {
+                urls.extend(s.endpoints.iter().cloned());
+            }
+            let capacity = p.max_in_flight as usize;
+            let endpoints = urls.iter().map(|u| Endpoint::new(u, capacity)).collect();
+            let client = Client::new(
+                endpoints,
+                &p.model,
+                request_body(&p),
+                Duration::from_secs(p.request_timeout_s.max(1) as u64),
+                p.attempts.max(1) as u32,
+            )?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| StageError::new(format!("cannot start a runtime: {e}")))?;
+            let served = rt.block_on(client.check_models())?;
+            let reports = with_writer(ctx, &resumed, p.shard_rows, every, |tx| {
+                rt.block_on(dispatch(&client, &todo, &p, ctx, tx, &progress))
+            })?;
+            drop(servers);
+            let endpoints: Vec<Json> = client
+                .endpoints
+                .iter()
+                .zip(&served)
+                .map(|(e, (url, models))| {
+                    json!({"url": url, "models": models, "sent": e.sent.load(Ordering::Relaxed),
+                           "failed_attempts": e.errors.load(Ordering::Relaxed)})
+                })
+                .collect();
+            (reports, endpoints)
+        };
 
         let mut finish: BTreeMap<String, u64> = BTreeMap::new();
         let (mut rows, mut dropped, mut completion_tokens) = (0u64, 0u64, 0u64);
@@ -281,15 +316,6 @@ impl StageKind for GenerateKind {
             todo.len(),
             tokens.load(Ordering::Relaxed)
         ));
-        let endpoints: Vec<Json> = client
-            .endpoints
-            .iter()
-            .zip(&served)
-            .map(|(e, (url, models))| {
-                json!({"url": url, "models": models, "sent": e.sent.load(Ordering::Relaxed),
-                       "failed_attempts": e.errors.load(Ordering::Relaxed)})
-            })
-            .collect();
         let mut stats = Map::new();
         stats.insert("rows".into(), json!(rows));
         stats.insert("requests".into(), json!(tasks.len()));
@@ -297,7 +323,9 @@ impl StageKind for GenerateKind {
         stats.insert("dropped_truncated".into(), json!(dropped));
         stats.insert("completion_tokens".into(), json!(completion_tokens));
         stats.insert("model".into(), json!(p.model));
-        stats.insert("endpoints".into(), Json::Array(endpoints));
+        if !endpoints.is_empty() {
+            stats.insert("endpoints".into(), Json::Array(endpoints));
+        }
         stats.insert("shards".into(), json!(reports.len()));
         let summary = format!(
             "{rows} rows, {completion_tokens} tokens generated; finish: {}",
@@ -314,18 +342,24 @@ impl StageKind for GenerateKind {
     }
 }
 
+/// The chat template kwargs: `chat_template_kwargs` with `thinking` as `enable_thinking`.
+fn template_kwargs(p: &Params) -> Map<String, Json> {
+    let mut kwargs = p.chat_template_kwargs.clone();
+    if let Some(t) = p.thinking {
+        kwargs.insert("enable_thinking".into(), json!(t));
+    }
+    kwargs
+}
+
 /// Sampling and template fields sent with every request.
 fn request_body(p: &Params) -> Map<String, Json> {
     let mut body = p.extra_body.clone();
+    let kwargs = template_kwargs(p);
     body.insert("max_tokens".into(), json!(p.max_tokens));
     body.insert("temperature".into(), json!(p.temperature));
     body.insert("top_p".into(), json!(p.top_p));
     if !p.stop.is_empty() {
         body.insert("stop".into(), json!(p.stop));
-    }
-    let mut kwargs = p.chat_template_kwargs.clone();
-    if let Some(t) = p.thinking {
-        kwargs.insert("enable_thinking".into(), json!(t));
     }
     if !kwargs.is_empty() {
         body.insert("chat_template_kwargs".into(), Json::Object(kwargs));
@@ -375,11 +409,8 @@ async fn dispatch(
     p: &Params,
     ctx: &StageContext<'_>,
     tx: &mpsc::Sender<Answered>,
-    tokens: &AtomicU64,
-    answered: &AtomicU64,
-    started: Instant,
+    c: &Counters<'_>,
 ) -> Result<(), StageError> {
-    let total = todo.len() as u64;
     let mut stream = futures::stream::iter(todo.iter().map(|t| converse(client, t, p)))
         .buffer_unordered(client.capacity());
     let mut last_progress = Instant::now();
@@ -387,8 +418,7 @@ async fn dispatch(
     while let Some(result) = stream.next().await {
         match result {
             Ok(a) => {
-                tokens.fetch_add(a.completion_tokens, Ordering::Relaxed);
-                answered.fetch_add(1, Ordering::Relaxed);
+                c.add(&a);
                 if tx.send(a).is_err() {
                     // The writer stopped on an error of its own, which it reports.
                     return Ok(());
@@ -405,31 +435,50 @@ async fn dispatch(
         }
         if last_progress.elapsed() > Duration::from_millis(500) {
             last_progress = Instant::now();
-            ctx.progress.set(
-                answered.load(Ordering::Relaxed),
-                Some(total),
-                &progress_line(client, tokens, answered, total, started),
-            );
+            c.report(ctx, &endpoint_line(client));
         }
     }
     failure.map_or(Ok(()), Err)
 }
 
-fn progress_line(
-    client: &Client,
-    tokens: &AtomicU64,
-    answered: &AtomicU64,
+/// What progress lines count.
+struct Counters<'a> {
+    tokens: &'a AtomicU64,
+    answered: &'a AtomicU64,
     total: u64,
     started: Instant,
-) -> String {
-    let secs = started.elapsed().as_secs_f64().max(1e-3);
-    let done = answered.load(Ordering::Relaxed);
-    let rate = done as f64 / secs;
-    let eta = if rate > 0.0 {
-        format!("{:.0} s", (total.saturating_sub(done)) as f64 / rate)
-    } else {
-        "?".into()
-    };
+}
+
+impl Counters<'_> {
+    fn add(&self, a: &Answered) {
+        self.tokens
+            .fetch_add(a.completion_tokens, Ordering::Relaxed);
+        self.answered.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// done/total, output tokens/s and ETA, then `extra`.
+    fn report(&self, ctx: &StageContext<'_>, extra: &str) {
+        let secs = self.started.elapsed().as_secs_f64().max(1e-3);
+        let done = self.answered.load(Ordering::Relaxed);
+        let rate = done as f64 / secs;
+        let eta = if rate > 0.0 {
+            format!("{:.0} s", self.total.saturating_sub(done) as f64 / rate)
+        } else {
+            "?".into()
+        };
+        ctx.progress.set(
+            done,
+            Some(self.total),
+            &format!(
+                "{:.0} tokens/s, ETA {eta}{extra}",
+                self.tokens.load(Ordering::Relaxed) as f64 / secs
+            ),
+        );
+    }
+}
+
+/// Per-endpoint in-flight requests and errors.
+fn endpoint_line(client: &Client) -> String {
     let per: Vec<String> = client
         .endpoints
         .iter()
@@ -442,11 +491,83 @@ fn progress_line(
             )
         })
         .collect();
-    format!(
-        "{:.0} tokens/s, ETA {eta}; {}",
-        tokens.load(Ordering::Relaxed) as f64 / secs,
-        per.join(" | ")
-    )
+    format!("; {}", per.join(" | "))
+}
+
+/// Run `work` with a shard writer on its own thread; returns every shard's report.
+fn with_writer(
+    ctx: &StageContext<'_>,
+    resumed: &shards::Resumed,
+    shard_rows: i64,
+    every: Duration,
+    work: impl FnOnce(&mpsc::Sender<Answered>) -> Result<(), StageError>,
+) -> Result<Vec<shards::ShardReport>, StageError> {
+    let (tx, rx) = mpsc::channel::<Answered>();
+    let (outcome, reports) = std::thread::scope(|scope| {
+        let writer = scope.spawn(move || -> Result<Vec<shards::ShardReport>, StageError> {
+            let mut w = ShardWriter::new(ctx, resumed, shard_rows.max(1) as usize, every);
+            loop {
+                match rx.recv_timeout(every.min(Duration::from_millis(500))) {
+                    Ok(a) => w.push(a)?,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+                w.tick()?;
+            }
+            // Everything answered is saved, even when the work failed or was cancelled.
+            w.finish()?;
+            Ok(w.reports)
+        });
+        let outcome = work(&tx);
+        drop(tx);
+        let reports = writer
+            .join()
+            .unwrap_or_else(|_| Err(StageError::new("the shard writer panicked")));
+        (outcome, reports)
+    });
+    let reports = reports?;
+    outcome?;
+    Ok(reports)
+}
+
+/// Generate every task in-process, one at a time.
+fn generate_locally(
+    local: &mut Local,
+    todo: &[&Task],
+    p: &Params,
+    ctx: &StageContext<'_>,
+    tx: &mpsc::Sender<Answered>,
+    c: &Counters<'_>,
+) -> Result<(), StageError> {
+    let sampling = local::Sampling {
+        max_tokens: p.max_tokens as usize,
+        temperature: p.temperature,
+        top_p: p.top_p,
+        stop: &p.stop,
+    };
+    for t in todo {
+        let mut r = Regeneration::new(t, p);
+        let answered = loop {
+            let seed = r.seed.unwrap_or(0);
+            let Some((convo, _)) = r.context() else {
+                break r.done();
+            };
+            match local.reply(convo, &sampling, seed, ctx.cancel)? {
+                Ok(reply) => {
+                    if !r.reply(reply) {
+                        break r.done();
+                    }
+                }
+                Err(why) => break r.refused(&why),
+            }
+        };
+        c.add(&answered);
+        if tx.send(answered).is_err() {
+            return Ok(());
+        }
+        c.report(ctx, "");
+    }
+    Ok(())
 }
 
 /// The messages sent for the conversation so far.
@@ -457,98 +578,151 @@ fn wire(messages: &[Message]) -> Vec<Json> {
         .collect()
 }
 
-/// Regenerate one task's assistant turns; the row to save (or `None` when dropped by policy).
-async fn converse(client: &Client, t: &Task, p: &Params) -> Result<Answered, StageError> {
-    let original = &t.row.messages;
-    // Where replies are generated: in place of every assistant turn that answers something,
-    // and after a conversation that ends waiting for one.
-    let mut points: Vec<usize> = original
-        .iter()
-        .enumerate()
-        .filter(|(i, m)| *i > 0 && m.role == "assistant")
-        .map(|(i, _)| i)
-        .collect();
-    let ends_open = original.last().is_some_and(|m| m.role != "assistant");
-    if ends_open {
-        points.push(original.len());
+/// One task's conversation being regenerated turn by turn; shared by the backends.
+struct Regeneration<'a> {
+    t: &'a Task,
+    p: &'a Params,
+    /// Where replies are generated (indices into the original messages).
+    points: Vec<usize>,
+    next: usize,
+    cursor: usize,
+    convo: Vec<Message>,
+    finish: String,
+    tokens: u64,
+    /// The per-request seed.
+    seed: Option<u64>,
+}
+
+impl<'a> Regeneration<'a> {
+    fn new(t: &'a Task, p: &'a Params) -> Self {
+        let original = &t.row.messages;
+        // Replies are generated in place of every assistant turn that answers something, and
+        // after a conversation that ends waiting for one.
+        let mut points: Vec<usize> = original
+            .iter()
+            .enumerate()
+            .filter(|(i, m)| *i > 0 && m.role == "assistant")
+            .map(|(i, _)| i)
+            .collect();
+        if original.last().is_some_and(|m| m.role != "assistant") {
+            points.push(original.len());
+        }
+        if p.turns == "last" {
+            points = points.split_off(points.len().saturating_sub(1));
+        }
+        Self {
+            t,
+            p,
+            points,
+            next: 0,
+            cursor: 0,
+            convo: Vec::new(),
+            finish: "stop".into(),
+            tokens: 0,
+            seed: p
+                .seed
+                .map(|s| xxh3_64(format!("{s}\u{1f}{}", t.key).as_bytes())),
+        }
     }
-    if p.turns == "last" {
-        points = points.split_off(points.len().saturating_sub(1));
-    }
-    let seed = p
-        .seed
-        .map(|s| xxh3_64(format!("{s}\u{1f}{}", t.key).as_bytes()));
-    let mut convo: Vec<Message> = Vec::new();
-    let mut finish = String::from("stop");
-    let mut tokens = 0;
-    let mut cursor = 0;
-    for (k, &point) in points.iter().enumerate() {
-        // Context up to this point: original non-assistant turns (and, with `turns: last`,
-        // the original assistant turns before it), then the reply.
-        for m in &original[cursor..point] {
-            if m.role != "assistant" || p.turns == "last" {
-                convo.push(m.clone());
+
+    /// The conversation to generate the next reply from, and the request's key; `None` when
+    /// every reply is in.
+    fn context(&mut self) -> Option<(&[Message], String)> {
+        let original = &self.t.row.messages;
+        while self.next < self.points.len() {
+            let point = self.points[self.next];
+            // Original non-assistant turns (and, with `turns: last`, the original assistant
+            // turns before the reply) make the context.
+            for m in &original[self.cursor..point] {
+                if m.role != "assistant" || self.p.turns == "last" {
+                    self.convo.push(m.clone());
+                }
+            }
+            self.cursor = (point + 1).min(original.len());
+            self.next += 1;
+            if self.convo.last().is_some_and(|m| m.role != "assistant") {
+                let key = format!("{}#{}", self.t.key, self.next - 1);
+                return Some((&self.convo, key));
             }
         }
-        cursor = (point + 1).min(original.len());
-        if convo.last().is_none_or(|m| m.role == "assistant") {
-            continue;
-        }
-        let key = format!("{}#{k}", t.key);
-        let reply: Reply = match client.complete(&wire(&convo), seed, &key).await {
-            Ok(r) => r,
-            Err(Failure::Refused(why)) => {
-                // The request itself is refused: saved as an error row, so it is not
-                // retried forever and the count shows it.
-                let mut row = t.row.clone();
-                row.id = out_id(t, p);
-                row.finish_reason = Some("error".into());
-                row.metadata = Some(json!({"error": why}).to_string());
-                return Ok(Answered {
-                    key: t.key.clone(),
-                    split: t.split.clone(),
-                    row: Some(row),
-                    completion_tokens: tokens,
-                });
-            }
-            Err(Failure::Exhausted(why)) => {
-                return Err(StageError::new(format!("a request failed for good: {why}"))
-                    .with_help("the rows saved so far are kept; run again to send the rest"));
-            }
-        };
-        tokens += reply.completion_tokens;
-        finish.clone_from(&reply.finish_reason);
-        convo.push(Message {
+        None
+    }
+
+    /// Add a reply; `false` when the conversation ends here (a cut-off reply).
+    fn reply(&mut self, r: Reply) -> bool {
+        self.tokens += r.completion_tokens;
+        self.finish.clone_from(&r.finish_reason);
+        self.convo.push(Message {
             role: "assistant".into(),
-            content: reply.content,
-            reasoning: if p.keep_reasoning {
-                reply.reasoning
+            content: r.content,
+            reasoning: if self.p.keep_reasoning {
+                r.reasoning
             } else {
                 None
             },
             tool_calls: None,
         });
-        if finish == "length" {
-            // A cut-off turn ends the conversation: later turns would answer a broken reply.
-            break;
+        // Later turns would answer a broken reply.
+        self.finish != "length"
+    }
+
+    /// The request itself was refused: saved as an error row, so it is not retried forever
+    /// and the count shows it.
+    fn refused(self, why: &str) -> Answered {
+        let mut row = self.t.row.clone();
+        row.id = out_id(self.t, self.p);
+        row.finish_reason = Some("error".into());
+        row.metadata = Some(json!({"error": why}).to_string());
+        Answered {
+            key: self.t.key.clone(),
+            split: self.t.split.clone(),
+            row: Some(row),
+            completion_tokens: self.tokens,
         }
     }
-    let keep = !(finish == "length" && p.truncated == "drop");
-    let row = keep.then(|| Conversation {
-        id: out_id(t, p),
-        source: t.row.source.clone(),
-        category: t.row.category.clone(),
-        messages: convo,
-        tools: t.row.tools.clone(),
-        metadata: t.row.metadata.clone(),
-        finish_reason: Some(finish),
-    });
-    Ok(Answered {
-        key: t.key.clone(),
-        split: t.split.clone(),
-        row,
-        completion_tokens: tokens,
-    })
+
+    fn done(mut self) -> Answered {
+        let keep = !(self.finish == "length" && self.p.truncated == "drop");
+        let t = self.t;
+        let row = keep.then(|| Conversation {
+            id: out_id(t, self.p),
+            source: t.row.source.clone(),
+            category: t.row.category.clone(),
+            messages: std::mem::take(&mut self.convo),
+            tools: t.row.tools.clone(),
+            metadata: t.row.metadata.clone(),
+            finish_reason: Some(self.finish.clone()),
+        });
+        Answered {
+            key: t.key.clone(),
+            split: t.split.clone(),
+            row,
+            completion_tokens: self.tokens,
+        }
+    }
+}
+
+/// Regenerate one task on the OpenAI-compatible servers.
+async fn converse(client: &Client, t: &Task, p: &Params) -> Result<Answered, StageError> {
+    let mut r = Regeneration::new(t, p);
+    loop {
+        let seed = r.seed;
+        let Some((convo, key)) = r.context() else {
+            return Ok(r.done());
+        };
+        match client.complete(&wire(convo), seed, &key).await {
+            Ok(reply) => {
+                if !r.reply(reply) {
+                    return Ok(r.done());
+                }
+            }
+            Err(Failure::Refused(why)) => return Ok(r.refused(&why)),
+            Err(Failure::Exhausted(why)) => {
+                return Err(StageError::new(format!("a request failed for good: {why}"))
+                    .with_help("the rows saved so far are kept; run again to send the rest"));
+            }
+        }
+    }
 }
 
 fn out_id(t: &Task, p: &Params) -> String {
