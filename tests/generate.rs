@@ -532,14 +532,19 @@ stages:
 #[test]
 fn the_expansion_pipeline_validates_and_plan_explains_it() {
     let mut env = Env::new();
-    let text =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/expand.yaml"))
-            .unwrap();
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/expand.yaml"),
+    )
+    .unwrap();
     env.write("expand.yaml", &text);
     // No Hub here: pinning fails fast against a closed port, and plan says so per stage.
     env.set("HF_ENDPOINT", &format!("http://127.0.0.1:{}", free_port()));
     let out = env.dflash(&["plan", "expand.yaml"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let plan = String::from_utf8_lossy(&out.stdout);
     for (stage, kind) in [
         ("nemotron", "download"),
