@@ -284,6 +284,10 @@ fn refused_prompts_are_saved_as_errors_and_truncation_is_counted() {
     env.write("gen.yaml", &pipeline(&[mock.url()], "max_tokens: 4"));
     env.run("gen.yaml", 0);
     let rows = rows(&env);
+    assert_eq!(
+        rows["ok"]["messages"][1]["reasoning"], "thinking about short",
+        "the server's reasoning_content is kept apart"
+    );
     assert_eq!(rows["bad"]["finish_reason"], "error");
     assert!(
         rows["bad"]["metadata"]
@@ -390,6 +394,15 @@ stages:
     }
     let files = stats(&env);
     assert_eq!(files["endpoints"].as_array().unwrap().len(), 2);
+    let o = env.dflash(&["show", "answers", "-p", "gen.yaml"]);
+    let m: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(
+        m["files"]
+            .to_string()
+            .contains("_generate/servers/server-1.log"),
+        "server logs are kept with the artifact: {}",
+        m["files"]
+    );
 }
 
 #[test]
@@ -559,4 +572,29 @@ fn the_expansion_pipeline_validates_and_plan_explains_it() {
     }
     assert!(plan.contains("cannot resolve dataset `nvidia/Nemotron-Post-Training-Dataset-v2`"));
     assert!(plan.contains("upstream `prompts` must run first"));
+}
+
+#[test]
+fn n_samples_per_prompt_get_their_own_rows_and_seeds() {
+    let env = Env::new();
+    let mock = Mock::start(env.path(), &[]);
+    prompts(&env, 3);
+    env.write(
+        "gen.yaml",
+        &pipeline(&[mock.url()], "n: 2, seed: 1, turns: last"),
+    );
+    env.run("gen.yaml", 0);
+    let rows = rows(&env);
+    assert_eq!(rows.len(), 8);
+    assert!(rows.contains_key("p0-s0") && rows.contains_key("p0-s1"));
+    // `turns: last` keeps the earlier turns as they were and regenerates only the last reply.
+    let multi = &rows["multi-s0"]["messages"];
+    assert_eq!(multi[1]["content"], "old answer");
+    assert_eq!(multi[3]["content"], "echo[3]: second question");
+    let seeds: std::collections::BTreeSet<String> = mock
+        .requests()
+        .iter()
+        .map(|r| r["seed"].to_string())
+        .collect();
+    assert_eq!(seeds.len(), 8, "every request has its own seed");
 }
