@@ -30,11 +30,10 @@ impl Busy {
     fn change(&mut self, delta: isize, capacity: usize) {
         let now = Instant::now();
         self.first.get_or_insert(now);
-        if capacity > 0 && self.active >= capacity {
-            if let Some(s) = self.since.take() {
+        if capacity > 0 && self.active >= capacity
+            && let Some(s) = self.since.take() {
                 self.full += now - s;
             }
-        }
         self.active = self.active.saturating_add_signed(delta);
         self.last = Some(now);
         if capacity > 0 && self.active >= capacity {

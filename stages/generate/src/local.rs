@@ -50,16 +50,16 @@ impl Local {
         let shown = path.display().to_string();
         let mut file = std::fs::File::open(path)
             .map_err(|e| StageError::new(format!("cannot open `{shown}`: {e}")))?;
-        let content = gguf_file::Content::read(&mut file)
+        let gguf = gguf_file::Content::read(&mut file)
             .map_err(|e| StageError::new(format!("`{shown}` is not a GGUF model: {e}")))?;
-        let context = content
+        let context = gguf
             .metadata
             .iter()
             .find(|(k, _)| k.ends_with(".context_length"))
             .and_then(|(_, v)| v.to_u32().ok())
             .unwrap_or(2048) as usize;
         let device = Device::Cpu;
-        let weights = ModelWeights::from_gguf(content, &mut file, &device).map_err(|e| {
+        let weights = ModelWeights::from_gguf(gguf, &mut file, &device).map_err(|e| {
             StageError::new(format!("cannot load `{shown}`: {e}"))
                 .with_help("the candle backend runs Llama-architecture GGUF models")
         })?;

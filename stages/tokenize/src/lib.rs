@@ -141,7 +141,7 @@ impl StageKind for TokenizeKind {
             }
             let has_tokenizer = pins
                 .iter()
-                .any(|p| p.name == "tokenizer:tokenizer.json" || p.name.ends_with(".gguf"));
+                .any(|p| p.name == "tokenizer:tokenizer.json" || model::is_gguf(&p.name));
             if !has_tokenizer {
                 return Err(StageError::new(format!(
                     "`{}` holds no `tokenizer.json`",

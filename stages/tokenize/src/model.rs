@@ -59,10 +59,17 @@ pub fn identity_files(path: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// Whether a name ends in `.gguf` (any case).
+pub fn is_gguf(name: &str) -> bool {
+    Path::new(name)
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
 /// The objects a remote model may hold, as (file name, URL): the folder's files under the
 /// prefix, or the `.gguf` object itself.
 pub fn remote_files(url: &str) -> Vec<(String, String)> {
-    if url.ends_with(".gguf") {
+    if is_gguf(url) {
         let name = url.rsplit('/').next().unwrap_or("model.gguf").to_owned();
         return vec![(name, url.to_owned())];
     }
@@ -92,7 +99,7 @@ pub fn fetch_remote(url: &str, pins: &[Pin], dir: &Path) -> Result<PathBuf, Stag
             ))
             .with_help("run again: the new version gets its own key"));
         }
-        if name.ends_with(".gguf") {
+        if is_gguf(&name) {
             local = dest;
         }
     }
