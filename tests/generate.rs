@@ -302,16 +302,9 @@ fn refused_prompts_are_saved_as_errors_and_truncation_is_counted() {
     assert_eq!(s["finish_reasons"]["stop"], 1, "{s}");
 }
 
-#[test]
-fn kill_9_mid_generation_then_rerun_answers_every_prompt_exactly_once() {
-    let env = Env::new();
-    let mock = Mock::start(env.path(), &["--delay", "0.02"]);
-    prompts(&env, 300);
-    env.write(
-        "gen.yaml",
-        &pipeline(&[mock.url()], "shard_rows: 10, shard_seconds: 0.2"),
-    );
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
+/// Start `dflash run gen.yaml` and return once at least `shards` shards are committed.
+fn run_until_shards(env: &Env, shards: usize) -> Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_dflash"))
         .args(["run", "gen.yaml"])
         .current_dir(env.path())
         .env("DFLASH_WORK", env.path().join(".work"))
@@ -319,34 +312,69 @@ fn kill_9_mid_generation_then_rerun_answers_every_prompt_exactly_once() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    // Wait until some shards are committed, then SIGKILL (no chance to clean up).
-    let shards = env.path().join("cache/shards");
+    let dir = env.path().join("cache/shards");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let n = support::env::walk(&shards)
+        let n = support::env::walk(&dir)
             .iter()
             .filter(|p| p.extension().is_some_and(|e| e == "json"))
             .count();
-        if n >= 3 {
-            break;
+        if n >= shards {
+            return child;
         }
         assert!(Instant::now() < deadline, "no shard was committed");
         std::thread::sleep(Duration::from_millis(20));
     }
-    child.kill().unwrap();
-    child.wait().unwrap();
+}
+
+/// Stop a run mid-generation with `signal`, rerun, and check every prompt is answered once.
+fn interrupted_then_resumed(signal: &str) {
+    let env = Env::new();
+    let mock = Mock::start(env.path(), &["--delay", "0.02"]);
+    prompts(&env, 300);
+    env.write(
+        "gen.yaml",
+        &pipeline(&[mock.url()], "shard_rows: 10, shard_seconds: 0.2"),
+    );
+    let mut child = run_until_shards(&env, 3);
+    let killed = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = child.wait().unwrap();
+    assert!(
+        !status.success(),
+        "{signal}: the run was stopped ({status})"
+    );
     let before = mock.requests().len();
-    assert!(before < 301, "killed before the end ({before} requests)");
+    assert!(
+        before < 301,
+        "{signal}: stopped before the end ({before} requests)"
+    );
 
     let (st, _) = env.run("gen.yaml", 0);
-    assert_eq!(st["answers"], "resumed", "the committed shards were kept");
+    assert_eq!(
+        st["answers"], "resumed",
+        "{signal}: the committed shards were kept"
+    );
     let rows = rows(&env);
-    assert_eq!(rows.len(), 301, "every prompt exactly once");
+    assert_eq!(rows.len(), 301, "{signal}: every prompt exactly once");
     let resent = mock.requests().len() - before;
     assert!(
         resent < 301,
-        "the rerun sent only what was not saved ({resent} requests)"
+        "{signal}: the rerun sent only what was not saved ({resent} requests)"
     );
+}
+
+#[test]
+fn kill_9_mid_generation_then_rerun_answers_every_prompt_exactly_once() {
+    interrupted_then_resumed("-KILL");
+}
+
+#[test]
+fn ctrl_c_mid_generation_saves_what_is_answered_and_a_rerun_sends_the_rest() {
+    interrupted_then_resumed("-INT");
 }
 
 #[test]

@@ -30,10 +30,12 @@ impl Busy {
     fn change(&mut self, delta: isize, capacity: usize) {
         let now = Instant::now();
         self.first.get_or_insert(now);
-        if capacity > 0 && self.active >= capacity
-            && let Some(s) = self.since.take() {
-                self.full += now - s;
-            }
+        if capacity > 0
+            && self.active >= capacity
+            && let Some(s) = self.since.take()
+        {
+            self.full += now - s;
+        }
         self.active = self.active.saturating_add_signed(delta);
         self.last = Some(now);
         if capacity > 0 && self.active >= capacity {

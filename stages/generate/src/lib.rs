@@ -413,32 +413,29 @@ async fn dispatch(
 ) -> Result<(), StageError> {
     let mut stream = futures::stream::iter(todo.iter().map(|t| converse(client, t, p)))
         .buffer_unordered(client.capacity());
-    let mut last_progress = Instant::now();
-    let mut failure: Option<StageError> = None;
-    while let Some(result) = stream.next().await {
-        match result {
-            Ok(a) => {
-                c.add(&a);
-                if tx.send(a).is_err() {
-                    // The writer stopped on an error of its own, which it reports.
-                    return Ok(());
+    // A tick wakes the loop when no answer comes (every request hanging), so Ctrl-C and
+    // progress do not wait for one.
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            next = stream.next() => match next {
+                None => return Ok(()),
+                Some(Ok(a)) => {
+                    c.add(&a);
+                    if tx.send(a).is_err() {
+                        // The writer stopped on an error of its own, which it reports.
+                        return Ok(());
+                    }
                 }
-            }
-            Err(e) => {
-                // Keep what the other requests in flight bring back, then fail.
-                failure.get_or_insert(e);
-                break;
-            }
+                // Requests still in flight are abandoned: not saved, so a rerun sends them.
+                Some(Err(e)) => return Err(e),
+            },
+            _ = tick.tick() => c.report(ctx, &endpoint_line(client)),
         }
         if ctx.cancel.is_cancelled() {
             return Err(StageError::cancelled());
         }
-        if last_progress.elapsed() > Duration::from_millis(500) {
-            last_progress = Instant::now();
-            c.report(ctx, &endpoint_line(client));
-        }
     }
-    failure.map_or(Ok(()), Err)
 }
 
 /// What progress lines count.
