@@ -151,9 +151,12 @@ impl Client {
         self.endpoints.iter().map(|e| e.capacity).sum()
     }
 
-    /// Check that every endpoint serves the model; returns what each reported.
+    /// Check that every endpoint that answers serves the model; returns what each reported.
+    /// An endpoint that does not answer starts drained (the others carry the work and it is
+    /// tried again after its cool-down); none answering is an error.
     pub async fn check_models(&self) -> Result<Vec<(String, Vec<String>)>, StageError> {
         let mut out = Vec::new();
+        let mut unreachable = None;
         for e in &self.endpoints {
             let url = format!("{}/models", e.url);
             let models = async {
@@ -178,11 +181,21 @@ impl Client {
                     })
                     .unwrap_or_default())
             }
-            .await
-            .map_err(|why| {
-                StageError::new(format!("`{}` did not list its models: {why}", shown(&url)))
-                    .with_help("is the server up? `endpoints:` take base URLs such as `http://127.0.0.1:30000/v1`")
-            })?;
+            .await;
+            let models = match models {
+                Ok(m) => m,
+                Err(why) => {
+                    for _ in 0..DRAIN_AFTER {
+                        e.failed();
+                    }
+                    unreachable.get_or_insert_with(|| {
+                        StageError::new(format!("`{}` did not list its models: {why}", shown(&url)))
+                            .with_help("is the server up? `endpoints:` take base URLs such as `http://127.0.0.1:30000/v1`")
+                    });
+                    out.push((shown(&e.url), Vec::new()));
+                    continue;
+                }
+            };
             if !models.iter().any(|m| m == &self.model) {
                 return Err(StageError::new(format!(
                     "`{}` serves {}, not `{}`",
@@ -202,7 +215,10 @@ impl Client {
             }
             out.push((shown(&e.url), models));
         }
-        Ok(out)
+        match unreachable {
+            Some(e) if out.iter().all(|(_, m)| m.is_empty()) => Err(e),
+            _ => Ok(out),
+        }
     }
 
     /// The live endpoint with the most free capacity (by share), or when every endpoint is
