@@ -82,8 +82,9 @@ fn prompts(env: &Env, count: usize) {
     env.write("prompts.jsonl", &(lines.join("\n") + "\n"));
 }
 
-fn pipeline(endpoints: &[String], extra: &str) -> String {
-    let eps: Vec<String> = endpoints.iter().map(|e| format!("'{e}'")).collect();
+/// `prompts.jsonl` -> a `generate` stage `answers` with `params` (YAML flow or block), plus
+/// `more` stages.
+fn pipeline_with(params: &str, more: &str) -> String {
     format!(
         "name: gen
 stages:
@@ -93,9 +94,19 @@ stages:
   answers:
     kind: generate
     inputs: [prompts]
-    params: {{model: target, endpoints: [{}], max_in_flight: 4, request_timeout_s: 2, {extra}}}
-",
-        eps.join(", ")
+    params: {params}
+{more}"
+    )
+}
+
+fn pipeline(endpoints: &[String], extra: &str) -> String {
+    let eps: Vec<String> = endpoints.iter().map(|e| format!("'{e}'")).collect();
+    pipeline_with(
+        &format!(
+            "{{model: target, endpoints: [{}], max_in_flight: 4, request_timeout_s: 2, {extra}}}",
+            eps.join(", ")
+        ),
+        "",
     )
 }
 
@@ -386,22 +397,14 @@ fn launched_servers_share_the_work_and_are_stopped() {
     let log = env.path().join("launched.log");
     env.write(
         "gen.yaml",
-        &format!(
-            "name: gen
-stages:
-  prompts:
-    kind: download
-    params: {{path: prompts.jsonl}}
-  answers:
-    kind: generate
-    inputs: [prompts]
-    params:
-      model: target
-      max_in_flight: 2
-      launch: {{command: 'exec python3 {} --port {{port}} --delay 0.02 --log {}-{{gpu}}', gpus: [0, 1], port: {port}}}
-",
-            script.display(),
-            log.display()
+        &pipeline_with(
+            &format!(
+                "{{model: target, max_in_flight: 2, launch: {{command: 'exec python3 {} --port {{port}} \
+                 --delay 0.02 --log {}-{{gpu}}', gpus: [0, 1], port: {port}}}}}",
+                script.display(),
+                log.display()
+            ),
+            "",
         ),
     );
     let (st, _) = env.run("gen.yaml", 0);
@@ -468,17 +471,12 @@ fn llama_cpp_server_is_a_real_peer() {
     );
     env.write(
         "gen.yaml",
-        &format!(
-            "name: gen
-stages:
-  prompts:
-    kind: download
-    params: {{path: prompts.jsonl}}
-  answers:
-    kind: generate
-    inputs: [prompts]
-    params: {{model: smollm2, endpoints: ['http://127.0.0.1:{port}/v1'], max_in_flight: 1, max_tokens: 24, seed: 1}}
-"
+        &pipeline_with(
+            &format!(
+                "{{model: smollm2, endpoints: ['http://127.0.0.1:{port}/v1'], max_in_flight: 1, \
+                 max_tokens: 24, seed: 1}}"
+            ),
+            "",
         ),
     );
     let (st, _) = env.run("gen.yaml", 0);
@@ -510,20 +508,10 @@ fn the_candle_backend_generates_in_process_and_tokenize_reads_it() {
     );
     env.write(
         "gen.yaml",
-        "name: gen
-stages:
-  prompts:
-    kind: download
-    params: {path: prompts.jsonl}
-  answers:
-    kind: generate
-    inputs: [prompts]
-    params: {backend: candle, model: smollm2.gguf, max_tokens: 12}
-  tokens:
-    kind: tokenize
-    inputs: [answers]
-    params: {tokenizer: smollm2.gguf}
-",
+        &pipeline_with(
+            "{backend: candle, model: smollm2.gguf, max_tokens: 12}",
+            "  tokens:\n    kind: tokenize\n    inputs: [answers]\n    params: {tokenizer: smollm2.gguf}\n",
+        ),
     );
     let (st, _) = env.run("gen.yaml", 0);
     assert_eq!(st["tokens"], "ran");

@@ -402,7 +402,6 @@ fn tasks(ctx: &StageContext<'_>, p: &Params) -> Result<Vec<Task>, StageError> {
 }
 
 /// Send every task, at most the endpoints' capacity at once; answered rows go to `tx`.
-#[allow(clippy::too_many_arguments)]
 async fn dispatch(
     client: &Client,
     todo: &[&Task],
