@@ -15,7 +15,7 @@ use dflash_stage_api::StageError;
 use serde_json::{Map, Value as Json, json};
 use tokenizers::Tokenizer;
 
-use crate::bpe::FastBpe;
+use crate::bpe::{FastBpe, LLAMA3, QWEN2};
 
 /// What a GGUF file says about tokenization.
 pub struct Gguf {
@@ -178,8 +178,6 @@ fn read_metadata(path: &Path) -> Result<BTreeMap<String, Meta>, StageError> {
 /// The regex llama.cpp splits text with for a pre-tokenizer name, as a `tokenizers`
 /// pre-tokenizer (JSON). `None` for names we do not know.
 fn pre_tokenizer(pre: &str) -> Option<Json> {
-    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
     let split = |regex: &str| {
         json!({"type": "Sequence", "pretokenizers": [

@@ -379,7 +379,7 @@ impl Job {
                 return Err(StageError::cancelled());
             }
             let view = BatchView::new(&batch);
-            let results: Vec<Result<(output::Row, u32), Drop>> = (0..view.len())
+            let results: Vec<Result<(output::Row, u32, bool), Drop>> = (0..view.len())
                 .into_par_iter()
                 .map_init(
                     || CacheGuard(&self.encoder, Some(self.encoder.take_cache())),
@@ -389,8 +389,8 @@ impl Job {
             let mut rows = Vec::with_capacity(results.len());
             for (i, r) in results.into_iter().enumerate() {
                 match r {
-                    Ok((row, unlike_prompt)) => {
-                        stats.add(&row, unlike_prompt, self.max_length);
+                    Ok((row, unlike_prompt, cut)) => {
+                        stats.add(&row, unlike_prompt, cut);
                         rows.push(row);
                     }
                     Err(d) => stats.drop(view.id.value(i), &d),
@@ -403,13 +403,13 @@ impl Job {
     }
 
     /// Tokenize row `i` of a batch; also says how many of its trained turns do not follow the
-    /// generation prompt.
+    /// generation prompt, and whether it was cut at `max_length`.
     fn row(
         &self,
         v: &BatchView<'_>,
         i: usize,
         cache: &mut Cache,
-    ) -> Result<(output::Row, u32), Drop> {
+    ) -> Result<(output::Row, u32, bool), Drop> {
         let finish = (!v.finish_reason.is_null(i)).then(|| v.finish_reason.value(i));
         let cut_off = finish == Some("length");
         if cut_off && !self.keep_truncated {
@@ -472,8 +472,9 @@ impl Job {
         #[allow(clippy::cast_possible_wrap)]
         let mut input_ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
         let mut loss_mask = mask(&offsets, &rendered.spans);
+        let cut = self.max_length.is_some_and(|max| input_ids.len() > max);
         if let Some(max) = self.max_length
-            && input_ids.len() > max
+            && cut
         {
             if self.drop_overflow {
                 return Err(Drop::new("longer than max_length"));
@@ -496,6 +497,7 @@ impl Job {
                 loss_mask,
             },
             rendered.unlike_prompt,
+            cut,
         ))
     }
 }

@@ -65,8 +65,8 @@ pub struct FileStats {
 
 impl FileStats {
     /// Count a kept row; `unlike_prompt` counts its trained turns that do not follow the
-    /// generation prompt; `limit` is the `max_length` it may have been cut at.
-    pub fn add(&mut self, row: &Row, unlike_prompt: u32, limit: Option<usize>) {
+    /// generation prompt; `cut` says it was cut at `max_length`.
+    pub fn add(&mut self, row: &Row, unlike_prompt: u32, cut: bool) {
         self.unlike_prompt += u64::from(unlike_prompt);
         if unlike_prompt > 0 && self.unlike_prompt_rows.len() < EXAMPLES {
             self.unlike_prompt_rows.push(row.id.clone());
@@ -79,9 +79,7 @@ impl FileStats {
             .iter()
             .map(|&m| u64::from(m as u8))
             .sum::<u64>();
-        if limit.is_some_and(|l| n as usize == l) {
-            self.cut_rows += 1;
-        }
+        self.cut_rows += u64::from(cut);
         self.max_length = self.max_length.max(n);
         *self
             .lengths
