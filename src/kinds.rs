@@ -20,6 +20,7 @@ impl Registry {
         r.add(Arc::new(dflash_stage_mix::MixKind));
         r.add(Arc::new(dflash_stage_tokenize::TokenizeKind));
         r.add(Arc::new(dflash_stage_generate::GenerateKind));
+        r.add(Arc::new(dflash_stage_train::TrainKind));
         r
     }
 

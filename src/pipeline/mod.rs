@@ -50,6 +50,8 @@ pub struct StageSpec {
     pub inputs: Vec<InputRef>,
     /// Params checked against the kind's schema, defaults filled in.
     pub params: Value,
+    /// `expect:`: declared data sizes for `dflash estimate` (never part of the key).
+    pub expect: Value,
 }
 
 /// A reference to an upstream stage.
@@ -92,7 +94,35 @@ pub enum LoadError {
 }
 
 const TOP_KEYS: &[&str] = &["name", "store", "stages", "description"];
-const STAGE_KEYS: &[&str] = &["kind", "inputs", "params", "description"];
+const STAGE_KEYS: &[&str] = &["kind", "inputs", "params", "expect", "description"];
+
+/// What a stage may declare under `expect:` for `dflash estimate`, before any data exists.
+/// It never enters a key: it describes the data, it does not change what is computed.
+fn expect_schema() -> Vec<dflash_stage_api::Param> {
+    use dflash_stage_api::{Param, ParamType};
+    vec![
+        Param::new(
+            "rows",
+            ParamType::Int,
+            "rows this stage is expected to output",
+        ),
+        Param::new(
+            "prompt_tokens",
+            ParamType::Float,
+            "mean prompt tokens per row",
+        ),
+        Param::new(
+            "output_tokens",
+            ParamType::Float,
+            "mean generated tokens per row",
+        ),
+        Param::new(
+            "tokens",
+            ParamType::Float,
+            "mean tokens per row after tokenizing",
+        ),
+    ]
+}
 
 /// Largest pipeline file accepted; far beyond any real pipeline, small enough that a runaway
 /// generated file can't exhaust memory.
@@ -501,12 +531,20 @@ impl Validator<'_> {
             );
             return None;
         };
-        let params = self.params(id, &kind_name, &kind.params(), map.get("params"));
+        let params = self.section(id, &kind_name, "params", &kind.params(), map.get("params"));
+        let expect = self.section(
+            id,
+            &kind_name,
+            "expect",
+            &expect_schema(),
+            map.get("expect"),
+        );
         Some(StageSpec {
             id: id.to_owned(),
             kind: kind_name,
             inputs,
             params,
+            expect,
         })
     }
 
@@ -551,22 +589,31 @@ impl Validator<'_> {
         }
     }
 
-    fn params(
+    /// Check one section of a stage (`params:` or `expect:`) against its schema and fill in
+    /// defaults.
+    fn section(
         &mut self,
         id: &str,
         kind: &str,
+        section: &str,
         schema: &[dflash_stage_api::Param],
         v: Option<&Value>,
     ) -> Value {
+        // `params` errors name the kind ("`mix` has no param"); `expect` is the same for all kinds.
+        let (owner, item) = if section == "params" {
+            (format!("`{kind}`"), "param")
+        } else {
+            (format!("`{section}`"), "field")
+        };
         let empty = serde_json::Map::new();
         let given = match v {
             None | Some(Value::Null) => &empty,
             Some(Value::Object(m)) => m,
             Some(other) => {
-                let span = self.at(&["stages", id, "params"]);
+                let span = self.at(&["stages", id, section]);
                 self.push(Problem::new(
                     "dflash::pipeline::shape",
-                    format!("`params` must be a map, found {}", describe_value(other)),
+                    format!("`{section}` must be a map, found {}", describe_value(other)),
                     span,
                     "here",
                 ));
@@ -576,16 +623,16 @@ impl Validator<'_> {
         let names: Vec<&str> = schema.iter().map(|p| p.name).collect();
         for key in given.keys() {
             if !names.contains(&key.as_str()) {
-                let span = self.spans.key(&["stages", id, "params", key]);
+                let span = self.spans.key(&["stages", id, section, key]);
                 let mut p = Problem::new(
                     "dflash::pipeline::unknown_param",
-                    format!("`{kind}` has no param `{key}`"),
+                    format!("{owner} has no {item} `{key}`"),
                     span,
-                    "unknown param",
+                    format!("unknown {item}"),
                 );
                 p = match did_you_mean(key, names.iter().copied()) {
                     Some(s) => p.help(format!("did you mean `{s}`?")),
-                    None => p.help(format!("`{kind}` params: {}", list(&names))),
+                    None => p.help(format!("{owner} {item}s: {}", list(&names))),
                 };
                 self.push(p);
             }
@@ -601,7 +648,7 @@ impl Validator<'_> {
                         let mut path: Vec<String> = vec![
                             "stages".into(),
                             id.into(),
-                            "params".into(),
+                            section.into(),
                             param.name.into(),
                         ];
                         path.extend(m.path.iter().map(|s| match s {
@@ -615,7 +662,7 @@ impl Validator<'_> {
                             Problem::new(
                                 "dflash::pipeline::param_type",
                                 format!(
-                                    "param `{shown}` of `{id}` must be {}, found {}",
+                                    "{item} `{shown}` of `{id}` must be {}, found {}",
                                     m.expected, m.found
                                 ),
                                 span,
@@ -627,7 +674,7 @@ impl Validator<'_> {
                 },
                 _ if param.required => {
                     let span = if v.is_some() {
-                        self.spans.key(&["stages", id, "params"])
+                        self.spans.key(&["stages", id, section])
                     } else {
                         self.spans.key(&["stages", id])
                     };

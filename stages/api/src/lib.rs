@@ -13,6 +13,7 @@ mod context;
 pub mod dataset;
 mod digest;
 mod error;
+pub mod gguf;
 mod log;
 mod params;
 pub mod process;

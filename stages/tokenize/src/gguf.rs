@@ -7,11 +7,10 @@
 //! pre-tokenizer name, so the ids match what a llama.cpp server produces.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufReader, Read};
 use std::path::Path;
 
 use dflash_stage_api::StageError;
+use dflash_stage_api::gguf::{Meta, read_metadata};
 use serde_json::{Map, Value as Json, json};
 use tokenizers::Tokenizer;
 
@@ -29,150 +28,6 @@ pub struct Gguf {
     pub special: Map<String, Json>,
     /// End-of-sequence and end-of-turn tokens.
     pub end_tokens: Vec<String>,
-}
-
-/// A metadata value, as far as tokenization needs it.
-#[derive(Debug)]
-enum Meta {
-    Int(i64),
-    Str(String),
-    Strs(Vec<String>),
-    Ints(Vec<i64>),
-    Other,
-}
-
-const MAGIC: &[u8; 4] = b"GGUF";
-/// Metadata arrays longer than this are refused (a corrupt length would allocate forever).
-const MAX_ARRAY: u64 = 1 << 26;
-const MAX_STRING: u64 = 1 << 28;
-
-struct Reader<R> {
-    inner: R,
-}
-
-impl<R: Read> Reader<R> {
-    fn bytes<const N: usize>(&mut self) -> std::io::Result<[u8; N]> {
-        let mut b = [0u8; N];
-        self.inner.read_exact(&mut b)?;
-        Ok(b)
-    }
-    fn u32(&mut self) -> std::io::Result<u32> {
-        self.bytes::<4>().map(u32::from_le_bytes)
-    }
-    fn u64(&mut self) -> std::io::Result<u64> {
-        self.bytes::<8>().map(u64::from_le_bytes)
-    }
-    fn string(&mut self) -> std::io::Result<String> {
-        let len = self.u64()?;
-        if len > MAX_STRING {
-            return Err(invalid("a string longer than 256 MiB"));
-        }
-        let mut buf = vec![0u8; len as usize];
-        self.inner.read_exact(&mut buf)?;
-        String::from_utf8(buf).map_err(|_| invalid("a string that is not UTF-8"))
-    }
-
-    /// One value of GGUF type `ty`; integers widen to i64, floats and bools are skipped.
-    fn scalar(&mut self, ty: u32) -> std::io::Result<Meta> {
-        Ok(match ty {
-            0 => Meta::Int(i64::from(self.bytes::<1>()?[0])),
-            1 => Meta::Int(i64::from(i8::from_le_bytes(self.bytes::<1>()?))),
-            2 => Meta::Int(i64::from(u16::from_le_bytes(self.bytes::<2>()?))),
-            3 => Meta::Int(i64::from(i16::from_le_bytes(self.bytes::<2>()?))),
-            4 => Meta::Int(i64::from(self.u32()?)),
-            5 => Meta::Int(i64::from(i32::from_le_bytes(self.bytes::<4>()?))),
-            6 => {
-                self.bytes::<4>()?;
-                Meta::Other
-            }
-            7 => {
-                self.bytes::<1>()?;
-                Meta::Other
-            }
-            8 => Meta::Str(self.string()?),
-            10 => Meta::Int(i64::try_from(self.u64()?).unwrap_or(i64::MAX)),
-            11 => Meta::Int(i64::from_le_bytes(self.bytes::<8>()?)),
-            12 => {
-                self.bytes::<8>()?;
-                Meta::Other
-            }
-            _ => return Err(invalid(&format!("an unknown value type {ty}"))),
-        })
-    }
-
-    fn value(&mut self, ty: u32) -> std::io::Result<Meta> {
-        if ty != 9 {
-            return self.scalar(ty);
-        }
-        let item = self.u32()?;
-        let len = self.u64()?;
-        if len > MAX_ARRAY {
-            return Err(invalid("an array longer than 64M items"));
-        }
-        let len = len as usize;
-        match item {
-            8 => (0..len)
-                .map(|_| self.string())
-                .collect::<Result<_, _>>()
-                .map(Meta::Strs),
-            9 => Err(invalid("nested arrays")),
-            _ => {
-                let mut ints = Vec::with_capacity(len);
-                for _ in 0..len {
-                    if let Meta::Int(i) = self.scalar(item)? {
-                        ints.push(i);
-                    }
-                }
-                Ok(if ints.len() == len {
-                    Meta::Ints(ints)
-                } else {
-                    Meta::Other
-                })
-            }
-        }
-    }
-}
-
-fn invalid(what: &str) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned())
-}
-
-fn read_metadata(path: &Path) -> Result<BTreeMap<String, Meta>, StageError> {
-    let err = |e: std::io::Error| {
-        StageError::new(format!(
-            "cannot read GGUF metadata of `{}`: {e}",
-            path.display()
-        ))
-    };
-    let file = File::open(path).map_err(err)?;
-    let mut r = Reader {
-        inner: BufReader::with_capacity(1 << 20, file),
-    };
-    let magic = r.bytes::<4>().map_err(err)?;
-    if &magic != MAGIC {
-        return Err(StageError::new(format!(
-            "`{}` is neither a model folder nor a GGUF file",
-            path.display()
-        ))
-        .with_help("give a folder holding `tokenizer.json`, or a `.gguf` file"));
-    }
-    let version = r.u32().map_err(err)?;
-    if !(2..=3).contains(&version) {
-        return Err(StageError::new(format!(
-            "`{}` is GGUF version {version}; dflash reads versions 2 and 3",
-            path.display()
-        )));
-    }
-    let _tensors = r.u64().map_err(err)?;
-    let count = r.u64().map_err(err)?;
-    let mut out = BTreeMap::new();
-    for _ in 0..count {
-        let key = r.string().map_err(err)?;
-        let ty = r.u32().map_err(err)?;
-        let value = r.value(ty).map_err(err)?;
-        out.insert(key, value);
-    }
-    Ok(out)
 }
 
 /// The regex llama.cpp splits text with for a pre-tokenizer name, as a `tokenizers`

@@ -1,0 +1,138 @@
+//! The DFlash drafter's shape, derived from its target as the reference implementation does
+//! (../shared/DFLASH.md): a short stack of the target family's decoder layers at the target's
+//! widths, a fusion of `n` tapped target layers, and the target's frozen embedding and LM head.
+
+use serde::Serialize;
+
+use crate::shape::ModelShape;
+
+/// A drafter for a given target.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DrafterShape {
+    /// The target it drafts for (its widths are the drafter's).
+    pub target: ModelShape,
+    /// Draft decoder layers.
+    pub layers: u64,
+    /// Block size B: one anchor token and B-1 masked positions.
+    pub block_size: u64,
+    /// Target layers whose outputs are fused into the context (0-based decoder layer indices).
+    pub target_layers: Vec<u64>,
+}
+
+/// `n` target layers spread evenly from layer 1 to layer L-3; one layer: L/2.
+/// For Qwen3-8B (36 layers) and n = 5 this is [1, 9, 17, 25, 33].
+pub fn spread_target_layers(target_layers: u64, n: u64) -> Vec<u64> {
+    if n <= 1 || target_layers < 5 {
+        return vec![target_layers / 2; n.min(1) as usize];
+    }
+    let (first, last) = (1.0, (target_layers - 3) as f64);
+    (0..n)
+        .map(|i| (first + (last - first) * i as f64 / (n - 1) as f64).round() as u64)
+        .collect()
+}
+
+impl DrafterShape {
+    /// A drafter of `layers` layers and block size `block_size` for `target`, tapping
+    /// `target_layers` (or `taps` evenly spread layers when none are given).
+    pub fn new(
+        target: ModelShape,
+        layers: u64,
+        block_size: u64,
+        target_layers: Option<Vec<u64>>,
+        taps: u64,
+    ) -> Self {
+        let target_layers =
+            target_layers.unwrap_or_else(|| spread_target_layers(target.layers, taps));
+        Self {
+            target,
+            layers,
+            block_size,
+            target_layers,
+        }
+    }
+
+    /// Tapped layers.
+    pub fn taps(&self) -> u64 {
+        self.target_layers.len() as u64
+    }
+
+    /// Trainable weights: the draft layers, the fusion Linear(n*H -> H) and its RMSNorm, and the
+    /// final norm. The embedding and LM head are the target's, frozen.
+    pub fn trainable_parameters(&self) -> u64 {
+        let h = self.target.hidden;
+        self.layers * self.target.layer_parameters() + self.taps() * h * h + 2 * h
+    }
+
+    /// FLOPs of one training step on one sequence of `tokens` with `anchors` blocks: forward,
+    /// backward (twice the forward) and the frozen LM head (forward, and backward to its input
+    /// only). Queries come from the blocks; keys are the context before each anchor (half the
+    /// sequence on average) plus the block itself.
+    pub fn train_flops(&self, tokens: f64, anchors: f64) -> f64 {
+        let t = &self.target;
+        let h = t.hidden as f64;
+        let queries = anchors * self.block_size as f64;
+        let fusion = 2.0 * (self.taps() * t.hidden * t.hidden) as f64 * tokens;
+        let block = 2.0 * t.layer_matmul_parameters() as f64 * queries;
+        let context_kv = 2.0 * 2.0 * h * (t.kv_heads * t.head_dim) as f64 * tokens;
+        let keys = tokens / 2.0 + self.block_size as f64;
+        let attention = 4.0 * queries * keys * t.attention_width() as f64;
+        let forward = fusion + self.layers as f64 * (block + context_kv + attention);
+        3.0 * forward + 2.0 * queries * t.lm_head_flops()
+    }
+
+    /// Bytes of the hidden states one token contributes when stored offline (bf16, every tap).
+    pub fn offline_bytes_per_token(&self) -> u64 {
+        self.taps() * self.target.hidden_state_bytes()
+    }
+
+    /// Peak training memory of one replica (target + drafter on one device), in bytes: the
+    /// frozen target in bf16 (or its file size when quantized), the drafter's bf16 weights and
+    /// gradients plus fp32 master weights and AdamW moments (16 bytes a parameter), the draft
+    /// layers' saved activations, and the logits of every block position (bf16 plus fp32 for the
+    /// softmax). Checked against the measured 46 GiB of DFLASH.md's Qwen3-8B step.
+    pub fn train_memory_bytes(&self, target_weight_bytes: f64, tokens: f64, anchors: f64) -> f64 {
+        let t = &self.target;
+        let queries = anchors * self.block_size as f64;
+        let drafter = 16.0 * self.trainable_parameters() as f64;
+        let per_token_layer = 2.0 * (10 * t.hidden + 4 * t.ffn) as f64;
+        let activations = self.layers as f64 * queries * per_token_layer;
+        let logits = queries * t.vocab as f64 * 6.0;
+        let taps = tokens * (self.taps() * t.hidden) as f64 * 2.0;
+        target_weight_bytes + drafter + activations + logits + taps
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn qwen3_8b() -> DrafterShape {
+        let t = ModelShape::locate("Qwen/Qwen3-8B", Path::new(".")).unwrap();
+        DrafterShape::new(t, 5, 16, None, 5)
+    }
+
+    #[test]
+    fn target_layers_spread_as_the_reference_does() {
+        assert_eq!(spread_target_layers(36, 5), vec![1, 9, 17, 25, 33]);
+        assert_eq!(spread_target_layers(36, 1), vec![18]);
+        assert_eq!(spread_target_layers(30, 3), vec![1, 14, 27]);
+    }
+
+    #[test]
+    fn qwen3_8b_drafter_matches_dflash_md() {
+        let d = qwen3_8b();
+        // About 1.05B trainable parameters.
+        let p = d.trainable_parameters() as f64 / 1e9;
+        assert!((1.04..1.06).contains(&p), "{p}");
+        // 73.0 TFLOPs per 3072-token sample with 512 anchors.
+        let f = d.train_flops(3072.0, 512.0) / 1e12;
+        assert!((72.0..75.0).contains(&f), "{f}");
+        // 5 layers x 4096 x 2 bytes per token offline.
+        assert_eq!(d.offline_bytes_per_token(), 40_960);
+        // Measured peak: 46 GiB.
+        let target = 2.0 * d.target.parameters() as f64;
+        let gib = d.train_memory_bytes(target, 3072.0, 512.0) / f64::from(1u32 << 30);
+        assert!((42.0..50.0).contains(&gib), "{gib}");
+    }
+}

@@ -1,0 +1,11 @@
+//! Model code shared by the `train` and `bench` stages and by `dflash estimate`.
+//!
+//! [`shape`] knows a decoder-only model's dimensions (from `config.json`, GGUF metadata or a table
+//! of well-known models) and the parameter and FLOP counts that follow from them; [`drafter`]
+//! derives the DFlash drafter's shape from its target's, as the reference implementation does.
+
+pub mod drafter;
+pub mod shape;
+
+pub use drafter::DrafterShape;
+pub use shape::{ModelShape, ShapeSource};

@@ -1,0 +1,441 @@
+//! A decoder-only transformer's dimensions, where they came from, and what follows from them:
+//! parameter counts, forward FLOPs and the bytes of its hidden states.
+//!
+//! Shapes are read from a Hugging Face `config.json` (a model folder), from a GGUF file's metadata
+//! (its tensor list gives the exact parameter count), or — for Hub ids, which this code never
+//! downloads — from a small table of well-known models. [`ShapeSource`] says which, so a user sees
+//! whether a figure rests on their files or on dflash's table.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use dflash_stage_api::StageError;
+use dflash_stage_api::gguf::{self, Meta};
+use serde::Serialize;
+use serde_json::Value;
+
+/// Where a shape was read from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "from", content = "at", rename_all = "snake_case")]
+pub enum ShapeSource {
+    /// A Hugging Face `config.json`.
+    ConfigJson(PathBuf),
+    /// A GGUF file's metadata.
+    Gguf(PathBuf),
+    /// dflash's table of well-known models, by Hub id.
+    Known(String),
+}
+
+impl fmt::Display for ShapeSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ConfigJson(p) => write!(f, "{}", p.display()),
+            Self::Gguf(p) => write!(f, "{} (GGUF metadata)", p.display()),
+            Self::Known(id) => write!(f, "dflash's table of known models ({id})"),
+        }
+    }
+}
+
+/// The dimensions of a decoder-only transformer (Llama / Qwen family).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModelShape {
+    /// `model_type` / `general.architecture` (`qwen3`, `llama`, ...).
+    pub family: String,
+    /// Hidden size.
+    pub hidden: u64,
+    /// Decoder layers.
+    pub layers: u64,
+    /// MLP intermediate size.
+    pub ffn: u64,
+    /// Query heads.
+    pub heads: u64,
+    /// Key/value heads.
+    pub kv_heads: u64,
+    /// Per-head dimension.
+    pub head_dim: u64,
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// Whether the LM head shares the embedding's weights.
+    pub tied_embeddings: bool,
+    /// Exact parameter count when the source lists its tensors (GGUF); otherwise computed.
+    pub exact_parameters: Option<u64>,
+    /// Where this came from.
+    pub source: ShapeSource,
+}
+
+/// Hub ids dflash knows the shape of, from their published `config.json` files:
+/// (id, family, hidden, layers, ffn, heads, kv heads, head dim, vocab, tied).
+type Known = (
+    &'static str,
+    &'static str,
+    u64,
+    u64,
+    u64,
+    u64,
+    u64,
+    u64,
+    u64,
+    bool,
+);
+const KNOWN: &[Known] = &[
+    (
+        "Qwen/Qwen3-0.6B",
+        "qwen3",
+        1024,
+        28,
+        3072,
+        16,
+        8,
+        128,
+        151_936,
+        true,
+    ),
+    (
+        "Qwen/Qwen3-1.7B",
+        "qwen3",
+        2048,
+        28,
+        6144,
+        16,
+        8,
+        128,
+        151_936,
+        true,
+    ),
+    (
+        "Qwen/Qwen3-4B",
+        "qwen3",
+        2560,
+        36,
+        9728,
+        32,
+        8,
+        128,
+        151_936,
+        true,
+    ),
+    (
+        "Qwen/Qwen3-8B",
+        "qwen3",
+        4096,
+        36,
+        12288,
+        32,
+        8,
+        128,
+        151_936,
+        false,
+    ),
+    (
+        "Qwen/Qwen3-14B",
+        "qwen3",
+        5120,
+        40,
+        17408,
+        40,
+        8,
+        128,
+        151_936,
+        false,
+    ),
+    (
+        "Qwen/Qwen3-32B",
+        "qwen3",
+        5120,
+        64,
+        25600,
+        64,
+        8,
+        128,
+        151_936,
+        false,
+    ),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "llama",
+        4096,
+        32,
+        14336,
+        32,
+        8,
+        128,
+        128_256,
+        false,
+    ),
+    (
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "llama",
+        4096,
+        32,
+        14336,
+        32,
+        8,
+        128,
+        128_256,
+        false,
+    ),
+    (
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "llama",
+        576,
+        30,
+        1536,
+        9,
+        3,
+        64,
+        49_152,
+        true,
+    ),
+    (
+        "HuggingFaceTB/SmolLM2-360M-Instruct",
+        "llama",
+        960,
+        32,
+        2560,
+        15,
+        5,
+        64,
+        49_152,
+        true,
+    ),
+];
+
+impl ModelShape {
+    /// Find the shape of `reference`: a local model folder (its `config.json`), a `config.json`
+    /// file, a `.gguf` file, or a Hub id in dflash's table. Relative paths resolve against `base`.
+    pub fn locate(reference: &str, base: &Path) -> Result<Self, StageError> {
+        let path = base.join(reference);
+        if path.is_dir() {
+            let config = path.join("config.json");
+            if config.is_file() {
+                return Self::from_config_json(&config);
+            }
+            return Err(StageError::new(format!(
+                "the model folder `{}` has no `config.json`",
+                path.display()
+            ))
+            .with_help("copy the model's `config.json` into it, or give a `.gguf` file"));
+        }
+        if path.is_file() {
+            if reference.ends_with(".gguf") {
+                return Self::from_gguf(&path);
+            }
+            return Self::from_config_json(&path);
+        }
+        if let Some(k) = known(reference) {
+            return Ok(k);
+        }
+        Err(StageError::new(format!(
+            "dflash does not know the shape of the model `{reference}`"
+        ))
+        .with_help(format!(
+            "point it at a local folder holding the model's `config.json` (or a `.gguf` file); \
+             models dflash knows by Hub id: {}",
+            KNOWN.iter().map(|k| k.0).collect::<Vec<_>>().join(", ")
+        )))
+    }
+
+    /// Read a Hugging Face `config.json` (a multimodal config's `text_config` is used when present).
+    pub fn from_config_json(path: &Path) -> Result<Self, StageError> {
+        let shown = path.display();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| StageError::new(format!("cannot read `{shown}`: {e}")))?;
+        let doc: Value = serde_json::from_str(&text)
+            .map_err(|e| StageError::new(format!("`{shown}` is not valid JSON: {e}")))?;
+        let c = doc
+            .get("text_config")
+            .filter(|v| v.is_object())
+            .unwrap_or(&doc);
+        let int = |key: &str| c.get(key).and_then(Value::as_u64);
+        let need = |key: &str| {
+            int(key).filter(|&v| v > 0).ok_or_else(|| {
+                StageError::new(format!("`{shown}` has no positive integer `{key}`"))
+                    .with_help("is this a decoder-only transformer's config.json?")
+            })
+        };
+        let hidden = need("hidden_size")?;
+        let heads = need("num_attention_heads")?;
+        Ok(Self {
+            family: c
+                .get("model_type")
+                .and_then(Value::as_str)
+                .unwrap_or("unknown")
+                .to_owned(),
+            hidden,
+            layers: need("num_hidden_layers")?,
+            ffn: need("intermediate_size")?,
+            heads,
+            kv_heads: int("num_key_value_heads").unwrap_or(heads),
+            head_dim: int("head_dim").unwrap_or(hidden / heads),
+            vocab: need("vocab_size")?,
+            tied_embeddings: c
+                .get("tie_word_embeddings")
+                .or_else(|| doc.get("tie_word_embeddings"))
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            exact_parameters: None,
+            source: ShapeSource::ConfigJson(path.to_owned()),
+        })
+    }
+
+    /// Read a GGUF file's metadata and tensor list.
+    pub fn from_gguf(path: &Path) -> Result<Self, StageError> {
+        let header = gguf::read_header(path)?;
+        let m = &header.metadata;
+        let shown = path.display();
+        let arch = match m.get("general.architecture") {
+            Some(Meta::Str(a)) => a.clone(),
+            _ => {
+                return Err(StageError::new(format!(
+                    "`{shown}` has no `general.architecture`"
+                )));
+            }
+        };
+        let int = |key: &str| match m.get(&format!("{arch}.{key}")) {
+            Some(Meta::Int(i)) => u64::try_from(*i).ok().filter(|&v| v > 0),
+            _ => None,
+        };
+        let need = |key: &str| {
+            int(key)
+                .ok_or_else(|| StageError::new(format!("`{shown}` has no positive `{arch}.{key}`")))
+        };
+        let hidden = need("embedding_length")?;
+        let heads = need("attention.head_count")?;
+        let vocab = int("vocab_size")
+            .or_else(|| match m.get("tokenizer.ggml.tokens") {
+                Some(Meta::Strs(t)) => Some(t.len() as u64),
+                _ => None,
+            })
+            .ok_or_else(|| StageError::new(format!("`{shown}` says nothing of its vocabulary")))?;
+        Ok(Self {
+            family: arch.clone(),
+            hidden,
+            layers: need("block_count")?,
+            ffn: need("feed_forward_length")?,
+            heads,
+            kv_heads: int("attention.head_count_kv").unwrap_or(heads),
+            head_dim: int("attention.key_length").unwrap_or(hidden / heads),
+            vocab,
+            tied_embeddings: !header.tensors.iter().any(|(n, _)| n == "output.weight"),
+            exact_parameters: Some(header.parameters()),
+            source: ShapeSource::Gguf(path.to_owned()),
+        })
+    }
+
+    /// Query width (`heads x head_dim`).
+    pub fn attention_width(&self) -> u64 {
+        self.heads * self.head_dim
+    }
+
+    /// Weights of one decoder layer's matrices (attention and MLP; the norms excluded).
+    pub fn layer_matmul_parameters(&self) -> u64 {
+        let h = self.hidden;
+        let q = self.attention_width();
+        let kv = self.kv_heads * self.head_dim;
+        let attention = h * q + 2 * h * kv + q * h;
+        attention + 3 * h * self.ffn
+    }
+
+    /// Weights of one decoder layer, norms included (QK-norm for Qwen3).
+    pub fn layer_parameters(&self) -> u64 {
+        let qk_norm = if self.family.starts_with("qwen3") {
+            2 * self.head_dim
+        } else {
+            0
+        };
+        self.layer_matmul_parameters() + 2 * self.hidden + qk_norm
+    }
+
+    /// All weights: the exact count when the source lists tensors, else from the dimensions.
+    pub fn parameters(&self) -> u64 {
+        self.exact_parameters.unwrap_or_else(|| {
+            let embedding = self.vocab * self.hidden;
+            let head = if self.tied_embeddings { 0 } else { embedding };
+            self.layers * self.layer_parameters() + embedding + head + self.hidden
+        })
+    }
+
+    /// FLOPs of one causal forward pass over a sequence of `tokens`, up to the last layer's
+    /// output (no LM head: online training only needs the hidden states). Matmuls count
+    /// 2 FLOPs per multiply-add; attention scores and values over the causal half.
+    pub fn forward_flops(&self, tokens: f64) -> f64 {
+        let matmuls = 2.0 * (self.layers * self.layer_matmul_parameters()) as f64 * tokens;
+        let attention = 2.0 * self.layers as f64 * self.attention_width() as f64 * tokens * tokens;
+        matmuls + attention
+    }
+
+    /// FLOPs of the LM head for one position (2 x hidden x vocab).
+    pub fn lm_head_flops(&self) -> f64 {
+        2.0 * (self.hidden * self.vocab) as f64
+    }
+
+    /// Bytes of one token's hidden state at one layer, in bf16.
+    pub fn hidden_state_bytes(&self) -> u64 {
+        2 * self.hidden
+    }
+}
+
+fn known(reference: &str) -> Option<ModelShape> {
+    let wanted = reference.trim_end_matches('/').to_ascii_lowercase();
+    KNOWN
+        .iter()
+        .find(|k| {
+            let id = k.0.to_ascii_lowercase();
+            id == wanted || id.rsplit('/').next() == Some(wanted.as_str())
+        })
+        .map(
+            |&(id, family, hidden, layers, ffn, heads, kv_heads, head_dim, vocab, tied)| {
+                ModelShape {
+                    family: family.into(),
+                    hidden,
+                    layers,
+                    ffn,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    vocab,
+                    tied_embeddings: tied,
+                    exact_parameters: None,
+                    source: ShapeSource::Known(id.into()),
+                }
+            },
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qwen3_8b_counts_match_its_published_size_and_the_measured_flops() {
+        let q = ModelShape::locate("Qwen/Qwen3-8B", Path::new(".")).unwrap();
+        // Qwen3-8B is published as 8.2B parameters.
+        let p = q.parameters() as f64 / 1e9;
+        assert!((8.1..8.3).contains(&p), "{p}");
+        // DFLASH.md: 45.5 TFLOPs for one 3072-token target forward.
+        let f = q.forward_flops(3072.0) / 1e12;
+        assert!((45.0..46.0).contains(&f), "{f}");
+    }
+
+    #[test]
+    fn config_json_and_its_text_config_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = r#"{"model_type": "x", "text_config": {"model_type": "qwen3", "hidden_size": 64,
+            "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 1000}}"#;
+        std::fs::write(dir.path().join("config.json"), cfg).unwrap();
+        let s = ModelShape::locate(".", dir.path()).unwrap();
+        assert_eq!(
+            (s.family.as_str(), s.head_dim, s.kv_heads),
+            ("qwen3", 16, 2)
+        );
+        assert!(!s.tied_embeddings);
+    }
+
+    #[test]
+    fn an_unknown_id_names_what_is_known() {
+        let e = ModelShape::locate("acme/Giant-1T", Path::new(".")).unwrap_err();
+        assert!(e.to_string().contains("acme/Giant-1T"));
+        assert!(e.help.unwrap().contains("Qwen/Qwen3-8B"));
+    }
+}
