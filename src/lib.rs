@@ -6,6 +6,7 @@
 //! `dflash` command.
 
 pub mod cli;
+pub mod estimate;
 pub mod graph;
 pub mod hashcache;
 pub mod key;

@@ -556,6 +556,39 @@ fn the_candle_backend_generates_in_process_and_tokenize_reads_it() {
             .to_string()
             .contains("model:smollm2.gguf")
     );
+    // `dflash estimate` sizes a changed stage from the rate this run measured.
+    env.write(
+        "gen.yaml",
+        &std::fs::read_to_string(env.path().join("gen.yaml"))
+            .unwrap()
+            .replace("max_tokens: 12", "max_tokens: 14"),
+    );
+    let o = env.dflash(&["estimate", "gen.yaml", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let e: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rate = e["assumptions"]["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "cpu_decode_tokens_per_s")
+        .unwrap()
+        .clone();
+    let key = m["key"].as_str().unwrap();
+    assert!(
+        rate["source"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("measured: generate artifact {}", &key[..12])),
+        "{rate}"
+    );
+    let t = &s["throughput"];
+    let measured = t["tokens"].as_f64().unwrap() / t["seconds"].as_f64().unwrap();
+    let at_135m = rate["value"].as_f64().unwrap();
+    // The table scales to a 135M model; SmolLM2-135M is one, give or take its embeddings.
+    assert!(
+        (at_135m / measured - 1.0).abs() < 0.2,
+        "{at_135m} vs {measured}"
+    );
 }
 
 #[test]

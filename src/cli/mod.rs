@@ -67,6 +67,31 @@ enum Command {
         #[command(flatten)]
         store: StoreArg,
     },
+    /// The GPU-hours, wall-clock, storage and cost a pipeline needs, writing nothing
+    Estimate {
+        /// The pipeline file
+        pipeline: PathBuf,
+        /// The GPUs of one host: `8xH200`, `H100`, `4xA100`
+        #[arg(long, default_value = "1xH200", value_parser = crate::estimate::Hardware::parse)]
+        gpus: crate::estimate::Hardware,
+        /// USD per GPU-hour (default: a typical rate for the GPU)
+        #[arg(long)]
+        price: Option<f64>,
+        /// Warn when the plan would store more than this: `10TB`, `500GB`
+        #[arg(long, default_value = "10TB", value_parser = crate::estimate::parse_bytes)]
+        max_storage: f64,
+        /// Warn when a stage or the plan takes longer than this: `24h`, `3days`
+        #[arg(long, value_parser = crate::estimate::parse_hours)]
+        budget: Option<f64>,
+        /// Override an assumption, NAME=VALUE (repeatable; the table lists them)
+        #[arg(long, value_name = "NAME=VALUE")]
+        assume: Vec<String>,
+        /// Print JSON on stdout
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArg,
+    },
     /// Show one artifact's manifest
     Show {
         /// A key or digest prefix, or a stage id with --pipeline
@@ -197,6 +222,9 @@ enum CliError {
         help("`dflash runs` lists run ids; a pipeline file must exist")
     )]
     NoRun(String),
+    #[error("{0}")]
+    #[diagnostic(code(dflash::cli::usage), help("`dflash help` describes every option"))]
+    Usage(String),
     #[error("cannot start the async runtime: {0}")]
     #[diagnostic(code(dflash::cli::runtime))]
     Runtime(std::io::Error),
@@ -364,6 +392,49 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                     .filter(|s| s.state != crate::plan::State::Done)
                     .count();
                 eprintln!("{todo} of {} stages to run", plan.len());
+            }
+            Ok(0)
+        }
+        Command::Estimate {
+            pipeline,
+            gpus,
+            price,
+            max_storage,
+            budget,
+            assume,
+            json,
+            store,
+        } => {
+            let (p, g) = load(&pipeline, &registry)?;
+            let store = open_store(&store, Some(&p))?;
+            let mut assumptions = crate::estimate::Assumptions::defaults(&gpus);
+            for a in &assume {
+                assumptions
+                    .apply(a)
+                    .map_err(|e| CliError::Usage(format!("--assume {e}")))?;
+            }
+            if let Some(p) = price
+                && !(p.is_finite() && p >= 0.0)
+            {
+                return Err(CliError::Usage(format!("--price {p} is not a price")).into());
+            }
+            let opts = crate::estimate::Options {
+                price: price.unwrap_or(gpus.gpu.price),
+                hardware: gpus,
+                max_storage,
+                budget_hours: budget,
+                assumptions,
+                base: cwd(),
+            };
+            let hashes = HashCache::load(&work_dir(), &cwd());
+            let e = runtime()?.block_on(crate::estimate::estimate(
+                &p, &g, &registry, &store, &hashes, &opts,
+            ))?;
+            hashes.save();
+            if json {
+                out(&serde_json::to_string(&e).expect("serializable"));
+            } else {
+                out(crate::estimate::render(&e).trim_end());
             }
             Ok(0)
         }

@@ -316,6 +316,7 @@ impl StageKind for GenerateKind {
             todo.len(),
             tokens.load(Ordering::Relaxed)
         ));
+        let servers = endpoints.len().max(1);
         let mut stats = Map::new();
         stats.insert("rows".into(), json!(rows));
         stats.insert("requests".into(), json!(tasks.len()));
@@ -327,6 +328,13 @@ impl StageKind for GenerateKind {
             stats.insert("endpoints".into(), Json::Array(endpoints));
         }
         stats.insert("shards".into(), json!(reports.len()));
+        // This attempt's own throughput (a resumed run counts only what it generated), which
+        // `dflash estimate` uses for later stages with the same model.
+        stats.insert(
+            "throughput".into(),
+            json!({"backend": p.backend, "servers": servers,
+                   "tokens": tokens.load(Ordering::Relaxed), "seconds": secs}),
+        );
         let summary = format!(
             "{rows} rows, {completion_tokens} tokens generated; finish: {}",
             finish

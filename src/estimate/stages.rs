@@ -1,0 +1,687 @@
+//! Sizing each stage kind: rows and tokens in and out, the work, the storage, and the time on the
+//! chosen hardware. One function per kind; anything dflash cannot size says so in its notes.
+
+use dflash_model::{DrafterShape, ModelShape};
+use serde_json::Value;
+
+use super::hardware::{Assumptions, DECODE_ANCHOR_PARAMS};
+use super::render::{bytes, count, hours};
+use super::{Alternative, Basis, Choice, Data, Figure, Options, Resource, StageEstimate};
+use crate::pipeline::StageSpec;
+use crate::plan::State;
+use crate::store::manifest::Manifest;
+
+/// SmolLM2-135M, the model the CPU decode rate was measured with.
+const CPU_ANCHOR_PARAMS: f64 = 135e6;
+/// Bytes a tokenized token takes (int32 id + int8 mask).
+const TOKENIZED_BYTES: f64 = 5.0;
+/// Prompt tokens per row when nothing better is known.
+const DEFAULT_PROMPT_TOKENS: f64 = 250.0;
+/// A PCIe 5 x16 link's usable bandwidth, bytes/s, and NVLink 4's per GPU.
+const PCIE_BYTES_PER_S: f64 = 50e9;
+const NVLINK_BYTES_PER_S: f64 = 450e9;
+
+pub(super) struct Sizer<'a> {
+    pub opts: &'a Options,
+    pub assumptions: &'a mut Assumptions,
+    /// Every committed `generate` artifact in the store.
+    pub generated: &'a [Manifest],
+    pub warnings: Vec<String>,
+    pub alternatives: Vec<Alternative>,
+}
+
+/// A stage's estimate, being filled in.
+fn blank(spec: &StageSpec, state: State) -> StageEstimate {
+    StageEstimate {
+        id: spec.id.clone(),
+        kind: spec.kind.clone(),
+        state: match state {
+            State::Done => "done",
+            State::Partial => "partial",
+            State::Pending => "pending",
+        }
+        .into(),
+        rows: None,
+        tokens: None,
+        tokens_are: "",
+        flops: None,
+        storage_bytes: None,
+        resource: Resource::Unknown,
+        gpus: 0,
+        gpu_hours: 0.0,
+        wall_hours: None,
+        cost: 0.0,
+        notes: Vec::new(),
+        data: Data::default(),
+    }
+}
+
+fn stat(m: Option<&Manifest>, key: &str) -> Option<f64> {
+    m.and_then(|m| m.stats.get(key)).and_then(Value::as_f64)
+}
+
+fn declared(spec: &StageSpec, key: &str) -> Option<Figure> {
+    spec.expect
+        .get(key)
+        .and_then(Value::as_f64)
+        .map(|v| Figure::new(v, Basis::Declared))
+}
+
+fn param(spec: &StageSpec, key: &str) -> Option<f64> {
+    spec.params.get(key).and_then(Value::as_f64)
+}
+
+/// The first upstream figure the accessor finds (most stages have one input).
+fn upstream(ups: &[&Data], get: impl Fn(&Data) -> Option<Figure>) -> Option<Figure> {
+    ups.iter().find_map(|d| get(d)).map(|f| Figure {
+        basis: f.basis.weaker(Basis::Upstream),
+        ..f
+    })
+}
+
+fn upstream_rows(ups: &[&Data]) -> Option<Figure> {
+    let rows: Vec<Figure> = ups.iter().filter_map(|d| d.rows).collect();
+    if rows.is_empty() || rows.len() < ups.len() {
+        return None;
+    }
+    let basis = rows.iter().fold(Basis::Upstream, |b, f| b.weaker(f.basis));
+    Some(Figure::new(rows.iter().map(|f| f.value).sum(), basis))
+}
+
+fn stored_bytes(m: Option<&Manifest>) -> Option<Figure> {
+    m.map(|m| Figure::new(m.files.iter().map(|f| f.size as f64).sum(), Basis::Measured))
+}
+
+impl Sizer<'_> {
+    pub fn size(
+        &mut self,
+        spec: &StageSpec,
+        ups: &[&Data],
+        state: State,
+        done: Option<&Manifest>,
+    ) -> StageEstimate {
+        let mut s = blank(spec, state);
+        match spec.kind.as_str() {
+            "download" | "mix" => self.dataset(spec, ups, done, &mut s),
+            "generate" => self.generate(spec, ups, done, &mut s),
+            "tokenize" => self.tokenize(spec, ups, done, &mut s),
+            "train" => self.train(spec, ups, done, &mut s),
+            _ => {
+                s.data.rows = declared(spec, "rows");
+                s.rows = s.data.rows;
+                s.notes.push(format!(
+                    "dflash cannot size a `{}` stage; declare its output under `expect:`",
+                    spec.kind
+                ));
+            }
+        }
+        if let Some(m) = done {
+            s.gpu_hours = 0.0;
+            s.cost = 0.0;
+            s.wall_hours = Some(0.0);
+            s.notes.insert(
+                0,
+                format!(
+                    "done: took {} on {}",
+                    hours(m.lineage.seconds / 3600.0),
+                    m.lineage.host
+                ),
+            );
+        } else {
+            s.cost = s.gpu_hours * self.opts.price;
+            if let (Some(b), Some(w)) = (self.opts.budget_hours, s.wall_hours)
+                && w > b
+            {
+                self.warnings.push(format!(
+                    "`{}` takes {} of wall-clock, over the budget of {} (--budget)",
+                    s.id,
+                    hours(w),
+                    hours(b)
+                ));
+            }
+        }
+        s
+    }
+
+    fn text_bytes(&self, rows: f64, tokens_per_row: f64) -> f64 {
+        rows * (tokens_per_row * self.assumptions.get("bytes_per_text_token") + 64.0)
+    }
+
+    /// `download` and `mix`: rows and prompt sizes; their bytes; no GPU.
+    fn dataset(
+        &mut self,
+        spec: &StageSpec,
+        ups: &[&Data],
+        done: Option<&Manifest>,
+        s: &mut StageEstimate,
+    ) {
+        s.resource = if spec.kind == "download" {
+            Resource::Network
+        } else {
+            Resource::Cpu
+        };
+        let from_params = if spec.kind == "download" {
+            param(spec, "limit").map(|v| Figure::new(v, Basis::Param))
+        } else {
+            let up = upstream_rows(ups);
+            match (param(spec, "total"), up) {
+                (Some(t), Some(u)) if u.value < t => Some(u),
+                (Some(t), _) => Some(Figure::new(t, Basis::Param)),
+                (None, u) => u,
+            }
+        };
+        let rows = stat(done, "rows")
+            .map(|v| Figure::new(v, Basis::Measured))
+            .or_else(|| declared(spec, "rows"))
+            .or(from_params);
+        // mix measures prompt lengths in characters; ~4 per token.
+        let measured_prompt = done
+            .and_then(|m| m.stats.get("before"))
+            .and_then(|b| b.pointer("/prompt_chars/p50"))
+            .and_then(Value::as_f64)
+            .map(|c| Figure::new(c / 4.0, Basis::Measured));
+        let prompt = measured_prompt
+            .or_else(|| declared(spec, "prompt_tokens"))
+            .or_else(|| upstream(ups, |d| d.prompt_tokens))
+            .unwrap_or(Figure::new(DEFAULT_PROMPT_TOKENS, Basis::Assumed));
+        s.rows = rows;
+        s.data.rows = rows;
+        s.data.prompt_tokens = Some(prompt);
+        s.data.output_tokens = declared(spec, "output_tokens");
+        s.storage_bytes = stored_bytes(done).or_else(|| {
+            rows.map(|r| {
+                Figure::new(
+                    self.text_bytes(r.value, prompt.value),
+                    r.basis.weaker(prompt.basis),
+                )
+            })
+        });
+        if rows.is_none() {
+            s.notes
+                .push("rows unknown: declare `expect: {rows: N}` (or set `limit`)".into());
+        }
+        if spec.kind == "download" {
+            s.notes.push("network-bound; not timed".into());
+        } else {
+            s.wall_hours = Some(0.0);
+        }
+    }
+
+    fn shape(&mut self, id: &str, reference: &str) -> Option<ModelShape> {
+        match ModelShape::locate(reference, &self.opts.base) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                let help = e.help.map(|h| format!(" ({h})")).unwrap_or_default();
+                self.warnings.push(format!(
+                    "`{id}`: cannot size the model: {}{help}",
+                    e.message
+                ));
+                None
+            }
+        }
+    }
+
+    /// Output tokens/s of one server (or the in-process backend) for `model`, measured by the
+    /// latest earlier `generate` artifact of the same model and backend.
+    fn measured_decode(&self, model: &str, backend: &str) -> Option<(f64, String)> {
+        self.generated
+            .iter()
+            .filter(|m| m.stats.get("model").and_then(Value::as_str) == Some(model))
+            .filter(|m| m.stats["throughput"]["backend"].as_str() == Some(backend))
+            .max_by(|a, b| a.lineage.started.cmp(&b.lineage.started))
+            .and_then(|m| {
+                let t = &m.stats["throughput"];
+                let tokens = t["tokens"].as_f64()?;
+                let seconds = t["seconds"].as_f64()?;
+                let servers = t["servers"].as_f64().unwrap_or(1.0).max(1.0);
+                let rate = tokens / seconds / servers;
+                (rate.is_finite() && rate > 0.0).then(|| {
+                    (
+                        rate,
+                        format!(
+                            "measured: generate artifact {} ({} tokens in {:.0} s on {servers} server(s), {})",
+                            m.key.0.short(12),
+                            count(tokens),
+                            seconds,
+                            m.lineage.host
+                        ),
+                    )
+                })
+            })
+    }
+
+    fn generate(
+        &mut self,
+        spec: &StageSpec,
+        ups: &[&Data],
+        done: Option<&Manifest>,
+        s: &mut StageEstimate,
+    ) {
+        let n = param(spec, "n").unwrap_or(1.0).max(1.0);
+        let rows = stat(done, "rows")
+            .map(|v| Figure::new(v, Basis::Measured))
+            .or_else(|| declared(spec, "rows"))
+            .or_else(|| upstream_rows(ups).map(|r| Figure::new(r.value * n, r.basis)));
+        let prompt = declared(spec, "prompt_tokens")
+            .or_else(|| upstream(ups, |d| d.prompt_tokens))
+            .unwrap_or(Figure::new(DEFAULT_PROMPT_TOKENS, Basis::Assumed));
+        let max_tokens = param(spec, "max_tokens").unwrap_or(4096.0);
+        let output = match (stat(done, "completion_tokens"), rows) {
+            (Some(t), Some(r)) if r.value > 0.0 => Figure::new(t / r.value, Basis::Measured),
+            _ => declared(spec, "output_tokens")
+                .or_else(|| upstream(ups, |d| d.output_tokens))
+                .unwrap_or_else(|| {
+                    s.notes.push(format!(
+                        "output length assumed to be half of max_tokens ({max_tokens}); declare `expect: {{output_tokens: N}}`"
+                    ));
+                    Figure::new(max_tokens / 2.0, Basis::Assumed)
+                }),
+        };
+        s.rows = rows;
+        s.data = Data {
+            rows,
+            prompt_tokens: Some(prompt),
+            output_tokens: Some(output),
+            tokens: None,
+            trained_share: None,
+        };
+        s.tokens_are = "output tokens";
+        let Some(rows) = rows else {
+            s.notes
+                .push("rows unknown: declare `expect: {rows: N}` upstream".into());
+            return;
+        };
+        let total_out = rows.times(output);
+        s.tokens = Some(total_out);
+        s.storage_bytes = stored_bytes(done).or_else(|| {
+            Some(Figure::new(
+                self.text_bytes(rows.value, prompt.value + output.value),
+                total_out.basis,
+            ))
+        });
+        let model_ref = spec.params["model"].as_str().unwrap_or_default().to_owned();
+        let Some(model) = self.shape(&s.id, &model_ref) else {
+            return;
+        };
+        let p = model.parameters() as f64;
+        let backend = spec.params["backend"].as_str().unwrap_or("openai");
+        let measured = self.measured_decode(&model_ref, backend);
+        if backend == "candle" {
+            s.resource = Resource::Cpu;
+            if let Some((rate, source)) = measured {
+                let at_anchor = rate * p / CPU_ANCHOR_PARAMS;
+                let _ = self.assumptions.set(
+                    "cpu_decode_tokens_per_s",
+                    (at_anchor * 10.0).round() / 10.0,
+                    source,
+                );
+            }
+            let rate = self.assumptions.get("cpu_decode_tokens_per_s") * CPU_ANCHOR_PARAMS / p;
+            s.wall_hours = Some(total_out.value / rate / 3600.0);
+            s.notes.push(format!(
+                "in-process on CPU at {} tokens/s ({} parameters)",
+                count(rate),
+                count(p)
+            ));
+            return;
+        }
+        let launched = spec.params["launch"]
+            .get("gpus")
+            .and_then(Value::as_array)
+            .map(Vec::len);
+        let servers = launched
+            .or_else(|| spec.params["endpoints"].as_array().map(Vec::len))
+            .unwrap_or(1)
+            .max(1) as f64;
+        let hw = &self.opts.hardware;
+        if let Some(l) = launched
+            && l as u32 > hw.count
+        {
+            self.warnings.push(format!(
+                "`{}` launches {l} servers but --gpus gives {hw}",
+                s.id
+            ));
+        }
+        let (rate_8b, source) = match measured {
+            // A measured rate is for this model already; express it at 8B for the table.
+            Some((rate, source)) => (rate * p / DECODE_ANCHOR_PARAMS, source),
+            None => (self.assumptions.get("decode_tokens_per_s"), String::new()),
+        };
+        if !source.is_empty() {
+            let _ = self
+                .assumptions
+                .set("decode_tokens_per_s", rate_8b.round(), source);
+        }
+        let decode = rate_8b * DECODE_ANCHOR_PARAMS / p;
+        let peak = hw.gpu.tflops * 1e12;
+        let prefill_s = rows.value * model.forward_flops(prompt.value)
+            / (peak * self.assumptions.get("prefill_mfu"));
+        let decode_s = total_out.value / decode;
+        let gpu_s = prefill_s + decode_s;
+        s.resource = Resource::Gpu;
+        s.gpus = servers as u32;
+        s.flops = Some(rows.value * model.forward_flops(prompt.value + output.value));
+        s.gpu_hours = gpu_s / 3600.0;
+        s.wall_hours = Some(gpu_s / servers / 3600.0);
+        s.notes.push(format!(
+            "{servers} server(s) of {} at {} output tokens/s each ({} parameters, bf16)",
+            hw.gpu.name,
+            count(decode),
+            count(p)
+        ));
+        let weights = 2.0 * p;
+        let memory = hw.gpu.memory_gb * 1e9;
+        let min_tp = (1..=8u32)
+            .map(|t| 1u32 << t.trailing_zeros().min(3))
+            .find(|&t| weights <= 0.9 * memory * f64::from(t))
+            .unwrap_or(16);
+        if weights > 0.9 * memory {
+            self.warnings.push(format!(
+                "`{}`: the model's bf16 weights ({}) do not fit one {} ({:.0} GB) with room for the KV cache; each server needs tensor parallelism over at least {min_tp} GPUs",
+                s.id,
+                bytes(weights),
+                hw.gpu.name,
+                hw.gpu.memory_gb
+            ));
+        }
+        if hw.count >= 2 {
+            let eff = self.assumptions.get("tp_efficiency");
+            let link = if hw.gpu.nvlink { "NVLink" } else { "PCIe" };
+            let mut choices = Vec::new();
+            let mut tp = 1u32;
+            while tp <= hw.count {
+                if weights <= 0.9 * memory * f64::from(tp) {
+                    let kept = eff.powf(f64::from(tp).log2());
+                    let wall = gpu_s / (f64::from(hw.count) * kept);
+                    let n = hw.count / tp;
+                    choices.push(Choice {
+                        label: if tp == 1 {
+                            format!("{n} single-GPU servers (data parallel)")
+                        } else {
+                            format!("{n} server{} x TP{tp}", if n == 1 { "" } else { "s" })
+                        },
+                        storage_bytes: 0.0,
+                        gpu_hours: wall * f64::from(hw.count) / 1.0 / 3600.0 * 1.0,
+                        wall_hours: wall / 3600.0,
+                        chosen: tp == 1 && servers as u32 == hw.count,
+                        note: if tp == 1 {
+                            "no cross-GPU traffic; a dead server costs 1/N".into()
+                        } else {
+                            format!("{:.0}% per-GPU throughput kept over {link}", kept * 100.0)
+                        },
+                    });
+                }
+                tp *= 2;
+            }
+            if choices.len() > 1 {
+                self.alternatives.push(Alternative {
+                    stage: s.id.clone(),
+                    question: format!("generation on {hw}: single-GPU servers or tensor parallel"),
+                    choices,
+                });
+            }
+        }
+    }
+
+    fn tokenize(
+        &mut self,
+        spec: &StageSpec,
+        ups: &[&Data],
+        done: Option<&Manifest>,
+        s: &mut StageEstimate,
+    ) {
+        s.resource = Resource::Cpu;
+        let rows = stat(done, "rows")
+            .map(|v| Figure::new(v, Basis::Measured))
+            .or_else(|| declared(spec, "rows"))
+            .or_else(|| upstream_rows(ups));
+        let prompt = upstream(ups, |d| d.prompt_tokens);
+        let output = upstream(ups, |d| d.output_tokens);
+        let max_len = param(spec, "max_length");
+        let derived = match (prompt, output) {
+            (Some(p), Some(o)) => Some(Figure::new(
+                (p.value + o.value).min(max_len.unwrap_or(f64::INFINITY)),
+                p.basis.weaker(o.basis),
+            )),
+            (Some(p), None) => Some(p),
+            _ => None,
+        };
+        let tokens = stat(done, "mean_length")
+            .map(|v| Figure::new(v, Basis::Measured))
+            .or_else(|| declared(spec, "tokens"))
+            .or(derived);
+        let share = stat(done, "trained_share")
+            .map(|v| Figure::new(v, Basis::Measured))
+            .or_else(|| match (prompt, output) {
+                (Some(p), Some(o)) if p.value + o.value > 0.0 => Some(Figure::new(
+                    o.value / (p.value + o.value),
+                    p.basis.weaker(o.basis),
+                )),
+                _ => None,
+            });
+        s.rows = rows;
+        s.data = Data {
+            rows,
+            prompt_tokens: prompt,
+            output_tokens: output,
+            tokens,
+            trained_share: share,
+        };
+        s.tokens_are = "tokens";
+        if let (Some(r), Some(t)) = (rows, tokens) {
+            let total = r.times(t);
+            s.tokens = Some(total);
+            s.storage_bytes = stored_bytes(done)
+                .or_else(|| Some(Figure::new(total.value * TOKENIZED_BYTES, total.basis)));
+            let rate =
+                self.assumptions.get("tokenize_tokens_per_s") * self.assumptions.get("cpu_cores");
+            s.wall_hours = Some(total.value / rate / 3600.0);
+        } else {
+            s.notes.push("sizes unknown upstream".into());
+        }
+    }
+
+    fn train(
+        &mut self,
+        spec: &StageSpec,
+        ups: &[&Data],
+        done: Option<&Manifest>,
+        s: &mut StageEstimate,
+    ) {
+        let Ok(p) = dflash_stage_train::Params::parse(&spec.params) else {
+            s.notes.push("params unreadable".into());
+            return;
+        };
+        let rows = declared(spec, "rows").or_else(|| upstream_rows(ups));
+        let len = declared(spec, "tokens")
+            .or_else(|| upstream(ups, |d| d.tokens))
+            .map(|t| Figure::new(t.value.min(p.max_length as f64), t.basis));
+        let share = upstream(ups, |d| d.trained_share).unwrap_or(Figure::new(0.5, Basis::Assumed));
+        s.rows = rows;
+        s.data.rows = rows;
+        s.tokens_are = "training tokens x epochs";
+        let (Some(rows), Some(len)) = (rows, len) else {
+            s.notes
+                .push("sizes unknown upstream: declare `expect: {rows, tokens}`".into());
+            return;
+        };
+        let Some(target) = self.shape(&s.id, &p.target) else {
+            return;
+        };
+        let hw = self.opts.hardware.clone();
+        let taps = (!p.target_layers.is_empty()).then(|| p.target_layers.clone());
+        let drafter = DrafterShape::new(target.clone(), p.draft_layers, p.block_size, taps, p.taps);
+        let seq = len.value;
+        let anchors = (p.anchors as f64).min(seq * share.value).max(1.0);
+        let mut sequences = rows.value * p.epochs as f64;
+        if let Some(max_steps) = spec.params["max_steps"].as_f64() {
+            sequences = sequences.min(max_steps * p.sequences_per_step() as f64);
+        }
+        // Each data-parallel replica takes its own batch per optimizer step.
+        let steps = (sequences / (p.sequences_per_step() as f64 * f64::from(hw.count))).ceil();
+        let f_target = target.forward_flops(seq);
+        let f_drafter = drafter.train_flops(seq, anchors);
+        let peak = hw.gpu.tflops * 1e12;
+        let mfu = self.assumptions.get("train_mfu");
+        let prefill_mfu = self.assumptions.get("prefill_mfu");
+        let gpu_s = sequences * (f_target + f_drafter) / (peak * mfu);
+        let basis = rows.basis.weaker(len.basis);
+        s.resource = Resource::Gpu;
+        s.gpus = hw.count;
+        s.tokens = Some(Figure::new(sequences * seq, basis));
+        s.flops = Some(sequences * (f_target + f_drafter));
+        s.gpu_hours = gpu_s / 3600.0;
+        s.wall_hours = Some(gpu_s / f64::from(hw.count) / 3600.0);
+        let pd = drafter.trainable_parameters() as f64;
+        let checkpoints = (steps / p.checkpoint_every.max(1) as f64).floor();
+        // Every checkpoint keeps the bf16 weights (immutable, so all of them stay); the
+        // optimizer state (f32 master weights and two Adam moments) is kept for resuming.
+        s.storage_bytes = Some(Figure::new(
+            (checkpoints + 1.0) * 2.0 * pd + 12.0 * pd,
+            basis,
+        ));
+        s.notes.push(format!(
+            "drafter {} trainable ({} layers, B={}, taps {:?}); {:.0} anchors of {:.0} tokens; {} steps, data parallel over {hw}",
+            count(pd),
+            p.draft_layers,
+            p.block_size,
+            drafter.target_layers,
+            anchors,
+            seq,
+            count(steps)
+        ));
+        s.notes.push(format!(
+            "{} checkpoints of {} (every {} steps; raise `checkpoint_every` to store fewer)",
+            count(checkpoints),
+            bytes(2.0 * pd),
+            p.checkpoint_every
+        ));
+        if done.is_some() {
+            return;
+        }
+        let target_bytes = match &target.source {
+            dflash_model::ShapeSource::Gguf(path) => {
+                std::fs::metadata(path).map_or(2.0 * target.parameters() as f64, |m| m.len() as f64)
+            }
+            _ => 2.0 * target.parameters() as f64,
+        };
+        let memory = drafter.train_memory_bytes(target_bytes, seq, anchors);
+        if memory > hw.gpu.memory_gb * 1e9 {
+            self.warnings.push(format!(
+                "`{}`: one replica (target {} + drafter, optimizer and activations) needs {} per GPU; a {} has {:.0} GB: lower `anchors` or `max_length`, or split target and drafter over GPUs",
+                s.id,
+                bytes(target_bytes),
+                bytes(memory),
+                hw.gpu.name,
+                hw.gpu.memory_gb
+            ));
+        } else {
+            s.notes.push(format!(
+                "peak memory per GPU ~{} of {:.0} GB",
+                bytes(memory),
+                hw.gpu.memory_gb
+            ));
+        }
+
+        // Offline hidden states: one target pass, then the drafter reads them every epoch.
+        let once = rows.value * f_target / (peak * prefill_mfu);
+        let offline_bytes = rows.value * seq * drafter.offline_bytes_per_token() as f64;
+        let drafter_s = sequences * f_drafter / (peak * mfu);
+        let n = f64::from(hw.count);
+        let over = if offline_bytes > self.opts.max_storage {
+            format!(
+                "; over the --max-storage limit of {}",
+                bytes(self.opts.max_storage)
+            )
+        } else {
+            String::new()
+        };
+        self.alternatives.push(Alternative {
+            stage: s.id.clone(),
+            question: "hidden states: stored offline, or computed online".into(),
+            choices: vec![
+                Choice {
+                    label: "online: the target runs beside the drafter".into(),
+                    storage_bytes: 0.0,
+                    gpu_hours: gpu_s / 3600.0,
+                    wall_hours: gpu_s / n / 3600.0,
+                    chosen: true,
+                    note: format!(
+                        "the target's forward is repeated every epoch ({} epochs)",
+                        p.epochs
+                    ),
+                },
+                Choice {
+                    label: "offline: store the tapped hidden states once".into(),
+                    storage_bytes: offline_bytes,
+                    gpu_hours: (once + drafter_s) / 3600.0,
+                    wall_hours: (once + drafter_s) / n / 3600.0,
+                    chosen: false,
+                    note: format!(
+                        "{} taps x {} x 2 bytes = {} per token x {} tokens{over}",
+                        drafter.taps(),
+                        target.hidden,
+                        bytes(drafter.offline_bytes_per_token() as f64),
+                        count(rows.value * seq)
+                    ),
+                },
+            ],
+        });
+
+        // Target and drafter on separate GPUs: hidden states cross the interconnect.
+        if hw.count >= 2 {
+            let t_target = f_target / (peak * prefill_mfu);
+            let t_drafter = f_drafter / (peak * mfu);
+            let dp_rate = n / ((f_target + f_drafter) / (peak * mfu));
+            let link = if hw.gpu.nvlink {
+                NVLINK_BYTES_PER_S
+            } else {
+                PCIE_BYTES_PER_S
+            };
+            let per_seq = seq * drafter.offline_bytes_per_token() as f64;
+            let mut choices = vec![Choice {
+                label: format!(
+                    "data parallel: target + drafter on each of {} GPUs",
+                    hw.count
+                ),
+                storage_bytes: 0.0,
+                gpu_hours: gpu_s / 3600.0,
+                wall_hours: sequences / dp_rate / 3600.0,
+                chosen: true,
+                note: "gradients all-reduced each step".into(),
+            }];
+            for k in 1..hw.count {
+                let rate = (f64::from(k) / t_target).min(f64::from(hw.count - k) / t_drafter);
+                let traffic = rate * per_seq / f64::from(hw.count - k);
+                let wall = sequences / rate;
+                let bound = if f64::from(k) / t_target < f64::from(hw.count - k) / t_drafter {
+                    "target-bound"
+                } else {
+                    "drafter-bound"
+                };
+                choices.push(Choice {
+                    label: format!("split: target on {k}, drafter on {}", hw.count - k),
+                    storage_bytes: 0.0,
+                    gpu_hours: wall * n / 3600.0,
+                    wall_hours: wall / 3600.0,
+                    chosen: false,
+                    note: format!(
+                        "{bound}; {}/s of hidden states into each drafter GPU ({:.1}% of {})",
+                        bytes(traffic),
+                        traffic / link * 100.0,
+                        if hw.gpu.nvlink { "NVLink" } else { "PCIe" }
+                    ),
+                });
+            }
+            // Every split is costed; the table shows the two fastest beside data parallel.
+            let mut splits = choices.split_off(1);
+            splits.sort_by(|a, b| a.wall_hours.total_cmp(&b.wall_hours));
+            choices.extend(splits.into_iter().take(2));
+            self.alternatives.push(Alternative {
+                stage: s.id.clone(),
+                question: format!("online training on {hw}: how to place target and drafter"),
+                choices,
+            });
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! `dflash estimate` end to end: the story's numbers from a pipeline file, the table as users see
+//! it, measured sizes taking over from declared ones once stages are done, and bad options.
+
+use serde_json::Value;
+
+mod support;
+use support::env::Env;
+
+/// The story's pipeline and its 27B-class target shape, copied into a fresh folder.
+fn story() -> Env {
+    let env = Env::new();
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/estimate");
+    env.write(
+        "story.yaml",
+        &std::fs::read_to_string(format!("{data}/story.yaml")).unwrap(),
+    );
+    env.write(
+        "target-27b/config.json",
+        &std::fs::read_to_string(format!("{data}/target-27b/config.json")).unwrap(),
+    );
+    env
+}
+
+/// `cpu_cores` defaults to this machine's; pin it so the output is the same everywhere.
+const PINNED: [&str; 2] = ["--assume", "cpu_cores=2"];
+
+fn estimate(env: &Env, args: &[&str]) -> (i32, String, String) {
+    let mut all = vec!["estimate"];
+    all.extend_from_slice(args);
+    let out = env.dflash(&all);
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+fn json(env: &Env, args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let (code, stdout, stderr) = estimate(env, &all);
+    assert_eq!(code, 0, "{stderr}");
+    serde_json::from_str(&stdout).unwrap()
+}
+
+fn stage<'a>(e: &'a Value, id: &str) -> &'a Value {
+    e["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == id)
+        .unwrap()
+}
+
+#[test]
+fn the_storys_offline_hidden_states_come_to_about_90_tb() {
+    let env = story();
+    let e = json(
+        &env,
+        &["story.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+    );
+    // 902K rows x (180 + 1,818) tokens x 5 taps x 5120 x 2 bytes.
+    let tokens = stage(&e, "tokens");
+    assert_eq!(tokens["rows"]["value"], 902_000.0);
+    assert_eq!(tokens["rows"]["basis"], "upstream");
+    let offline = e["alternatives"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|a| a["choices"].as_array().unwrap())
+        .find(|c| c["label"].as_str().unwrap().starts_with("offline"))
+        .expect("an offline choice");
+    let tb = offline["storage_bytes"].as_f64().unwrap() / 1e12;
+    let expected = 902_000.0 * 1998.0 * 5.0 * 5120.0 * 2.0 / 1e12;
+    assert!((tb - expected).abs() < 0.01, "{tb} TB, expected {expected}");
+    assert!((85.0..95.0).contains(&tb));
+    assert_eq!(offline["chosen"], false);
+    assert!(
+        offline["note"]
+            .as_str()
+            .unwrap()
+            .contains("over the --max-storage")
+    );
+    // Online training on all 8 GPUs; the 1.64B generated tokens are the story's.
+    let generate = stage(&e, "completions");
+    let out_tokens = generate["tokens"]["value"].as_f64().unwrap();
+    assert!((out_tokens - 1.64e9).abs() < 0.01e9, "{out_tokens}");
+    assert_eq!(generate["gpus"], 8);
+    let train = stage(&e, "drafter");
+    assert_eq!(train["gpus"], 8);
+    assert!(train["flops"].as_f64().unwrap() > 0.0);
+    // Offline is the cheaper compute but over the storage limit; online is what was written.
+    let online = e["alternatives"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|a| a["choices"].as_array().unwrap())
+        .find(|c| c["label"].as_str().unwrap().starts_with("online"))
+        .unwrap();
+    assert_eq!(online["chosen"], true);
+    assert_eq!(online["storage_bytes"], 0.0);
+}
+
+#[test]
+fn the_storys_table_reads_well() {
+    let env = story();
+    let (code, stdout, stderr) = estimate(
+        &env,
+        &["story.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    insta::assert_snapshot!(stdout);
+}
+
+#[test]
+fn infeasible_plans_are_warned_about() {
+    let env = story();
+    // One 24 GB card: the 27B target's weights fit nowhere, and one training replica is over.
+    let (code, stdout, stderr) = estimate(
+        &env,
+        &[
+            "story.yaml",
+            "--gpus",
+            "RTX4090",
+            "--budget",
+            "2days",
+            "--max-storage",
+            "1TB",
+            PINNED[0],
+            PINNED[1],
+        ],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    let warnings = stdout
+        .split("\nwarnings:\n")
+        .nth(1)
+        .expect("warnings")
+        .to_owned();
+    insta::assert_snapshot!(warnings.split("\n\nassumptions").next().unwrap());
+}
+
+#[test]
+fn done_stages_are_sized_from_their_manifests() {
+    let env = Env::new();
+    env.write(
+        "a.jsonl",
+        &(0..30)
+            .map(|i| format!("{{\"instruction\": \"question number {i} about sorting\", \"output\": \"ok\"}}\n"))
+            .collect::<String>(),
+    );
+    let yaml = "name: measured\nstages:\n  src:\n    kind: download\n    params: {path: a.jsonl, format: alpaca}\n    expect: {rows: 1000}\n  mixed:\n    kind: mix\n    inputs: [src]\n    params: {by: source, total: 20, seed: 0}\n";
+    env.write("p.yaml", yaml);
+    let before = json(&env, &["p.yaml"]);
+    assert_eq!(stage(&before, "src")["rows"]["basis"], "declared");
+    assert_eq!(stage(&before, "src")["rows"]["value"], 1000.0);
+    assert_eq!(stage(&before, "mixed")["rows"]["basis"], "param");
+    env.run("p.yaml", 0);
+    let after = json(&env, &["p.yaml"]);
+    let src = stage(&after, "src");
+    assert_eq!(src["state"], "done");
+    assert_eq!(src["rows"]["basis"], "measured");
+    assert_eq!(src["rows"]["value"], 30.0);
+    assert_eq!(src["storage_bytes"]["basis"], "measured");
+    let mixed = stage(&after, "mixed");
+    assert_eq!(mixed["rows"]["basis"], "measured");
+    assert_eq!(mixed["rows"]["value"], 20.0);
+    assert_eq!(after["totals"]["storage_bytes"], 0.0);
+    assert!(after["totals"]["stored_bytes"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn bad_options_say_what_is_wrong() {
+    let env = story();
+    for (args, needle) in [
+        (
+            vec!["story.yaml", "--gpus", "8xV9000"],
+            "unknown GPU `V9000`; dflash knows H200",
+        ),
+        (
+            vec!["story.yaml", "--assume", "trian_mfu=0.5"],
+            "no assumption `trian_mfu`",
+        ),
+        (
+            vec!["story.yaml", "--assume", "train_mfu=fast"],
+            "is not a number",
+        ),
+        (
+            vec!["story.yaml", "--max-storage", "10XB"],
+            "unknown unit `XB`",
+        ),
+        (vec!["story.yaml", "--budget", "soon"], "not a duration"),
+    ] {
+        let (code, stdout, stderr) = estimate(&env, &args);
+        assert_eq!(code, 2, "{args:?}: {stdout}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+    // A target that can't be found is a warning with the reason, not a crash.
+    env.write(
+        "story.yaml",
+        &std::fs::read_to_string(env.path().join("story.yaml"))
+            .unwrap()
+            .replace("target: target-27b", "target: no-such-model"),
+    );
+    let e = json(&env, &["story.yaml"]);
+    let warnings = e["warnings"].as_array().unwrap();
+    assert!(
+        warnings.iter().any(|w| w
+            .as_str()
+            .unwrap()
+            .contains("`drafter`: cannot size the model")),
+        "{warnings:?}"
+    );
+}
