@@ -5,6 +5,8 @@
 //! derives the DFlash drafter's shape from its target's, as the reference implementation does.
 
 pub mod drafter;
+#[cfg(feature = "nn")]
+pub mod nn;
 pub mod shape;
 
 pub use drafter::DrafterShape;

@@ -1,0 +1,410 @@
+//! The DFlash drafter (../shared/DFLASH.md): Qwen3-style decoder layers at the target's widths;
+//! the tapped target layers fused by `fc` (n*H -> H) and `hidden_norm` into a context that every
+//! layer projects with its own `k_proj` / `v_proj` into extra keys and values; queries from the
+//! block tokens only; non-causal attention under a block mask; the target's embedding and LM
+//! head, frozen. Parameter names are the reference implementation's, so the export is its
+//! Hugging Face layout.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::SeedableRng;
+use rand_distr::Distribution;
+
+use super::Result;
+use super::ops::{self, Linear};
+use super::target::TargetConfig;
+
+/// Seeded initialisation, the same on every machine.
+pub struct Init(rand_chacha::ChaCha8Rng);
+
+impl Init {
+    /// A generator for `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(rand_chacha::ChaCha8Rng::seed_from_u64(seed))
+    }
+
+    /// Normal(0, std) of `shape`.
+    pub fn normal(
+        &mut self,
+        shape: &[usize],
+        std: f64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let d = rand_distr::Normal::new(0.0f32, std as f32).expect("positive std");
+        let v: Vec<f32> = (0..n).map(|_| d.sample(&mut self.0)).collect();
+        Tensor::from_vec(v, shape, device)?.to_dtype(dtype)
+    }
+}
+
+/// The drafter's shape and its DFlash settings.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DrafterConfig {
+    /// Hidden size (the target's).
+    pub hidden: usize,
+    /// Draft layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// MLP width.
+    pub ffn: usize,
+    /// The embedding table's rows (the target's).
+    pub vocab: usize,
+    /// RMSNorm epsilon.
+    pub eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Tapped target layers (0-based).
+    pub target_layers: Vec<usize>,
+    /// Block size B.
+    pub block_size: usize,
+    /// The mask token's id.
+    pub mask_token_id: u32,
+}
+
+impl DrafterConfig {
+    /// A drafter of `layers` layers for `target`.
+    pub fn for_target(
+        target: &TargetConfig,
+        layers: usize,
+        target_layers: Vec<usize>,
+        block_size: usize,
+        mask_token_id: u32,
+    ) -> Self {
+        Self {
+            hidden: target.hidden,
+            layers,
+            heads: target.heads,
+            kv_heads: target.kv_heads,
+            head_dim: target.head_dim,
+            ffn: target.ffn,
+            vocab: target.vocab,
+            eps: target.eps,
+            rope_theta: target.rope_theta,
+            target_layers,
+            block_size,
+            mask_token_id,
+        }
+    }
+
+    /// Every trainable tensor's name and shape, in a fixed order.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, q, kv) = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+        );
+        let mut t = vec![
+            (
+                "fc.weight".to_owned(),
+                vec![h, self.target_layers.len() * h],
+            ),
+            ("hidden_norm.weight".to_owned(), vec![h]),
+            ("norm.weight".to_owned(), vec![h]),
+        ];
+        for i in 0..self.layers {
+            let p = format!("layers.{i}");
+            t.extend([
+                (format!("{p}.input_layernorm.weight"), vec![h]),
+                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+                (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+                (format!("{p}.self_attn.q_norm.weight"), vec![self.head_dim]),
+                (format!("{p}.self_attn.k_norm.weight"), vec![self.head_dim]),
+                (format!("{p}.mlp.gate_proj.weight"), vec![self.ffn, h]),
+                (format!("{p}.mlp.up_proj.weight"), vec![self.ffn, h]),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, self.ffn]),
+            ]);
+        }
+        t
+    }
+
+    /// Trainable parameters.
+    pub fn parameters(&self) -> usize {
+        self.tensors()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// The Hugging Face `config.json` of the reference implementation (a Qwen3 config with a
+    /// `dflash_config` block), which SGLang and vLLM load for DFlash.
+    pub fn hf_config(&self, target_family: &str) -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "rms_norm_eps": self.eps,
+            "rope_theta": self.rope_theta,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16",
+            "block_size": self.block_size,
+            "num_target_layers": self.target_layers.len(),
+            "dflash_config": {
+                "target_layer_ids": self.target_layers,
+                "block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "target_model_type": target_family,
+            },
+        })
+    }
+}
+
+/// A drafter's trainable weights.
+pub struct Drafter {
+    /// Its shape.
+    pub config: DrafterConfig,
+    /// By name (the reference implementation's).
+    pub vars: BTreeMap<String, Var>,
+}
+
+impl Drafter {
+    /// Fresh weights: linear layers Normal(0, 0.02), norms at 1 (Hugging Face's init).
+    pub fn init(config: DrafterConfig, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+        let mut rng = Init::new(seed);
+        let mut vars = BTreeMap::new();
+        for (name, shape) in config.tensors() {
+            let t = if shape.len() == 1 {
+                Tensor::ones(shape.as_slice(), dtype, device)?
+            } else {
+                rng.normal(&shape, 0.02, dtype, device)?
+            };
+            vars.insert(name, Var::from_tensor(&t)?);
+        }
+        Ok(Self { config, vars })
+    }
+
+    /// Weights from tensors by name (a checkpoint); every tensor must be present at its shape.
+    pub fn from_tensors(
+        config: DrafterConfig,
+        tensors: &std::collections::HashMap<String, Tensor>,
+    ) -> Result<Self> {
+        let mut vars = BTreeMap::new();
+        for (name, shape) in config.tensors() {
+            let t = tensors
+                .get(&name)
+                .ok_or_else(|| candle_core::Error::Msg(format!("checkpoint lacks `{name}`")))?;
+            if t.dims() != shape.as_slice() {
+                candle_core::bail!("checkpoint `{name}` is {:?}, expected {shape:?}", t.dims());
+            }
+            vars.insert(name, Var::from_tensor(t)?);
+        }
+        Ok(Self { config, vars })
+    }
+
+    fn w(&self, name: &str) -> &Tensor {
+        self.vars[name].as_tensor()
+    }
+
+    fn lin(&self, name: &str) -> Linear {
+        Linear::Dense(self.w(name).clone())
+    }
+
+    /// The drafter's final hidden states for the block tokens: `[m, H]`.
+    ///
+    /// `context`: the tapped target layers `[s, n*H]` at positions `context_pos`; `block`: the
+    /// block tokens' embeddings `[m, H]` at positions `block_pos`; `mask`: additive `[m, s+m]`.
+    pub fn forward(
+        &self,
+        context: &Tensor,
+        context_pos: &[u32],
+        block: &Tensor,
+        block_pos: &[u32],
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let (s, m) = (context.dim(0)?, block.dim(0)?);
+        let dtype = block.dtype();
+        let device = block.device();
+        let ctx = ops::rms_norm(
+            &self.lin("fc.weight").forward(context)?,
+            self.w("hidden_norm.weight"),
+            c.eps,
+        )?;
+        let (qcos, qsin) = ops::rope_tables(block_pos, c.head_dim, c.rope_theta, dtype, device)?;
+        let all_pos: Vec<u32> = context_pos.iter().chain(block_pos).copied().collect();
+        let (kcos, ksin) = ops::rope_tables(&all_pos, c.head_dim, c.rope_theta, dtype, device)?;
+        let mut x = block.clone();
+        for i in 0..c.layers {
+            let p = |n: &str| format!("layers.{i}.{n}");
+            let h = ops::rms_norm(&x, self.w(&p("input_layernorm.weight")), c.eps)?;
+            let q = self.lin(&p("self_attn.q_proj.weight")).forward(&h)?;
+            let q = ops::rms_norm(
+                &q.reshape((m, c.heads, c.head_dim))?,
+                self.w(&p("self_attn.q_norm.weight")),
+                c.eps,
+            )?
+            .transpose(0, 1)?;
+            let kp = self.lin(&p("self_attn.k_proj.weight"));
+            let vp = self.lin(&p("self_attn.v_proj.weight"));
+            let k = Tensor::cat(&[kp.forward(&ctx)?, kp.forward(&h)?], 0)?;
+            let k = ops::rms_norm(
+                &k.reshape((s + m, c.kv_heads, c.head_dim))?,
+                self.w(&p("self_attn.k_norm.weight")),
+                c.eps,
+            )?
+            .transpose(0, 1)?;
+            let v = Tensor::cat(&[vp.forward(&ctx)?, vp.forward(&h)?], 0)?
+                .reshape((s + m, c.kv_heads, c.head_dim))?
+                .transpose(0, 1)?;
+            let q = ops::rope(&q, &qcos, &qsin)?;
+            let k = ops::rope(&k, &kcos, &ksin)?;
+            let a = ops::attention(&q.contiguous()?, &k.contiguous()?, &v, mask)?;
+            let a = a.transpose(0, 1)?.reshape((m, c.heads * c.head_dim))?;
+            x = (x + self.lin(&p("self_attn.o_proj.weight")).forward(&a)?)?;
+            let h = ops::rms_norm(&x, self.w(&p("post_attention_layernorm.weight")), c.eps)?;
+            let mlp = ops::swiglu(
+                &h,
+                &self.lin(&p("mlp.gate_proj.weight")),
+                &self.lin(&p("mlp.up_proj.weight")),
+                &self.lin(&p("mlp.down_proj.weight")),
+            )?;
+            x = (x + mlp)?;
+        }
+        ops::rms_norm(&x, self.w("norm.weight"), c.eps)
+    }
+
+    /// The weights as named tensors, in `dtype` (for checkpoints and the export).
+    pub fn tensors(&self, dtype: DType) -> Result<std::collections::HashMap<String, Tensor>> {
+        self.vars
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), v.as_tensor().to_dtype(dtype)?)))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::objective::{Batch, loss};
+    use crate::nn::target::{Target, TargetConfig};
+
+    pub(crate) fn tiny_target(dtype: DType) -> Target {
+        let config = TargetConfig {
+            family: "qwen3".into(),
+            hidden: 16,
+            layers: 4,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            ffn: 24,
+            vocab: 40,
+            eps: 1e-6,
+            rope_theta: 10_000.0,
+            qk_norm: true,
+        };
+        Target::random(config, 1, dtype, &Device::Cpu).unwrap()
+    }
+
+    fn sequence() -> (Vec<u32>, Vec<i8>) {
+        let ids: Vec<u32> = (0..14).map(|i| (i * 7 + 3) % 39).collect();
+        let mask: Vec<i8> = (0..14).map(|i| i8::from(i >= 4)).collect();
+        (ids, mask)
+    }
+
+    /// Every trainable tensor's gradient against central finite differences, in f64.
+    #[test]
+    fn gradients_match_finite_differences() {
+        let dtype = DType::F64;
+        let target = tiny_target(dtype);
+        let config = DrafterConfig::for_target(&target.config, 2, vec![0, 2], 4, 39);
+        let drafter = Drafter::init(config, 7, dtype, &Device::Cpu).unwrap();
+        // Perturb the norms off 1 so their gradients are generic.
+        for (name, var) in &drafter.vars {
+            if name.ends_with("norm.weight") {
+                let n = var.as_tensor().dim(0).unwrap();
+                let v: Vec<f64> = (0..n)
+                    .map(|i| 1.0 + 0.1 * ((i * 13 % 7) as f64 - 3.0) / 3.0)
+                    .collect();
+                var.set(&Tensor::new(v, &Device::Cpu).unwrap()).unwrap();
+            }
+        }
+        let (ids, mask) = sequence();
+        let context = target.tapped(&ids, &drafter.config.target_layers).unwrap();
+        let batch = Batch::sample(&ids, &mask, 3, 4, 39, 2.0, 5).unwrap();
+        let embed = |t: &Tensor| target.embed(t);
+        let f = || {
+            loss(
+                &drafter,
+                &embed,
+                &target.lm_head,
+                &context,
+                &batch,
+                batch.weight(),
+            )
+            .unwrap()
+        };
+        let (l, _) = f();
+        let grads = l.backward().unwrap();
+        let h = 1e-5;
+        let mut checked = 0;
+        for (name, var) in &drafter.vars {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("no gradient for {name}"));
+            let g: Vec<f64> = g.flatten_all().unwrap().to_vec1().unwrap();
+            let w: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            let shape = var.as_tensor().shape().clone();
+            // A few coordinates of every tensor, spread over it.
+            for i in (0..w.len()).step_by((w.len() / 5).max(1)) {
+                let at = |x: f64| {
+                    let mut p = w.clone();
+                    p[i] = x;
+                    var.set(&Tensor::from_vec(p, &shape, &Device::Cpu).unwrap())
+                        .unwrap();
+                    f().0.to_scalar::<f64>().unwrap()
+                };
+                let numeric = (at(w[i] + h) - at(w[i] - h)) / (2.0 * h);
+                var.set(&Tensor::from_vec(w.clone(), &shape, &Device::Cpu).unwrap())
+                    .unwrap();
+                let err = (numeric - g[i]).abs() / (numeric.abs() + g[i].abs()).max(1e-6);
+                assert!(
+                    err < 1e-4,
+                    "{name}[{i}]: analytic {} numeric {numeric}",
+                    g[i]
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 100, "{checked}");
+    }
+
+    #[test]
+    fn blocks_see_only_their_context_and_themselves() {
+        let (ids, mask) = sequence();
+        let b = Batch::sample(&ids, &mask, 2, 4, 39, 2.0, 1).unwrap();
+        let m: Vec<Vec<f32>> = b.mask(DType::F32, &Device::Cpu).unwrap().to_vec2().unwrap();
+        let s = ids.len();
+        for (j, &a) in b.anchors.iter().enumerate() {
+            assert!(mask[a] == 1 && mask[a + 1] == 1);
+            for r in j * 4..(j + 1) * 4 {
+                for c in 0..s {
+                    assert_eq!(m[r][c] == 0.0, c < a, "row {r} col {c} anchor {a}");
+                }
+                for c in 0..8 {
+                    assert_eq!(m[r][s + c] == 0.0, c / 4 == j);
+                }
+            }
+        }
+        // Labels are the next tokens; weights decay with k and vanish where not trained.
+        assert_eq!(b.labels[0], ids[b.anchors[0] + 1]);
+        assert!(b.weights[0] > b.weights[1] || b.weights[1] == 0.0);
+    }
+}

@@ -1,0 +1,19 @@
+//! The networks, in candle: the frozen target with hidden-state taps ([`target`]), the DFlash
+//! drafter ([`drafter`]), the training objective ([`objective`]) and the optimizer
+//! ([`optim`]). Everything the drafter's gradients flow through is built from differentiable
+//! candle ops ([`ops`]); candle's fused rms_norm / rope / softmax kernels have no backward and are
+//! used only in the frozen target.
+
+pub mod drafter;
+pub mod objective;
+pub mod ops;
+pub mod optim;
+pub mod target;
+
+pub use drafter::{Drafter, DrafterConfig};
+pub use objective::{Batch, StepMetrics};
+pub use optim::{AdamW, Schedule};
+pub use target::{Target, TargetConfig};
+
+/// Errors of the networks: candle's, or a model file that is not what it should be.
+pub type Result<T> = candle_core::Result<T>;

@@ -1,0 +1,238 @@
+//! The DFlash training objective for one sequence (../shared/DFLASH.md): anchors sampled among
+//! positions whose token and next token are both trained on; one block per anchor,
+//! `[token_a, MASK x (B-1)]`, whose position k predicts token a+k; a mask letting each block see
+//! the context strictly before its anchor and its own block, never other blocks; cross-entropy
+//! at k = 1..B-1 weighted by exp(-(k-1)/gamma) and the label's loss mask.
+
+use candle_core::{D, DType, Device, Tensor};
+use rand::SeedableRng;
+use rand::seq::index;
+
+use super::Result;
+use super::drafter::Drafter;
+use super::ops;
+
+/// One sequence's blocks, ready for the drafter.
+#[derive(Clone, Debug)]
+pub struct Batch {
+    /// Anchor positions, ascending.
+    pub anchors: Vec<usize>,
+    /// Block tokens, `anchors.len() * B`.
+    pub block_ids: Vec<u32>,
+    /// Their absolute positions.
+    pub block_pos: Vec<u32>,
+    /// Per block position k >= 1 (row-major, `anchors.len() * (B-1)`): the label token.
+    pub labels: Vec<u32>,
+    /// Its loss weight (0 past the sequence's end or where the label is not trained on).
+    pub weights: Vec<f32>,
+    /// The sequence length (context positions).
+    pub context_len: usize,
+    /// Block size.
+    pub block_size: usize,
+}
+
+/// Positions `p` with `loss_mask[p] == 1` and `loss_mask[p + 1] == 1`.
+pub fn anchor_candidates(loss_mask: &[i8]) -> Vec<usize> {
+    (0..loss_mask.len().saturating_sub(1))
+        .filter(|&p| loss_mask[p] == 1 && loss_mask[p + 1] == 1)
+        .collect()
+}
+
+/// The default gamma: 7 for B = 16, 4 for B = 8 (the reference's), else B / 2 - 1.
+pub fn default_gamma(block_size: usize) -> f64 {
+    match block_size {
+        16 => 7.0,
+        8 => 4.0,
+        b => (b as f64 / 2.0 - 1.0).max(1.0),
+    }
+}
+
+impl Batch {
+    /// Sample up to `anchors` blocks from one sequence with a generator seeded by `seed` (so a
+    /// resumed run draws the same blocks). `None` when no position can anchor a block.
+    pub fn sample(
+        ids: &[u32],
+        loss_mask: &[i8],
+        anchors: usize,
+        block_size: usize,
+        mask_token: u32,
+        gamma: f64,
+        seed: u64,
+    ) -> Option<Self> {
+        let candidates = anchor_candidates(loss_mask);
+        if candidates.is_empty() {
+            return None;
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let take = anchors.min(candidates.len());
+        let mut chosen: Vec<usize> = index::sample(&mut rng, candidates.len(), take)
+            .into_iter()
+            .map(|i| candidates[i])
+            .collect();
+        chosen.sort_unstable();
+        let n = ids.len();
+        let mut b = Self {
+            anchors: chosen.clone(),
+            block_ids: Vec::with_capacity(take * block_size),
+            block_pos: Vec::with_capacity(take * block_size),
+            labels: Vec::with_capacity(take * (block_size - 1)),
+            weights: Vec::with_capacity(take * (block_size - 1)),
+            context_len: n,
+            block_size,
+        };
+        for &a in &chosen {
+            for k in 0..block_size {
+                b.block_ids.push(if k == 0 { ids[a] } else { mask_token });
+                b.block_pos.push((a + k) as u32);
+                if k > 0 {
+                    let at = a + k;
+                    let (label, trained) = if at < n {
+                        (ids[at], loss_mask[at] == 1)
+                    } else {
+                        (0, false)
+                    };
+                    b.labels.push(label);
+                    let w = if trained {
+                        (-((k - 1) as f64) / gamma).exp() as f32
+                    } else {
+                        0.0
+                    };
+                    b.weights.push(w);
+                }
+            }
+        }
+        Some(b)
+    }
+
+    /// Sum of the loss weights.
+    pub fn weight(&self) -> f64 {
+        self.weights.iter().map(|&w| f64::from(w)).sum()
+    }
+
+    /// The additive attention mask `[m, s + m]`: block j sees context positions before its
+    /// anchor and its own block.
+    pub fn mask(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        let (s, bs) = (self.context_len, self.block_size);
+        let m = self.anchors.len() * bs;
+        let mut v = vec![f32::NEG_INFINITY; m * (s + m)];
+        for (j, &a) in self.anchors.iter().enumerate() {
+            for r in j * bs..(j + 1) * bs {
+                let row = &mut v[r * (s + m)..(r + 1) * (s + m)];
+                row[..a].fill(0.0);
+                row[s + j * bs..s + (j + 1) * bs].fill(0.0);
+            }
+        }
+        Tensor::from_vec(v, (m, s + m), device)?.to_dtype(dtype)
+    }
+}
+
+/// What one step measured.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct StepMetrics {
+    /// Weighted cross-entropy (the loss trained on).
+    pub loss: f64,
+    /// Per block position k = 1..B-1: predictions that equal the label, among trained labels.
+    pub correct: Vec<u64>,
+    /// Per block position: trained labels.
+    pub counted: Vec<u64>,
+    /// Sum over blocks of the number of leading correct predictions (accepted draft tokens).
+    pub accepted: u64,
+    /// Blocks.
+    pub blocks: u64,
+}
+
+impl StepMetrics {
+    /// Add another sequence's counts.
+    pub fn add(&mut self, o: &Self) {
+        self.loss += o.loss;
+        if self.correct.is_empty() {
+            self.correct = vec![0; o.correct.len()];
+            self.counted = vec![0; o.counted.len()];
+        }
+        for (a, b) in self.correct.iter_mut().zip(&o.correct) {
+            *a += b;
+        }
+        for (a, b) in self.counted.iter_mut().zip(&o.counted) {
+            *a += b;
+        }
+        self.accepted += o.accepted;
+        self.blocks += o.blocks;
+    }
+
+    /// Accuracy per block position.
+    pub fn accuracy(&self) -> Vec<f64> {
+        self.correct
+            .iter()
+            .zip(&self.counted)
+            .map(|(&c, &n)| if n == 0 { 0.0 } else { c as f64 / n as f64 })
+            .collect()
+    }
+
+    /// The acceptance length tau these blocks imply at T = 0: accepted drafts plus the bonus token.
+    pub fn tau(&self) -> f64 {
+        if self.blocks == 0 {
+            0.0
+        } else {
+            1.0 + self.accepted as f64 / self.blocks as f64
+        }
+    }
+}
+
+/// The drafter's loss on one sequence: `sum(w * nll) / normalizer` (a scalar tensor to
+/// backpropagate), and what it measured. `context`: the tapped target layers `[s, n*H]`.
+pub fn loss(
+    drafter: &Drafter,
+    embed: &dyn Fn(&Tensor) -> Result<Tensor>,
+    lm_head: &Tensor,
+    context: &Tensor,
+    batch: &Batch,
+    normalizer: f64,
+) -> Result<(Tensor, StepMetrics)> {
+    let device = context.device();
+    let dtype = context.dtype();
+    let bs = batch.block_size;
+    let blocks = batch.anchors.len();
+    let ids = Tensor::new(batch.block_ids.as_slice(), device)?;
+    let block = embed(&ids)?.to_dtype(dtype)?;
+    let context_pos: Vec<u32> = (0..batch.context_len as u32).collect();
+    let mask = batch.mask(dtype, device)?;
+    let hidden = drafter.forward(context, &context_pos, &block, &batch.block_pos, &mask)?;
+    // Rows k >= 1 of every block predict; row 0 (the anchor) is excluded.
+    let rows: Vec<u32> = (0..blocks)
+        .flat_map(|j| (1..bs).map(move |k| (j * bs + k) as u32))
+        .collect();
+    let hidden = hidden.index_select(&Tensor::new(rows.as_slice(), device)?, 0)?;
+    let logits = hidden
+        .matmul(&lm_head.to_dtype(dtype)?.t()?)?
+        .to_dtype(ops::wide(dtype))?;
+    let logp = ops::log_softmax_last(&logits)?;
+    let labels = Tensor::new(batch.labels.as_slice(), device)?;
+    let picked = logp.gather(&labels.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let weights = Tensor::new(batch.weights.as_slice(), device)?.to_dtype(picked.dtype())?;
+    let total = (picked.mul(&weights)?.sum_all()?.neg()? / normalizer)?;
+
+    let predicted: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+    let mut m = StepMetrics {
+        loss: total.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        correct: vec![0; bs - 1],
+        counted: vec![0; bs - 1],
+        accepted: 0,
+        blocks: blocks as u64,
+    };
+    for j in 0..blocks {
+        let mut leading = true;
+        for k in 1..bs {
+            let r = j * (bs - 1) + (k - 1);
+            let hit = predicted[r] == batch.labels[r];
+            if batch.weights[r] > 0.0 {
+                m.counted[k - 1] += 1;
+                m.correct[k - 1] += u64::from(hit);
+            }
+            leading &= hit && batch.weights[r] > 0.0;
+            if leading {
+                m.accepted += 1;
+            }
+        }
+    }
+    Ok((total, m))
+}

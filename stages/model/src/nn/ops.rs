@@ -1,0 +1,123 @@
+//! Differentiable building blocks: RMSNorm, rotary embeddings at arbitrary positions, SwiGLU,
+//! and attention with an additive mask. Each is composed of candle ops that have a backward
+//! pass, so the drafter trains through them; the finite-difference test in `drafter` checks it.
+
+use candle_core::{D, DType, Device, Tensor};
+
+use super::Result;
+
+/// The dtype reductions run in: f32 for half types, else the dtype itself.
+pub fn wide(dtype: DType) -> DType {
+    match dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    }
+}
+
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(wide(dtype))?;
+    let scale = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    x.broadcast_mul(&scale)?
+        .to_dtype(dtype)?
+        .broadcast_mul(weight)
+}
+
+/// Cos and sin tables of the rotary embedding for each position: `[n, head_dim / 2]` each.
+pub fn rope_tables(
+    positions: &[u32],
+    head_dim: usize,
+    theta: f64,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(positions.len() * half);
+    let mut sin = Vec::with_capacity(positions.len() * half);
+    for &p in positions {
+        for i in 0..half {
+            let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            let angle = f64::from(p) * freq;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    let n = positions.len();
+    Ok((
+        Tensor::from_vec(cos, (n, half), device)?.to_dtype(dtype)?,
+        Tensor::from_vec(sin, (n, half), device)?.to_dtype(dtype)?,
+    ))
+}
+
+/// The rotary embedding in the Hugging Face ("neox", rotate-half) layout, differentiable.
+/// `x`: `[heads, n, head_dim]`; `cos`, `sin`: `[n, head_dim / 2]`.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let half = d / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let cos = Tensor::cat(&[cos, cos], D::Minus1)?;
+    let sin = Tensor::cat(&[sin, sin], D::Minus1)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+}
+
+/// `down(silu(gate(x)) * up(x))`.
+pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear) -> Result<Tensor> {
+    let g = gate.forward(x)?.silu()?;
+    down.forward(&(g * up.forward(x)?)?)
+}
+
+/// Softmax attention. `q`: `[heads, nq, d]`, `k`, `v`: `[kv_heads, nk, d]`, `mask`: additive
+/// `[nq, nk]` (0 or -inf). Grouped-query heads share their K/V head.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let (heads, nq, d) = q.dims3()?;
+    let kv_heads = k.dim(0)?;
+    let group = heads / kv_heads;
+    // [kv, group * nq, d]: each K/V head serves its group of query heads in one matmul.
+    let q = q.reshape((kv_heads, group * nq, d))?;
+    let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
+    let scores = scores
+        .reshape((kv_heads, group, nq, k.dim(1)?))?
+        .broadcast_add(&mask.to_dtype(scores.dtype())?)?;
+    let probs = softmax_last(&scores.to_dtype(wide(q.dtype()))?)?.to_dtype(q.dtype())?;
+    let probs = probs.reshape((kv_heads, group * nq, k.dim(1)?))?;
+    probs.matmul(&v.contiguous()?)?.reshape((heads, nq, d))
+}
+
+/// Softmax over the last dimension from differentiable ops.
+pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// `log(softmax(x))` over the last dimension from differentiable ops.
+pub fn log_softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let shifted = x.broadcast_sub(&max)?;
+    shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)
+}
+
+/// A bias-free linear layer: dense weights (trainable or frozen) or quantized (frozen).
+#[derive(Clone, Debug)]
+pub enum Linear {
+    /// `[out, in]`.
+    Dense(Tensor),
+    /// A GGUF tensor, multiplied without dequantizing it whole.
+    Quantized(candle_core::quantized::QMatMul),
+}
+
+impl Linear {
+    /// `x @ W^T` over the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(w) => match x.dims() {
+                [_, _] => x.matmul(&w.t()?),
+                _ => x.broadcast_matmul(&w.t()?),
+            },
+            Self::Quantized(q) => candle_core::Module::forward(q, x),
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! The frozen target: a Llama- or Qwen3-family decoder that returns the outputs of chosen layers
+//! (the drafter's context) and lends the drafter its embedding table and LM head. Loaded from
+//! GGUF (quantized weights stay quantized) or built with random weights at a real shape (for
+//! benchmarks and tests). No KV cache: every call is a fresh causal forward over one sequence,
+//! so nothing leaks between calls.
+
+use std::path::Path;
+
+use candle_core::quantized::{QMatMul, gguf_file};
+use candle_core::{DType, Device, Tensor};
+
+use super::Result;
+use super::ops::Linear;
+
+/// The target's dimensions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TargetConfig {
+    /// `llama` or `qwen3`.
+    pub family: String,
+    /// Hidden size H.
+    pub hidden: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// MLP width.
+    pub ffn: usize,
+    /// Rows of the embedding table.
+    pub vocab: usize,
+    /// RMSNorm epsilon.
+    pub eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Qwen3's per-head RMSNorm on queries and keys.
+    pub qk_norm: bool,
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    ffn_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A loaded target.
+pub struct Target {
+    /// Its dimensions.
+    pub config: TargetConfig,
+    /// The embedding table `[vocab, H]` (dense, for lookups and for the drafter's block inputs).
+    pub embed: Tensor,
+    /// The LM head `[vocab, H]`, dense (the drafter's gradients flow through it; quantized
+    /// matmuls have no backward). The embedding table when tied.
+    pub lm_head: Tensor,
+    /// The final norm's weight (not used by the drafter, which has its own).
+    pub norm: Tensor,
+    layers: Vec<Layer>,
+    /// GGUF Llama weights are permuted for interleaved RoPE; HF-layout weights use rotate-half.
+    rope_interleaved: bool,
+    /// The dtype activations run in.
+    pub dtype: DType,
+}
+
+/// candle's fused kernel (forward only: the target is frozen); f64 (tests) takes the composed path.
+fn fused_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    if x.dtype() == DType::F64 {
+        return super::ops::rms_norm(x, w, eps);
+    }
+    candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)
+}
+
+impl Target {
+    /// Load a GGUF file (architectures `llama` and `qwen3`).
+    pub fn from_gguf(path: &Path, device: &Device) -> Result<Self> {
+        let mut file = std::fs::File::open(path)?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| e.with_path(path))?;
+        let md = &content.metadata;
+        let arch = md
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default();
+        if arch != "llama" && arch != "qwen3" {
+            candle_core::bail!(
+                "{}: architecture `{arch}`; the train stage's targets are `llama` and `qwen3`",
+                path.display()
+            );
+        }
+        let get = |k: &str| -> Result<&gguf_file::Value> {
+            md.get(&format!("{arch}.{k}")).ok_or_else(|| {
+                candle_core::Error::Msg(format!("{}: no `{arch}.{k}`", path.display()))
+            })
+        };
+        let hidden = get("embedding_length")?.to_u32()? as usize;
+        let heads = get("attention.head_count")?.to_u32()? as usize;
+        let config = TargetConfig {
+            family: arch.clone(),
+            hidden,
+            layers: get("block_count")?.to_u32()? as usize,
+            heads,
+            kv_heads: get("attention.head_count_kv")?.to_u32()? as usize,
+            head_dim: get("attention.key_length")
+                .and_then(|v| v.to_u32())
+                .map_or(hidden / heads, |v| v as usize),
+            ffn: get("feed_forward_length")?.to_u32()? as usize,
+            vocab: 0,
+            eps: f64::from(get("attention.layer_norm_rms_epsilon")?.to_f32()?),
+            rope_theta: get("rope.freq_base")
+                .and_then(|v| v.to_f32())
+                .map_or(10_000.0, f64::from),
+            qk_norm: arch == "qwen3",
+        };
+        let mut tensor = |name: &str| content.tensor(&mut file, name, device);
+        let embed_q = tensor("token_embd.weight")?;
+        let embed = embed_q.dequantize(device)?;
+        let lm_head = match tensor("output.weight") {
+            Ok(t) => t.dequantize(device)?,
+            Err(_) => embed.clone(),
+        };
+        drop(embed_q);
+        let norm = tensor("output_norm.weight")?.dequantize(device)?;
+        let mut layers = Vec::with_capacity(config.layers);
+        for i in 0..config.layers {
+            let mut q = |n: &str| -> Result<Linear> {
+                Ok(Linear::Quantized(QMatMul::from_qtensor(tensor(
+                    &format!("blk.{i}.{n}.weight"),
+                )?)?))
+            };
+            let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
+            let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
+            let mut dense = |n: &str| tensor(&format!("blk.{i}.{n}.weight"))?.dequantize(device);
+            layers.push(Layer {
+                attn_norm: dense("attn_norm")?,
+                q: wq,
+                k: wk,
+                v: wv,
+                o: wo,
+                q_norm: if config.qk_norm {
+                    Some(dense("attn_q_norm")?)
+                } else {
+                    None
+                },
+                k_norm: if config.qk_norm {
+                    Some(dense("attn_k_norm")?)
+                } else {
+                    None
+                },
+                ffn_norm: dense("ffn_norm")?,
+                gate,
+                up,
+                down,
+            });
+        }
+        let config = TargetConfig {
+            vocab: embed.dim(0)?,
+            ..config
+        };
+        Ok(Self {
+            config,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            rope_interleaved: arch == "llama",
+            dtype: DType::F32,
+        })
+    }
+
+    /// Random weights (normal, std 0.02; norms at 1) at `config`'s shape, in `dtype`.
+    pub fn random(config: TargetConfig, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+        let mut rng = super::drafter::Init::new(seed);
+        let c = &config;
+        let q_width = c.heads * c.head_dim;
+        let kv_width = c.kv_heads * c.head_dim;
+        let mut w =
+            |o: usize, i: usize| -> Result<Tensor> { rng.normal(&[o, i], 0.02, dtype, device) };
+        let ones = |n: usize| Tensor::ones(n, dtype, device);
+        let embed = w(c.vocab, c.hidden)?;
+        let mut layers = Vec::with_capacity(c.layers);
+        for _ in 0..c.layers {
+            layers.push(Layer {
+                attn_norm: ones(c.hidden)?,
+                q: Linear::Dense(w(q_width, c.hidden)?),
+                k: Linear::Dense(w(kv_width, c.hidden)?),
+                v: Linear::Dense(w(kv_width, c.hidden)?),
+                o: Linear::Dense(w(c.hidden, q_width)?),
+                q_norm: if c.qk_norm {
+                    Some(ones(c.head_dim)?)
+                } else {
+                    None
+                },
+                k_norm: if c.qk_norm {
+                    Some(ones(c.head_dim)?)
+                } else {
+                    None
+                },
+                ffn_norm: ones(c.hidden)?,
+                gate: Linear::Dense(w(c.ffn, c.hidden)?),
+                up: Linear::Dense(w(c.ffn, c.hidden)?),
+                down: Linear::Dense(w(c.hidden, c.ffn)?),
+            });
+        }
+        let lm_head = w(c.vocab, c.hidden)?;
+        Ok(Self {
+            norm: ones(c.hidden)?,
+            config,
+            embed,
+            lm_head,
+            layers,
+            rope_interleaved: false,
+            dtype,
+        })
+    }
+
+    /// Embeddings of `ids`: `[n, H]`.
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        self.embed.index_select(ids, 0)?.to_dtype(self.dtype)
+    }
+
+    /// The outputs of decoder layers `taps` (0-based) for one sequence, concatenated along
+    /// features: `[n, taps.len() * H]`. Layers past the last tap are not run.
+    pub fn tapped(&self, ids: &[u32], taps: &[usize]) -> Result<Tensor> {
+        let device = self.embed.device();
+        let n = ids.len();
+        let c = &self.config;
+        let last = *taps.iter().max().unwrap_or(&0);
+        if last >= c.layers {
+            candle_core::bail!("tap {last} is past the target's {} layers", c.layers);
+        }
+        let ids_t = Tensor::new(ids, device)?;
+        let mut x = self.embed(&ids_t)?;
+        let positions: Vec<u32> = (0..n as u32).collect();
+        let (cos, sin) =
+            super::ops::rope_tables(&positions, c.head_dim, c.rope_theta, self.dtype, device)?;
+        let mask = causal_mask(n, self.dtype, device)?;
+        let mut out = Vec::with_capacity(taps.len());
+        for (i, layer) in self.layers.iter().enumerate().take(last + 1) {
+            let h = fused_norm(&x, &layer.attn_norm, c.eps)?;
+            let heads = |t: Tensor, count: usize| -> Result<Tensor> {
+                t.reshape((n, count, c.head_dim))?
+                    .transpose(0, 1)?
+                    .contiguous()
+            };
+            let mut q = heads(layer.q.forward(&h)?, c.heads)?;
+            let mut k = heads(layer.k.forward(&h)?, c.kv_heads)?;
+            let v = heads(layer.v.forward(&h)?, c.kv_heads)?;
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                q = fused_norm(&q, qn, c.eps)?;
+                k = fused_norm(&k, kn, c.eps)?;
+            }
+            let rope = |t: &Tensor| -> Result<Tensor> {
+                if t.dtype() == DType::F64 && !self.rope_interleaved {
+                    return super::ops::rope(t, &cos, &sin);
+                }
+                let t = t.unsqueeze(0)?.contiguous()?;
+                let r = if self.rope_interleaved {
+                    candle_nn::rotary_emb::rope_i(&t, &cos, &sin)?
+                } else {
+                    candle_nn::rotary_emb::rope(&t, &cos, &sin)?
+                };
+                r.squeeze(0)
+            };
+            let (q, k) = (rope(&q)?, rope(&k)?);
+            let a = super::ops::attention(&q, &k, &v, &mask)?;
+            let a = a.transpose(0, 1)?.reshape((n, c.heads * c.head_dim))?;
+            x = (x + layer.o.forward(&a)?)?;
+            let h = fused_norm(&x, &layer.ffn_norm, c.eps)?;
+            x = (&x + super::ops::swiglu(&h, &layer.gate, &layer.up, &layer.down)?)?;
+            if taps.contains(&i) {
+                out.push(x.clone());
+            }
+        }
+        // In the order the taps were asked for.
+        let mut ordered = Vec::with_capacity(taps.len());
+        let mut seen: Vec<usize> = taps.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        for t in taps {
+            let at = seen.iter().position(|s| s == t).expect("present");
+            ordered.push(out[at].clone());
+        }
+        Tensor::cat(&ordered, 1)
+    }
+}
+
+/// `[n, n]`: 0 on and below the diagonal, -inf above.
+pub fn causal_mask(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let v: Vec<f32> = (0..n)
+        .flat_map(|i| (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(v, (n, n), device)?.to_dtype(dtype)
+}
