@@ -3,9 +3,10 @@
 //! This crate declares the stage's params — the drafter's shape (layers, block size, tapped
 //! target layers), the objective (anchors, gamma) and the recipe (epochs, AdamW, warmup + cosine,
 //! clipping, accumulation, checkpoints) — so pipelines that train validate, `dflash plan`
-//! explains them and `dflash estimate` sizes them. The training loop itself (candle, in the
-//! shared `dflash-model` crate) is not in this build yet; running the stage says so and fails
-//! before anything is written.
+//! explains them and `dflash estimate` sizes them. The loop ([`train_loop`]) runs the networks of
+//! the shared `dflash-model` crate (candle) on CPU against a GGUF target.
+
+mod train_loop;
 
 use dflash_stage_api::{Param, ParamType, StageContext, StageError, StageKind, StageOutput};
 use serde::Deserialize;
@@ -64,7 +65,7 @@ impl StageKind for TrainKind {
     }
 
     fn summary(&self) -> &'static str {
-        "train a DFlash drafter online against the frozen target (declared; the loop is not in this build yet)"
+        "train a DFlash drafter online against the frozen target (CPU; GGUF targets)"
     }
 
     fn params(&self) -> Vec<Param> {
@@ -96,12 +97,7 @@ impl StageKind for TrainKind {
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
-        let _ = ctx;
-        Err(StageError::new(
-            "the `train` stage's training loop is not in this build of dflash yet",
-        )
-        .with_help(
-            "`dflash plan` and `dflash estimate` already read this stage; run the stages before it with `--only`",
-        ))
+        let p = Params::parse(ctx.params)?;
+        train_loop::run(ctx, &p)
     }
 }

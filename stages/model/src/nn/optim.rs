@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use candle_core::{DType, Tensor, Var, backprop::GradStore};
+use candle_core::{DType, Tensor, Var};
 
 use super::Result;
 
@@ -74,14 +74,14 @@ impl AdamW {
     pub fn step(
         &mut self,
         vars: &BTreeMap<String, Var>,
-        grads: &GradStore,
+        grads: &BTreeMap<String, Tensor>,
         lr: f64,
         clip: f64,
     ) -> Result<f64> {
         let mut sq = 0.0f64;
         let mut gs: Vec<(&String, &Var, Tensor)> = Vec::with_capacity(vars.len());
         for (name, var) in vars {
-            let g = match grads.get(var.as_tensor()) {
+            let g = match grads.get(name) {
                 Some(g) => g.to_dtype(DType::F32)?,
                 None => var.as_tensor().zeros_like()?.to_dtype(DType::F32)?,
             };

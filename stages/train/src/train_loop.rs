@@ -1,0 +1,387 @@
+//! The training loop: token sequences from the `tokenize` artifact, the frozen target's taps
+//! computed online for each sequence, the drafter's loss summed over a step's sequences
+//! (gradient accumulation), AdamW under warmup + cosine with clipping; metrics per step;
+//! checkpoints committed as shards (create-only) from which a rerun resumes exactly — data
+//! order and anchors are functions of (seed, position), so a checkpoint needs only the weights,
+//! the moments and the step; the drafter exported in the Hugging Face layout at the end.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::path::Path;
+
+use arrow_array::{Array, Int8Array, Int32Array, ListArray};
+use candle_core::{DType, Device, Tensor};
+use dflash_model::nn::objective::{self, Batch, StepMetrics};
+use dflash_model::nn::{AdamW, Drafter, DrafterConfig, Schedule, Target};
+use dflash_stage_api::{StageContext, StageError, StageOutput};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use serde_json::{Value, json};
+
+use crate::Params;
+
+fn nn(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
+    move |e| StageError::new(format!("{what}: {e}"))
+}
+
+/// One training sequence.
+struct Sequence {
+    ids: Vec<u32>,
+    mask: Vec<i8>,
+}
+
+/// The `train` split of every input's token files, cut to `max_length`.
+fn sequences(ctx: &StageContext<'_>, max_length: usize) -> Result<Vec<Sequence>, StageError> {
+    let mut out = Vec::new();
+    for input in ctx.inputs {
+        let mut files: Vec<_> = std::fs::read_dir(&input.dir)?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("train-") && n.ends_with(".arrow"))
+            })
+            .collect();
+        files.sort();
+        for f in files {
+            let file = std::io::BufReader::new(std::fs::File::open(&f)?);
+            let reader = arrow_ipc::reader::StreamReader::try_new(file, None)
+                .map_err(|e| StageError::new(format!("{}: {e}", f.display())))?;
+            for batch in reader {
+                let batch = batch.map_err(|e| StageError::new(format!("{}: {e}", f.display())))?;
+                let col = |name: &str| {
+                    batch
+                        .column_by_name(name)
+                        .and_then(|c| c.as_any().downcast_ref::<ListArray>().cloned())
+                        .ok_or_else(|| {
+                            StageError::new(format!(
+                                "{}: no `{name}` list column; `train` reads what `tokenize` writes",
+                                f.display()
+                            ))
+                        })
+                };
+                let (ids, masks) = (col("input_ids")?, col("loss_mask")?);
+                for r in 0..batch.num_rows() {
+                    let i = ids.value(r);
+                    let m = masks.value(r);
+                    let i = i
+                        .as_any()
+                        .downcast_ref::<Int32Array>()
+                        .ok_or_else(|| StageError::new("input_ids are not int32"))?;
+                    let m = m
+                        .as_any()
+                        .downcast_ref::<Int8Array>()
+                        .ok_or_else(|| StageError::new("loss_mask is not int8"))?;
+                    let n = i.len().min(max_length);
+                    out.push(Sequence {
+                        ids: i.values()[..n].iter().map(|&v| v as u32).collect(),
+                        mask: m.values()[..n].to_vec(),
+                    });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A 64-bit mix of the seed and a position (SplitMix64's finaliser), for per-sequence streams.
+fn mix(seed: u64, a: u64, b: u64) -> u64 {
+    let mut z =
+        seed ^ a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The sequence at global position `i` (epoch `i / n`, shuffled per epoch by the seed).
+fn order(seed: u64, n: usize, epoch: u64) -> Vec<usize> {
+    let mut o: Vec<usize> = (0..n).collect();
+    o.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(mix(
+        seed, epoch, 0,
+    )));
+    o
+}
+
+const CKPT: &str = "ckpt-";
+
+/// Train; see the module docs.
+pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError> {
+    let raw = ctx.params;
+    if raw["device"] == "cuda" {
+        return Err(
+            StageError::new("this build of dflash has no CUDA support").with_help(
+                "build with `--features cuda` (../shared/cuda/README.md), or set `device: cpu`",
+            ),
+        );
+    }
+    let device = Device::Cpu;
+    let path = ctx.cwd.join(&p.target);
+    if !path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return Err(StageError::new(format!(
+            "target `{}`: this build trains against GGUF targets",
+            p.target
+        ))
+        .with_help(
+            "point `target:` at a .gguf file (Hugging Face safetensors targets are not built yet)",
+        ));
+    }
+    let target = Target::from_gguf(&path, &device).map_err(nn("loading the target"))?;
+    let tc = &target.config;
+    let taps: Vec<usize> = if p.target_layers.is_empty() {
+        dflash_model::drafter::spread_target_layers(tc.layers as u64, p.taps)
+            .into_iter()
+            .map(|l| l as usize)
+            .collect()
+    } else {
+        p.target_layers.iter().map(|&l| l as usize).collect()
+    };
+    if let Some(bad) = taps.iter().find(|&&l| l >= tc.layers) {
+        return Err(StageError::new(format!(
+            "target layer {bad} does not exist: the target has {} layers",
+            tc.layers
+        ))
+        .with_help(format!("`target_layers` are 0-based, below {}", tc.layers)));
+    }
+    let mask_token =
+        match raw["mask_token_id"].as_u64() {
+            Some(m) if (m as usize) < tc.vocab => m as u32,
+            Some(m) => {
+                return Err(StageError::new(format!(
+                    "mask_token_id {m} is past the embedding table ({} rows)",
+                    tc.vocab
+                )));
+            }
+            None => return Err(StageError::new(
+                "`mask_token_id` is needed: this target has no unused embedding row to default to",
+            )
+            .with_help("set `mask_token_id:` to a token the data never uses (Qwen3: 151669)")),
+        };
+    let block = p.block_size as usize;
+    if block < 2 {
+        return Err(StageError::new("`block_size` must be at least 2"));
+    }
+    let gamma = raw["gamma"]
+        .as_f64()
+        .unwrap_or_else(|| objective::default_gamma(block));
+    let data = sequences(ctx, p.max_length as usize)?;
+    if data.is_empty() {
+        return Err(StageError::new(
+            "no training sequences in the inputs' `train` split",
+        ));
+    }
+    let seed = raw["seed"].as_u64().unwrap_or(0);
+    let per_step = p.sequences_per_step() as usize;
+    let mut total = (data.len() as u64 * p.epochs).div_ceil(per_step as u64);
+    if let Some(m) = raw["max_steps"].as_u64() {
+        total = total.min(m);
+    }
+    let schedule = Schedule {
+        peak: raw["lr"].as_f64().unwrap_or(6e-4),
+        warmup: (raw["warmup"].as_f64().unwrap_or(0.04) * total as f64).ceil() as u64,
+        total,
+        cosine: raw["schedule"] != "constant",
+    };
+    let clip = raw["grad_clip"].as_f64().unwrap_or(1.0);
+    let config =
+        DrafterConfig::for_target(tc, p.draft_layers as usize, taps.clone(), block, mask_token);
+
+    // Resume from the latest checkpoint an earlier attempt committed.
+    let mut done: Vec<String> = ctx
+        .shards
+        .done()
+        .into_iter()
+        .filter(|n| n.starts_with(CKPT))
+        .collect();
+    done.sort();
+    let mut metrics_lines: Vec<String> = Vec::new();
+    for name in &done {
+        let text = String::from_utf8(ctx.shards.read(name, &format!("{name}/metrics.jsonl"))?)
+            .unwrap_or_default();
+        metrics_lines.extend(text.lines().map(str::to_owned));
+    }
+    let (drafter, mut adam, start) = match done.last() {
+        Some(name) => {
+            let bytes = ctx
+                .shards
+                .read(name, &format!("{name}/state.safetensors"))?;
+            let tensors: HashMap<String, Tensor> =
+                candle_core::safetensors::load_buffer(&bytes, &device)
+                    .map_err(nn("reading the checkpoint"))?;
+            let step: u64 = name[CKPT.len()..]
+                .parse()
+                .map_err(|_| StageError::new(format!("bad checkpoint name `{name}`")))?;
+            let weights: HashMap<String, Tensor> = tensors
+                .iter()
+                .filter_map(|(k, t)| k.strip_prefix("param.").map(|n| (n.to_owned(), t.clone())))
+                .collect();
+            let d =
+                Drafter::from_tensors(config.clone(), &weights).map_err(nn("the checkpoint"))?;
+            let mut a = AdamW::new(&d.vars, raw["weight_decay"].as_f64().unwrap_or(0.0))
+                .map_err(nn("optimizer"))?;
+            a.restore(&tensors, step).map_err(nn("the checkpoint"))?;
+            if let Ok(mut log) = dflash_stage_api::StageLog::open(ctx.log_path) {
+                log.line(&format!("resuming from {name}"));
+            }
+            (d, a, step)
+        }
+        None => {
+            let d = Drafter::init(config.clone(), seed, DType::F32, &device)
+                .map_err(nn("initialising the drafter"))?;
+            let a = AdamW::new(&d.vars, raw["weight_decay"].as_f64().unwrap_or(0.0))
+                .map_err(nn("optimizer"))?;
+            (d, a, 0)
+        }
+    };
+
+    let n = data.len();
+    let mut epoch_order: Option<(u64, Vec<usize>)> = None;
+    let mut since_ckpt: Vec<String> = Vec::new();
+    let mut last = StepMetrics::default();
+    let embed = |t: &Tensor| target.embed(t);
+    for step in start..total {
+        if ctx.cancel.is_cancelled() {
+            return Err(StageError::cancelled());
+        }
+        let mut batches = Vec::with_capacity(per_step);
+        for j in 0..per_step {
+            let g = step as usize * per_step + j;
+            let epoch = (g / n) as u64;
+            if epoch >= p.epochs {
+                break;
+            }
+            if epoch_order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                epoch_order = Some((epoch, order(seed, n, epoch)));
+            }
+            let s = &data[epoch_order.as_ref().expect("set").1[g % n]];
+            if let Some(b) = Batch::sample(
+                &s.ids,
+                &s.mask,
+                p.anchors as usize,
+                block,
+                mask_token,
+                gamma,
+                mix(seed, g as u64, 1),
+            ) {
+                batches.push((s, b));
+            }
+        }
+        let weight: f64 = batches.iter().map(|(_, b)| b.weight()).sum();
+        let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
+        let mut m = StepMetrics::default();
+        for (s, b) in &batches {
+            if weight == 0.0 {
+                break;
+            }
+            let context = target.tapped(&s.ids, &taps).map_err(nn("target forward"))?;
+            let (loss, sm) =
+                objective::loss(&drafter, &embed, &target.lm_head, &context, b, weight)
+                    .map_err(nn("drafter forward"))?;
+            let g = loss.backward().map_err(nn("backward"))?;
+            for (name, var) in &drafter.vars {
+                if let Some(t) = g.get(var.as_tensor()) {
+                    let sum = match grads.remove(name) {
+                        Some(prev) => (prev + t).map_err(nn("accumulating"))?,
+                        None => t.clone(),
+                    };
+                    grads.insert(name.clone(), sum);
+                }
+            }
+            m.add(&sm);
+        }
+        let lr = schedule.lr(step);
+        let norm = adam
+            .step(&drafter.vars, &grads, lr, clip)
+            .map_err(nn("optimizer step"))?;
+        let line = json!({"step": step + 1, "lr": lr, "loss": m.loss, "grad_norm": norm,
+            "accuracy": m.accuracy(), "tau": m.tau(), "sequences": batches.len()});
+        since_ckpt.push(line.to_string());
+        ctx.progress.set(
+            step + 1,
+            Some(total),
+            &format!("loss {:.3} tau {:.2}", m.loss, m.tau()),
+        );
+        last = m;
+        let s1 = step + 1;
+        if s1 % p.checkpoint_every.max(1) == 0 && s1 < total {
+            checkpoint(ctx, &drafter, &adam, s1, &since_ckpt)?;
+            metrics_lines.append(&mut since_ckpt);
+        }
+    }
+    metrics_lines.append(&mut since_ckpt);
+
+    // The export: the reference implementation's Hugging Face layout, bf16.
+    let export = ctx.out_dir.join("drafter");
+    std::fs::create_dir_all(&export)?;
+    let tensors = drafter.tensors(DType::BF16).map_err(nn("export"))?;
+    candle_core::safetensors::save(&tensors, export.join("model.safetensors"))
+        .map_err(nn("export"))?;
+    let hf = config.hf_config(&tc.family);
+    std::fs::write(
+        export.join("config.json"),
+        serde_json::to_string_pretty(&hf).expect("json"),
+    )?;
+    let mut text = metrics_lines.join("\n");
+    text.push('\n');
+    std::fs::write(ctx.out_dir.join("metrics.jsonl"), text)?;
+
+    let first_loss = metrics_lines
+        .first()
+        .and_then(|l| serde_json::from_str::<Value>(l).ok())
+        .and_then(|v| v["loss"].as_f64());
+    let mut stats = serde_json::Map::new();
+    stats.insert("steps".into(), json!(total));
+    stats.insert("sequences".into(), json!(n));
+    stats.insert("trainable_parameters".into(), json!(config.parameters()));
+    stats.insert("target_layers".into(), json!(taps));
+    stats.insert("first_loss".into(), json!(first_loss));
+    stats.insert("final_loss".into(), json!(last.loss));
+    stats.insert("final_accuracy".into(), json!(last.accuracy()));
+    stats.insert("final_tau".into(), json!(last.tau()));
+    let mut summary = String::new();
+    let _ = write!(
+        summary,
+        "{total} steps over {n} sequences; loss {} -> {:.3}; tau {:.2} (drafter {} parameters, taps {taps:?})",
+        first_loss.map_or_else(|| "?".into(), |l| format!("{l:.3}")),
+        last.loss,
+        last.tau(),
+        config.parameters()
+    );
+    Ok(StageOutput {
+        stats,
+        summary: Some(summary),
+    })
+}
+
+/// Commit weights, moments and the metrics since the last checkpoint as shard `ckpt-<step>`.
+fn checkpoint(
+    ctx: &StageContext<'_>,
+    drafter: &Drafter,
+    adam: &AdamW,
+    step: u64,
+    metrics: &[String],
+) -> Result<(), StageError> {
+    // Each checkpoint's files live under its own folder in the artifact.
+    let name = format!("{CKPT}{step:08}");
+    let root = ctx.scratch_dir.join(format!("shard-{name}"));
+    let dir = root.join(&name);
+    std::fs::create_dir_all(&dir)?;
+    let mut tensors: HashMap<String, Tensor> = drafter
+        .tensors(DType::F32)
+        .map_err(nn("checkpoint"))?
+        .into_iter()
+        .map(|(k, t)| (format!("param.{k}"), t))
+        .collect();
+    tensors.extend(adam.tensors());
+    candle_core::safetensors::save(&tensors, dir.join("state.safetensors"))
+        .map_err(nn("checkpoint"))?;
+    let mut text = metrics.join("\n");
+    text.push('\n');
+    std::fs::write(dir.join("metrics.jsonl"), text)?;
+    ctx.shards.commit(&name, &root)?;
+    let _ = std::fs::remove_dir_all(Path::new(&root));
+    Ok(())
+}
