@@ -534,12 +534,9 @@ impl Sizer<'_> {
         s.wall_hours = Some(gpu_s / f64::from(hw.count) / 3600.0);
         let pd = drafter.trainable_parameters() as f64;
         let checkpoints = (steps / p.checkpoint_every.max(1) as f64).floor();
-        // Every checkpoint keeps the bf16 weights (immutable, so all of them stay); the
-        // optimizer state (f32 master weights and two Adam moments) is kept for resuming.
-        s.storage_bytes = Some(Figure::new(
-            (checkpoints + 1.0) * 2.0 * pd + 12.0 * pd,
-            basis,
-        ));
+        // What the train stage writes: every checkpoint holds f32 weights and both Adam moments
+        // (exact resume; immutable, so all of them stay), and the export holds bf16 weights.
+        s.storage_bytes = Some(Figure::new(checkpoints * 12.0 * pd + 2.0 * pd, basis));
         s.notes.push(format!(
             "drafter {} trainable ({} layers, B={}, taps {:?}); {:.0} anchors of {:.0} tokens; {} steps, data parallel over {hw}",
             count(pd),
@@ -553,7 +550,7 @@ impl Sizer<'_> {
         s.notes.push(format!(
             "{} checkpoints of {} (every {} steps; raise `checkpoint_every` to store fewer)",
             count(checkpoints),
-            bytes(2.0 * pd),
+            bytes(12.0 * pd),
             p.checkpoint_every
         ));
         if done.is_some() {
