@@ -1,0 +1,151 @@
+//! End-to-end tests of `train` against a tiny random Llama GGUF written by the `gguf` package
+//! (`tests/support/tiny_model.py`): it learns, exports the reference layout, and a run killed
+//! with `kill -9` after a checkpoint resumes from it and ends with the same bytes as a run that
+//! was never stopped.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+mod support;
+use support::env::{Env, walk};
+
+const PIPELINE: &str = r#"
+name: tiny
+stages:
+  tokens:
+    kind: command
+    params: {run: "cp train-00000.arrow $DFLASH_OUT/", files: [train-00000.arrow]}
+  drafter:
+    kind: train
+    inputs: [tokens]
+    params: {target: tiny.gguf, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 63,
+             target_layers: [0, 2], epochs: 6, lr: 0.003, checkpoint_every: 50}
+"#;
+
+fn tiny(env: &Env) {
+    let out = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/tiny_model.py"))
+        .args(["tiny.gguf", "train-00000.arrow", "100", "48"])
+        .current_dir(env.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    env.write("p.yaml", PIPELINE);
+}
+
+fn exported(env: &Env, name: &str) -> std::path::PathBuf {
+    let dir = env.path().join(name);
+    let o = env.dflash(&["export", "drafter", "-p", "p.yaml", dir.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    dir
+}
+
+#[test]
+fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
+    let env = Env::new();
+    tiny(&env);
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["drafter"], "ran");
+    let dir = exported(&env, "out");
+    let metrics: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(metrics.len(), 600);
+    let first = metrics[0]["loss"].as_f64().unwrap();
+    let last: f64 = metrics[590..]
+        .iter()
+        .map(|m| m["loss"].as_f64().unwrap())
+        .sum::<f64>()
+        / 10.0;
+    assert!(last < 0.75 * first, "loss {first} -> {last}");
+    // Warmup then cosine to ~0.
+    assert!(metrics[0]["lr"].as_f64().unwrap() < metrics[30]["lr"].as_f64().unwrap());
+    assert!(metrics[599]["lr"].as_f64().unwrap() < 1e-5);
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("drafter/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["architectures"][0], "DFlashDraftModel");
+    assert_eq!(
+        config["dflash_config"]["target_layer_ids"],
+        serde_json::json!([0, 2])
+    );
+    assert_eq!(config["dflash_config"]["mask_token_id"], 63);
+    // The tensor names and shapes, read back by the `safetensors` package.
+    let py = Command::new("python3")
+        .arg("-c")
+        .arg("import sys, json\nfrom safetensors import safe_open\nf = safe_open(sys.argv[1], 'np')\nprint(json.dumps({k: list(f.get_slice(k).get_shape()) for k in f.keys()}))")
+        .arg(dir.join("drafter/model.safetensors"))
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    let shapes: Value = serde_json::from_slice(&py.stdout).unwrap();
+    assert_eq!(shapes["fc.weight"], serde_json::json!([32, 64]));
+    assert_eq!(
+        shapes["layers.0.self_attn.k_proj.weight"],
+        serde_json::json!([16, 32])
+    );
+    assert_eq!(
+        shapes["layers.0.self_attn.q_norm.weight"],
+        serde_json::json!([8])
+    );
+    assert_eq!(shapes.as_object().unwrap().len(), 14);
+}
+
+#[test]
+fn kill_9_after_a_checkpoint_then_rerun_ends_exactly_as_an_unstopped_run() {
+    let straight = Env::new();
+    tiny(&straight);
+    straight.run("p.yaml", 0);
+    let reference = exported(&straight, "out");
+
+    let env = Env::new();
+    tiny(&env);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["run", "p.yaml"])
+        .current_dir(env.path())
+        .env("DFLASH_WORK", env.path().join(".work"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let shards = env.path().join("cache/shards");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !walk(&shards)
+        .iter()
+        .any(|p| p.extension().is_some_and(|e| e == "json"))
+    {
+        assert!(Instant::now() < deadline, "no checkpoint was committed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(
+        st["drafter"], "resumed",
+        "the kill came after the run had finished"
+    );
+    let resumed = exported(&env, "out");
+    for f in [
+        "drafter/model.safetensors",
+        "metrics.jsonl",
+        "ckpt-00000550/state.safetensors",
+    ] {
+        assert!(
+            std::fs::read(reference.join(f)).unwrap() == std::fs::read(resumed.join(f)).unwrap(),
+            "{f} differs"
+        );
+    }
+}
