@@ -314,30 +314,6 @@ fn refused_prompts_are_saved_as_errors_and_truncation_is_counted() {
 }
 
 /// Start `dflash run gen.yaml` and return once at least `shards` shards are committed.
-fn run_until_shards(env: &Env, shards: usize) -> Child {
-    let child = Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .args(["run", "gen.yaml"])
-        .current_dir(env.path())
-        .env("DFLASH_WORK", env.path().join(".work"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let dir = env.path().join("cache/shards");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let n = support::env::walk(&dir)
-            .iter()
-            .filter(|p| p.extension().is_some_and(|e| e == "json"))
-            .count();
-        if n >= shards {
-            return child;
-        }
-        assert!(Instant::now() < deadline, "no shard was committed");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Stop a run mid-generation with `signal`, rerun, and check every prompt is answered once.
 fn interrupted_then_resumed(signal: &str) {
     let env = Env::new();
@@ -347,7 +323,7 @@ fn interrupted_then_resumed(signal: &str) {
         "gen.yaml",
         &pipeline(&[mock.url()], "shard_rows: 10, shard_seconds: 0.2"),
     );
-    let mut child = run_until_shards(&env, 3);
+    let mut child = env.run_until_shards("gen.yaml", 3);
     let killed = Command::new("kill")
         .args([signal, &child.id().to_string()])
         .status()

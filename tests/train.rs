@@ -4,13 +4,12 @@
 //! was never stopped.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use serde_json::Value;
 
 mod support;
-use support::env::{Env, walk};
+use support::env::Env;
 
 const PIPELINE: &str = r#"
 name: tiny
@@ -113,23 +112,7 @@ fn kill_9_after_a_checkpoint_then_rerun_ends_exactly_as_an_unstopped_run() {
 
     let env = Env::new();
     tiny(&env);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .args(["run", "p.yaml"])
-        .current_dir(env.path())
-        .env("DFLASH_WORK", env.path().join(".work"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let shards = env.path().join("cache/shards");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !walk(&shards)
-        .iter()
-        .any(|p| p.extension().is_some_and(|e| e == "json"))
-    {
-        assert!(Instant::now() < deadline, "no checkpoint was committed");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let mut child = env.run_until_shards("p.yaml", 1);
     child.kill().unwrap();
     child.wait().unwrap();
     let (st, _) = env.run("p.yaml", 0);

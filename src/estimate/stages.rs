@@ -401,7 +401,7 @@ impl Sizer<'_> {
                             format!("{n} server{} x TP{tp}", if n == 1 { "" } else { "s" })
                         },
                         storage_bytes: 0.0,
-                        gpu_hours: wall * f64::from(hw.count) / 1.0 / 3600.0 * 1.0,
+                        gpu_hours: wall * f64::from(hw.count) / 3600.0,
                         wall_hours: wall / 3600.0,
                         chosen: tp == 1 && servers as u32 == hw.count,
                         note: if tp == 1 {

@@ -53,6 +53,35 @@ impl Env {
         cmd.output().unwrap()
     }
 
+    /// Start `dflash run PIPELINE` in the background and return once `shards` shards are
+    /// committed to the store (to kill it mid-run at a known point).
+    pub fn run_until_shards(&self, pipeline: &str, shards: usize) -> std::process::Child {
+        let child = Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .args(["run", pipeline])
+            .current_dir(self.path())
+            .env("DFLASH_WORK", self.path().join(".work"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let dir = self.path().join("cache/shards");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        loop {
+            let n = walk(&dir)
+                .iter()
+                .filter(|p| p.extension().is_some_and(|e| e == "json"))
+                .count();
+            if n >= shards {
+                return child;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no shard was committed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
     /// `dflash run --json`, asserting the exit code; returns status by stage id.
     pub fn run(&self, pipeline: &str, code: i32) -> (BTreeMap<String, String>, Value) {
         let out = self.dflash(&["run", pipeline, "--json"]);

@@ -7,7 +7,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::path::Path;
 
 use arrow_array::{Array, Int8Array, Int32Array, ListArray};
 use candle_core::{DType, Device, Tensor};
@@ -382,6 +381,6 @@ fn checkpoint(
     text.push('\n');
     std::fs::write(dir.join("metrics.jsonl"), text)?;
     ctx.shards.commit(&name, &root)?;
-    let _ = std::fs::remove_dir_all(Path::new(&root));
+    let _ = std::fs::remove_dir_all(&root);
     Ok(())
 }

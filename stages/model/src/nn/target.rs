@@ -257,7 +257,7 @@ impl Target {
         let (cos, sin) =
             super::ops::rope_tables(&positions, c.head_dim, c.rope_theta, self.dtype, device)?;
         let mask = causal_mask(n, self.dtype, device)?;
-        let mut out = Vec::with_capacity(taps.len());
+        let mut out = std::collections::BTreeMap::new();
         for (i, layer) in self.layers.iter().enumerate().take(last + 1) {
             let h = fused_norm(&x, &layer.attn_norm, c.eps)?;
             let heads = |t: Tensor, count: usize| -> Result<Tensor> {
@@ -291,18 +291,11 @@ impl Target {
             let h = fused_norm(&x, &layer.ffn_norm, c.eps)?;
             x = (&x + super::ops::swiglu(&h, &layer.gate, &layer.up, &layer.down)?)?;
             if taps.contains(&i) {
-                out.push(x.clone());
+                out.insert(i, x.clone());
             }
         }
         // In the order the taps were asked for.
-        let mut ordered = Vec::with_capacity(taps.len());
-        let mut seen: Vec<usize> = taps.to_vec();
-        seen.sort_unstable();
-        seen.dedup();
-        for t in taps {
-            let at = seen.iter().position(|s| s == t).expect("present");
-            ordered.push(out[at].clone());
-        }
+        let ordered: Vec<&Tensor> = taps.iter().map(|t| &out[t]).collect();
         Tensor::cat(&ordered, 1)
     }
 }
