@@ -59,24 +59,32 @@ impl Seaweed {
         s
     }
 
-    /// Poll until the bucket answers an authenticated request (readiness, with a deadline).
+    /// Poll until the gateway takes a write (readiness, with a deadline). A listing is not
+    /// enough: SeaweedFS answers LIST before its volume server has registered, and the first PUT
+    /// then hangs while the master grows volumes, which on a loaded 2-core machine can outlast
+    /// the client's 30 s request timeout. Each probe writes a fresh key outside the tests' prefixes.
     fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + Duration::from_secs(180);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
+        let mut attempt = 0u32;
         loop {
-            let store = dflash::store::Store::open_with(&self.url(), &self.options()).unwrap();
-            if rt.block_on(store.list("")).is_ok() {
+            attempt += 1;
+            let probe = format!("s3://{}/ready-probe", self.bucket);
+            let store = dflash::store::Store::open_with(&probe, &self.options()).unwrap();
+            let key = format!("{}-{attempt}", std::process::id());
+            let wrote = rt.block_on(store.put_create(&key, bytes::Bytes::from_static(b"ready")));
+            if wrote.is_ok() {
                 return;
             }
             assert!(
                 Instant::now() < deadline,
-                "SeaweedFS did not become ready on port {}",
+                "SeaweedFS did not take a write on port {} within 180 s: {wrote:?}",
                 self.port
             );
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(200));
         }
     }
 
