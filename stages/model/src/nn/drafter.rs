@@ -175,6 +175,36 @@ pub struct Drafter {
     pub vars: BTreeMap<String, Var>,
 }
 
+/// Every drafter layer's keys and values for the context rows seen so far.
+#[derive(Clone, Debug)]
+pub struct ContextKv {
+    /// Per layer: `[kv_heads, s, head_dim]` keys (normed, rotated) and values.
+    layers: Vec<(Tensor, Tensor)>,
+    len: usize,
+}
+
+impl ContextKv {
+    /// Context rows held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no context row is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Append the rows of `more` (from [`Drafter::context_kv`] at the following positions).
+    pub fn extend(&mut self, more: ContextKv) -> Result<()> {
+        for ((k, v), (mk, mv)) in self.layers.iter_mut().zip(more.layers) {
+            *k = Tensor::cat(&[&*k, &mk], 1)?;
+            *v = Tensor::cat(&[&*v, &mv], 1)?;
+        }
+        self.len += more.len;
+        Ok(())
+    }
+}
+
 impl Drafter {
     /// Fresh weights: linear layers Normal(0, 0.02), norms at 1 (Hugging Face's init).
     pub fn init(config: DrafterConfig, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
@@ -229,20 +259,72 @@ impl Drafter {
         block_pos: &[u32],
         mask: &Tensor,
     ) -> Result<Tensor> {
+        let ctx = self.context_kv(context, context_pos)?;
+        self.forward_block(&ctx, block, block_pos, mask)
+    }
+
+    /// Every layer's keys and values for context rows (the tapped target layers `[s, n*H]` at
+    /// `positions`): they depend on the context alone, so decoding computes them once per
+    /// accepted token ([`ContextKv::extend`]) instead of once per block.
+    pub fn context_kv(&self, context: &Tensor, positions: &[u32]) -> Result<ContextKv> {
         let c = &self.config;
-        let (s, m) = (context.dim(0)?, block.dim(0)?);
-        let dtype = block.dtype();
-        let device = block.device();
+        let s = context.dim(0)?;
+        let (dtype, device) = (context.dtype(), context.device());
         let ctx = ops::rms_norm(
             &self.lin("fc.weight").forward(context)?,
             self.w("hidden_norm.weight"),
             c.eps,
         )?;
-        let (qcos, qsin) = ops::rope_tables(block_pos, c.head_dim, c.rope_theta, dtype, device)?;
-        let all_pos: Vec<u32> = context_pos.iter().chain(block_pos).copied().collect();
-        let (kcos, ksin) = ops::rope_tables(&all_pos, c.head_dim, c.rope_theta, dtype, device)?;
-        let mut x = block.clone();
+        let (cos, sin) = ops::rope_tables(positions, c.head_dim, c.rope_theta, dtype, device)?;
+        let mut layers = Vec::with_capacity(c.layers);
         for i in 0..c.layers {
+            let p = |n: &str| format!("layers.{i}.{n}");
+            let (k, v) = self.kv(&ctx, s, &p, &cos, &sin)?;
+            layers.push((k, v));
+        }
+        Ok(ContextKv { layers, len: s })
+    }
+
+    /// One layer's normed, rotated keys `[kv_heads, s, d]` and values for rows `x` `[s, H]`.
+    fn kv(
+        &self,
+        x: &Tensor,
+        s: usize,
+        p: &dyn Fn(&str) -> String,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let c = &self.config;
+        let k = self.lin(&p("self_attn.k_proj.weight")).forward(x)?;
+        let k = ops::rms_norm(
+            &k.reshape((s, c.kv_heads, c.head_dim))?,
+            self.w(&p("self_attn.k_norm.weight")),
+            c.eps,
+        )?
+        .transpose(0, 1)?;
+        let v = self
+            .lin(&p("self_attn.v_proj.weight"))
+            .forward(x)?
+            .reshape((s, c.kv_heads, c.head_dim))?
+            .transpose(0, 1)?;
+        Ok((ops::rope(&k, cos, sin)?, v))
+    }
+
+    /// The block's final hidden states `[m, H]` given the context's keys and values; `mask`:
+    /// additive `[m, s+m]`.
+    pub fn forward_block(
+        &self,
+        ctx: &ContextKv,
+        block: &Tensor,
+        block_pos: &[u32],
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let m = block.dim(0)?;
+        let (dtype, device) = (block.dtype(), block.device());
+        let (cos, sin) = ops::rope_tables(block_pos, c.head_dim, c.rope_theta, dtype, device)?;
+        let mut x = block.clone();
+        for (i, (ck, cv)) in ctx.layers.iter().enumerate() {
             let p = |n: &str| format!("layers.{i}.{n}");
             let h = ops::rms_norm(&x, self.w(&p("input_layernorm.weight")), c.eps)?;
             let q = self.lin(&p("self_attn.q_proj.weight")).forward(&h)?;
@@ -252,20 +334,10 @@ impl Drafter {
                 c.eps,
             )?
             .transpose(0, 1)?;
-            let kp = self.lin(&p("self_attn.k_proj.weight"));
-            let vp = self.lin(&p("self_attn.v_proj.weight"));
-            let k = Tensor::cat(&[kp.forward(&ctx)?, kp.forward(&h)?], 0)?;
-            let k = ops::rms_norm(
-                &k.reshape((s + m, c.kv_heads, c.head_dim))?,
-                self.w(&p("self_attn.k_norm.weight")),
-                c.eps,
-            )?
-            .transpose(0, 1)?;
-            let v = Tensor::cat(&[vp.forward(&ctx)?, vp.forward(&h)?], 0)?
-                .reshape((s + m, c.kv_heads, c.head_dim))?
-                .transpose(0, 1)?;
-            let q = ops::rope(&q, &qcos, &qsin)?;
-            let k = ops::rope(&k, &kcos, &ksin)?;
+            let q = ops::rope(&q, &cos, &sin)?;
+            let (bk, bv) = self.kv(&h, m, &p, &cos, &sin)?;
+            let k = Tensor::cat(&[ck, &bk], 1)?;
+            let v = Tensor::cat(&[cv, &bv], 1)?;
             let a = ops::attention(&q.contiguous()?, &k.contiguous()?, &v, mask)?;
             let a = a.transpose(0, 1)?.reshape((m, c.heads * c.head_dim))?;
             x = (x + self.lin(&p("self_attn.o_proj.weight")).forward(&a)?)?;
@@ -291,7 +363,7 @@ impl Drafter {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::nn::objective::{Batch, loss};
     use crate::nn::target::{Target, TargetConfig};

@@ -1,6 +1,6 @@
 //! The networks, in candle: the frozen target with hidden-state taps ([`target`]), the DFlash
-//! drafter ([`drafter`]), the training objective ([`objective`]) and the optimizer
-//! ([`optim`]). Everything the drafter's gradients flow through is built from differentiable
+//! drafter ([`drafter`]), the training objective ([`objective`]), the optimizer ([`optim`])
+//! and speculative decoding ([`speculative`]). Everything the drafter's gradients flow through is built from differentiable
 //! candle ops ([`ops`]); candle's fused rms_norm / rope / softmax kernels have no backward and are
 //! used only in the frozen target.
 
@@ -8,6 +8,7 @@ pub mod drafter;
 pub mod objective;
 pub mod ops;
 pub mod optim;
+pub mod speculative;
 pub mod target;
 
 pub use drafter::{Drafter, DrafterConfig};

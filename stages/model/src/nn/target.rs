@@ -1,8 +1,8 @@
 //! The frozen target: a Llama- or Qwen3-family decoder that returns the outputs of chosen layers
 //! (the drafter's context) and lends the drafter its embedding table and LM head. Loaded from
 //! GGUF (quantized weights stay quantized) or built with random weights at a real shape (for
-//! benchmarks and tests). No KV cache: every call is a fresh causal forward over one sequence,
-//! so nothing leaks between calls.
+//! benchmarks and tests). Training calls [`Target::tapped`], a fresh causal forward over one
+//! sequence; decoding calls [`Target::extend`] with a [`KvCache`] the caller owns and crops.
 
 use std::path::Path;
 
@@ -244,21 +244,56 @@ impl Target {
     /// The outputs of decoder layers `taps` (0-based) for one sequence, concatenated along
     /// features: `[n, taps.len() * H]`. Layers past the last tap are not run.
     pub fn tapped(&self, ids: &[u32], taps: &[usize]) -> Result<Tensor> {
+        let last = *taps.iter().max().unwrap_or(&0);
+        let (_, tapped) = self.layers_forward(ids, None, taps, last + 1)?;
+        tapped.ok_or_else(|| candle_core::Error::Msg("no taps asked for".into()))
+    }
+
+    /// Extend `cache` by `ids` (at the positions after what it holds) and return the next-token
+    /// logits at every new position, `[n, vocab]` (f32), and the taps' outputs there when
+    /// `taps` is not empty. The caller crops the cache to what it keeps ([`KvCache::truncate`]).
+    pub fn extend(
+        &self,
+        ids: &[u32],
+        cache: &mut KvCache,
+        taps: &[usize],
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (x, tapped) = self.layers_forward(ids, Some(cache), taps, self.config.layers)?;
+        let h = fused_norm(&x, &self.norm, self.config.eps)?;
+        let logits = h
+            .to_dtype(DType::F32)?
+            .matmul(&self.lm_head.to_dtype(DType::F32)?.t()?)?;
+        Ok((logits, tapped))
+    }
+
+    /// Run the first `upto` layers over `ids`, after what `cache` holds (if any), appending
+    /// their keys and values to it; the last layer's output and the taps' outputs in the order
+    /// asked.
+    fn layers_forward(
+        &self,
+        ids: &[u32],
+        mut cache: Option<&mut KvCache>,
+        taps: &[usize],
+        upto: usize,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let device = self.embed.device();
         let n = ids.len();
         let c = &self.config;
-        let last = *taps.iter().max().unwrap_or(&0);
-        if last >= c.layers {
-            candle_core::bail!("tap {last} is past the target's {} layers", c.layers);
+        if let Some(bad) = taps.iter().find(|&&t| t >= c.layers) {
+            candle_core::bail!("tap {bad} is past the target's {} layers", c.layers);
+        }
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        if let Some(cache) = cache.as_mut() {
+            cache.layers.resize(c.layers, None);
         }
         let ids_t = Tensor::new(ids, device)?;
         let mut x = self.embed(&ids_t)?;
-        let positions: Vec<u32> = (0..n as u32).collect();
+        let positions: Vec<u32> = (past as u32..(past + n) as u32).collect();
         let (cos, sin) =
             super::ops::rope_tables(&positions, c.head_dim, c.rope_theta, self.dtype, device)?;
-        let mask = causal_mask(n, self.dtype, device)?;
+        let mask = causal_mask_after(past, n, self.dtype, device)?;
         let mut out = std::collections::BTreeMap::new();
-        for (i, layer) in self.layers.iter().enumerate().take(last + 1) {
+        for (i, layer) in self.layers.iter().enumerate().take(upto) {
             let h = fused_norm(&x, &layer.attn_norm, c.eps)?;
             let heads = |t: Tensor, count: usize| -> Result<Tensor> {
                 t.reshape((n, count, c.head_dim))?
@@ -267,7 +302,7 @@ impl Target {
             };
             let mut q = heads(layer.q.forward(&h)?, c.heads)?;
             let mut k = heads(layer.k.forward(&h)?, c.kv_heads)?;
-            let v = heads(layer.v.forward(&h)?, c.kv_heads)?;
+            let mut v = heads(layer.v.forward(&h)?, c.kv_heads)?;
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 q = fused_norm(&q, qn, c.eps)?;
                 k = fused_norm(&k, kn, c.eps)?;
@@ -284,7 +319,15 @@ impl Target {
                 };
                 r.squeeze(0)
             };
-            let (q, k) = (rope(&q)?, rope(&k)?);
+            let (q, mut k) = (rope(&q)?, rope(&k)?);
+            if let Some(cache) = cache.as_mut() {
+                let slot = &mut cache.layers[i];
+                if let Some((pk, pv)) = slot.take() {
+                    k = Tensor::cat(&[&pk, &k], 1)?;
+                    v = Tensor::cat(&[&pv, &v], 1)?;
+                }
+                *slot = Some((k.clone(), v.clone()));
+            }
             let a = super::ops::attention(&q, &k, &v, &mask)?;
             let a = a.transpose(0, 1)?.reshape((n, c.heads * c.head_dim))?;
             x = (x + layer.o.forward(&a)?)?;
@@ -294,16 +337,66 @@ impl Target {
                 out.insert(i, x.clone());
             }
         }
-        // In the order the taps were asked for.
-        let ordered: Vec<&Tensor> = taps.iter().map(|t| &out[t]).collect();
-        Tensor::cat(&ordered, 1)
+        if let Some(cache) = cache {
+            cache.len = past + n;
+        }
+        let tapped = if taps.is_empty() {
+            None
+        } else {
+            // In the order the taps were asked for.
+            let ordered: Vec<&Tensor> = taps.iter().map(|t| &out[t]).collect();
+            Some(Tensor::cat(&ordered, 1)?)
+        };
+        Ok((x, tapped))
     }
 }
 
-/// `[n, n]`: 0 on and below the diagonal, -inf above.
-pub fn causal_mask(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+/// The target's keys and values for the positions decoded so far (speculative decoding crops
+/// it back to the accepted prefix after each verification).
+#[derive(Clone, Debug, Default)]
+pub struct KvCache {
+    /// Per layer: `[kv_heads, len, head_dim]` keys and values.
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Keep the first `len` positions.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len >= self.len {
+            return Ok(());
+        }
+        for slot in self.layers.iter_mut().flatten() {
+            *slot = (slot.0.narrow(1, 0, len)?, slot.1.narrow(1, 0, len)?);
+        }
+        self.len = len;
+        Ok(())
+    }
+}
+
+/// `[n, past + n]`: row i (at position past + i) sees keys 0..=past + i.
+fn causal_mask_after(past: usize, n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let w = past + n;
     let v: Vec<f32> = (0..n)
-        .flat_map(|i| (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .flat_map(|i| {
+            (0..w).map(move |j| {
+                if j <= past + i {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
         .collect();
-    Tensor::from_vec(v, (n, n), device)?.to_dtype(dtype)
+    Tensor::from_vec(v, (n, w), device)?.to_dtype(dtype)
 }

@@ -1,0 +1,443 @@
+//! Speculative decoding with the frozen target (../shared/DFLASH.md, "Inference"): prefill the
+//! prompt, capturing the taps; then rounds of propose (the drafter's one non-causal pass over
+//! `[last token, MASK x (B-1)]`, greedy; or a prompt-lookup n-gram; or nothing, which is plain
+//! autoregressive decoding through the same code), verify the proposal in one target pass,
+//! commit the longest agreeing prefix plus one token from the target, crop the KV cache.
+//!
+//! Greedy verification (T = 0) commits exactly the tokens plain greedy decoding would; sampled
+//! verification (T > 0) accepts a proposed token with the target's probability of it and
+//! otherwise samples from the target's distribution with that token removed, which leaves the
+//! output distributed as the target's own sampling.
+
+use std::time::Instant;
+
+use candle_core::{D, DType, Tensor};
+use rand::{Rng, SeedableRng};
+
+use super::Result;
+use super::drafter::{ContextKv, Drafter};
+use super::target::{KvCache, Target};
+
+/// What proposes tokens each round.
+pub enum Proposer<'a> {
+    /// Nothing: one token per target pass (the autoregressive baseline).
+    Autoregressive,
+    /// Prompt lookup: the tokens that followed the latest earlier occurrence of the history's
+    /// last `n` (down to 1) tokens.
+    Ngram {
+        /// The longest suffix matched.
+        n: usize,
+    },
+    /// A DFlash drafter, fed the target's taps.
+    Drafter(&'a Drafter),
+    /// A continuation known in advance, proposed as it is: given the target's own greedy output
+    /// it is a perfect drafter (tau = B), which checks the loop's bookkeeping.
+    Oracle(&'a [u32]),
+}
+
+/// How to decode.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Tokens per round at most: one verified token plus `block_size - 1` proposed.
+    pub block_size: usize,
+    /// The most output tokens.
+    pub max_new_tokens: usize,
+    /// 0: greedy.
+    pub temperature: f64,
+    /// Seeds sampling (unused when greedy).
+    pub seed: u64,
+    /// Token ids that end the output (committed and counted, not returned).
+    pub stop: Vec<u32>,
+}
+
+/// One decoded prompt.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Decoded {
+    /// The output tokens, without the stop token.
+    pub tokens: Vec<u32>,
+    /// Whether a stop token ended it.
+    pub stopped: bool,
+    /// Verification rounds (the first token comes from the prefill, not a round).
+    pub rounds: u64,
+    /// Tokens the rounds committed (accepted proposals plus the target's token each).
+    pub committed: u64,
+    /// Per proposal position k = 1..B-1: rounds in which the proposal at k was accepted.
+    pub accepted_at: Vec<u64>,
+    /// Seconds in the prefill (and the first token).
+    pub prefill_seconds: f64,
+    /// Seconds in the rounds.
+    pub decode_seconds: f64,
+}
+
+impl Decoded {
+    /// Mean tokens committed per round.
+    pub fn tau(&self) -> f64 {
+        if self.rounds == 0 {
+            0.0
+        } else {
+            self.committed as f64 / self.rounds as f64
+        }
+    }
+}
+
+/// The target's choice at each row of `logits` `[n, V]`: argmax when greedy; else a
+/// verification against `proposed` (see the module docs). Returns how many proposals were
+/// accepted and the target's token after them.
+fn verify(
+    logits: &Tensor,
+    proposed: &[u32],
+    temperature: f64,
+    rng: &mut rand_chacha::ChaCha8Rng,
+) -> Result<(usize, u32)> {
+    if temperature <= 0.0 {
+        let choice: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+        let k = proposed
+            .iter()
+            .zip(&choice)
+            .take_while(|(p, c)| p == c)
+            .count();
+        return Ok((k, choice[k]));
+    }
+    let probs = candle_nn::ops::softmax_last_dim(&(logits.to_dtype(DType::F32)? / temperature)?)?;
+    let rows: Vec<Vec<f32>> = probs.to_vec2()?;
+    for (j, &d) in proposed.iter().enumerate() {
+        let p = &rows[j];
+        if rng.random::<f32>() < p[d as usize] {
+            continue;
+        }
+        // Rejected: the residual max(p - onehot(d), 0), renormalised, is p without d.
+        let mut residual = p.clone();
+        residual[d as usize] = 0.0;
+        return Ok((j, sample(&residual, rng)));
+    }
+    Ok((proposed.len(), sample(&rows[proposed.len()], rng)))
+}
+
+/// A draw from unnormalised weights.
+fn sample(weights: &[f32], rng: &mut rand_chacha::ChaCha8Rng) -> u32 {
+    let total: f64 = weights.iter().map(|&w| f64::from(w)).sum();
+    let mut u = rng.random::<f64>() * total;
+    for (i, &w) in weights.iter().enumerate() {
+        u -= f64::from(w);
+        if u <= 0.0 && w > 0.0 {
+            return i as u32;
+        }
+    }
+    weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
+}
+
+/// Prompt lookup: up to `max` tokens that followed the latest earlier occurrence of the
+/// history's last `n`, `n - 1`, ... 1 tokens.
+pub fn ngram_lookup(history: &[u32], n: usize, max: usize) -> Vec<u32> {
+    let len = history.len();
+    for size in (1..=n.min(len.saturating_sub(1))).rev() {
+        let suffix = &history[len - size..];
+        // Latest occurrence that ends before the suffix itself starts.
+        if let Some(start) = (0..len - size)
+            .rev()
+            .find(|&i| &history[i..i + size] == suffix)
+        {
+            let from = start + size;
+            let to = (from + max).min(len);
+            if from < to {
+                return history[from..to].to_vec();
+            }
+        }
+    }
+    Vec::new()
+}
+
+/// Decode `prompt` with `target`, proposing with `proposer`.
+pub fn decode(
+    target: &Target,
+    proposer: &Proposer<'_>,
+    prompt: &[u32],
+    s: &Settings,
+) -> Result<Decoded> {
+    let block = s.block_size.max(1);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(s.seed);
+    let taps: &[usize] = match proposer {
+        Proposer::Drafter(d) => &d.config.target_layers,
+        _ => &[],
+    };
+    let mut out = Decoded {
+        accepted_at: vec![0; block - 1],
+        ..Decoded::default()
+    };
+    if s.max_new_tokens == 0 {
+        return Ok(out);
+    }
+    let started = Instant::now();
+    let mut cache = KvCache::default();
+    let (logits, mut pending) = target.extend(prompt, &mut cache, taps)?;
+    let last = logits.narrow(0, prompt.len() - 1, 1)?;
+    let (_, first) = verify(&last, &[], s.temperature, &mut rng)?;
+    let mut tokens = vec![first];
+    let mut drafter_ctx: Option<ContextKv> = None;
+    out.prefill_seconds = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let mut stopped = s.stop.contains(&first);
+    while !stopped && tokens.len() < s.max_new_tokens {
+        let anchor = *tokens.last().expect("one token");
+        let at = prompt.len() + tokens.len() - 1;
+        // The round commits at most the proposals plus one.
+        let room = (s.max_new_tokens - tokens.len()).min(block) - 1;
+        let proposed: Vec<u32> = match proposer {
+            Proposer::Autoregressive => Vec::new(),
+            _ if room == 0 => Vec::new(),
+            Proposer::Ngram { n } => {
+                let history: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
+                ngram_lookup(&history, *n, room)
+            }
+            Proposer::Oracle(known) => known
+                .iter()
+                .skip(tokens.len())
+                .take(room)
+                .copied()
+                .collect(),
+            Proposer::Drafter(d) => {
+                let ctx = pending.take().expect("the taps of the accepted tokens");
+                let first_pos = drafter_ctx.as_ref().map_or(0, ContextKv::len) as u32;
+                let positions: Vec<u32> = (first_pos..first_pos + ctx.dim(0)? as u32).collect();
+                let more = d.context_kv(&ctx.to_dtype(target.dtype)?, &positions)?;
+                match drafter_ctx.as_mut() {
+                    Some(c) => c.extend(more)?,
+                    None => drafter_ctx = Some(more),
+                }
+                let ctx = drafter_ctx.as_ref().expect("set");
+                propose(target, d, ctx, anchor, at, room)?
+            }
+        };
+        let ids: Vec<u32> = std::iter::once(anchor).chain(proposed.clone()).collect();
+        let (logits, tapped) = target.extend(&ids, &mut cache, taps)?;
+        let (k, next) = verify(&logits, &proposed, s.temperature, &mut rng)?;
+        cache.truncate(at + k + 1)?;
+        pending = tapped.map(|t| t.narrow(0, 0, k + 1)).transpose()?;
+        out.rounds += 1;
+        for hit in &mut out.accepted_at[..k] {
+            *hit += 1;
+        }
+        for t in proposed[..k].iter().copied().chain([next]) {
+            out.committed += 1;
+            if s.stop.contains(&t) {
+                stopped = true;
+                break;
+            }
+            tokens.push(t);
+        }
+    }
+    out.decode_seconds = started.elapsed().as_secs_f64();
+    if stopped {
+        // The stop token is not output.
+        if tokens.last().is_some_and(|t| s.stop.contains(t)) {
+            tokens.pop();
+        }
+    }
+    out.tokens = tokens;
+    out.stopped = stopped;
+    Ok(out)
+}
+
+/// The drafter's greedy proposals for the `room` positions after `anchor` (at position `at`).
+fn propose(
+    target: &Target,
+    d: &Drafter,
+    ctx: &ContextKv,
+    anchor: u32,
+    at: usize,
+    room: usize,
+) -> Result<Vec<u32>> {
+    let b = d.config.block_size;
+    let device = target.embed.device();
+    let ids: Vec<u32> = std::iter::once(anchor)
+        .chain(std::iter::repeat_n(d.config.mask_token_id, b - 1))
+        .collect();
+    let embedded = target.embed(&Tensor::new(ids.as_slice(), device)?)?;
+    let positions: Vec<u32> = (at as u32..(at + b) as u32).collect();
+    // The block sees all of the context and all of itself.
+    let mask = Tensor::zeros((b, ctx.len() + b), target.dtype, device)?;
+    let hidden = d.forward_block(ctx, &embedded, &positions, &mask)?;
+    let logits = hidden
+        .narrow(0, 1, b - 1)?
+        .matmul(&target.lm_head.to_dtype(hidden.dtype())?.t()?)?;
+    let mut best: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+    best.truncate(room);
+    Ok(best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::drafter::DrafterConfig;
+    use crate::nn::drafter::tests::tiny_target;
+
+    fn settings(block_size: usize, max_new_tokens: usize) -> Settings {
+        Settings {
+            block_size,
+            max_new_tokens,
+            temperature: 0.0,
+            seed: 0,
+            stop: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn prompt_lookup_continues_the_latest_match() {
+        assert_eq!(
+            ngram_lookup(&[1, 2, 3, 9, 1, 2, 3, 7, 1, 2], 3, 2),
+            vec![3, 7]
+        );
+        assert_eq!(ngram_lookup(&[5, 6, 5], 3, 4), vec![6, 5]);
+        assert!(ngram_lookup(&[1, 2, 3], 3, 4).is_empty());
+    }
+
+    #[test]
+    fn greedy_speculation_is_lossless_and_an_oracle_commits_whole_blocks() {
+        let target = tiny_target(DType::F64);
+        let prompt = [3u32, 17, 5, 9, 22, 3, 17];
+        let ar = decode(
+            &target,
+            &Proposer::Autoregressive,
+            &prompt,
+            &settings(4, 25),
+        )
+        .unwrap();
+        assert_eq!(ar.tokens.len(), 25);
+        assert_eq!(ar.rounds, 24);
+        assert!((ar.tau() - 1.0).abs() < 1e-12);
+        let config = DrafterConfig::for_target(
+            &target.config,
+            1,
+            vec![0, 1],
+            4,
+            target.config.vocab as u32 - 1,
+        );
+        let drafter = Drafter::init(config, 7, DType::F64, target.embed.device()).unwrap();
+        for p in [
+            Proposer::Ngram { n: 3 },
+            Proposer::Drafter(&drafter),
+            Proposer::Oracle(&ar.tokens),
+        ] {
+            let sp = decode(&target, &p, &prompt, &settings(4, 25)).unwrap();
+            assert_eq!(sp.tokens, ar.tokens, "speculation changed the output");
+            assert_eq!(sp.committed, 24);
+        }
+        // 24 tokens after the first, 4 per round.
+        let oracle = decode(
+            &target,
+            &Proposer::Oracle(&ar.tokens),
+            &prompt,
+            &settings(4, 25),
+        )
+        .unwrap();
+        assert_eq!(oracle.rounds, 6);
+        assert!((oracle.tau() - 4.0).abs() < 1e-12);
+        assert_eq!(oracle.accepted_at, vec![6, 6, 6]);
+        let untrained = decode(
+            &target,
+            &Proposer::Drafter(&drafter),
+            &prompt,
+            &settings(4, 25),
+        )
+        .unwrap();
+        assert!(
+            untrained.tau() < 1.5,
+            "an untrained drafter: tau {}",
+            untrained.tau()
+        );
+    }
+
+    #[test]
+    fn sampled_verification_keeps_the_targets_distribution() {
+        // The token committed at the first proposal position, over many draws: accepted with
+        // the target's probability of the proposal, else drawn from the rest. Its distribution
+        // must be the target's softmax whichever token is proposed.
+        let logits = Tensor::new(
+            &[[1.0f32, 0.2, -0.5, 2.0], [0.0, 0.0, 0.0, 0.0]],
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let want: Vec<f64> = {
+            let e: Vec<f64> = [1.0f64, 0.2, -0.5, 2.0].iter().map(|x| x.exp()).collect();
+            let t: f64 = e.iter().sum();
+            e.iter().map(|x| x / t).collect()
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+        for proposed in 0..4u32 {
+            let mut seen = [0f64; 4];
+            let draws = 20_000;
+            for _ in 0..draws {
+                let (k, next) = verify(&logits, &[proposed], 1.0, &mut rng).unwrap();
+                let token = if k == 1 { proposed } else { next };
+                seen[token as usize] += 1.0 / f64::from(draws);
+            }
+            let tv: f64 = seen
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .sum::<f64>()
+                / 2.0;
+            assert!(tv < 0.02, "proposing {proposed}: {seen:?} vs {want:?}");
+        }
+    }
+
+    #[test]
+    fn a_drafter_trained_on_the_targets_own_outputs_beats_an_untrained_one() {
+        use crate::nn::objective::{Batch, loss};
+        use crate::nn::optim::AdamW;
+        let target = tiny_target(DType::F32);
+        let device = target.embed.device().clone();
+        let config = DrafterConfig::for_target(
+            &target.config,
+            1,
+            vec![1, 3],
+            4,
+            target.config.vocab as u32 - 1,
+        );
+        let untrained = Drafter::init(config.clone(), 3, DType::F32, &device).unwrap();
+        let trained = Drafter::init(config, 3, DType::F32, &device).unwrap();
+        // The target's own greedy continuations of short random prompts.
+        let prompts: Vec<Vec<u32>> = (0..24u32)
+            .map(|r| (0..4).map(|i| (r * 11 + i * 5 + 1) % 38).collect())
+            .collect();
+        let data: Vec<(Vec<u32>, Vec<i8>)> = prompts
+            .iter()
+            .map(|p| {
+                let out = decode(&target, &Proposer::Autoregressive, p, &settings(4, 28)).unwrap();
+                let ids: Vec<u32> = p.iter().chain(&out.tokens).copied().collect();
+                let mask = (0..ids.len()).map(|i| i8::from(i >= p.len())).collect();
+                (ids, mask)
+            })
+            .collect();
+        let mut adam = AdamW::new(&trained.vars, 0.0).unwrap();
+        let embed = |t: &Tensor| target.embed(t);
+        for step in 0..300u64 {
+            let (ids, mask) = &data[step as usize % 20];
+            let b =
+                Batch::sample(ids, mask, 8, 4, trained.config.mask_token_id, 4.0, step).unwrap();
+            let ctx = target.tapped(ids, &trained.config.target_layers).unwrap();
+            let (l, _) = loss(&trained, &embed, &target.lm_head, &ctx, &b, b.weight()).unwrap();
+            let grads = l.backward().unwrap();
+            let g = trained
+                .vars
+                .iter()
+                .filter_map(|(n, v)| grads.get(v.as_tensor()).map(|g| (n.clone(), g.clone())))
+                .collect();
+            adam.step(&trained.vars, &g, 1e-2, 1.0).unwrap();
+        }
+        // Held-out prompts.
+        let tau = |d: &Drafter| -> f64 {
+            let (mut c, mut r) = (0, 0);
+            for p in &prompts[20..] {
+                let o = decode(&target, &Proposer::Drafter(d), p, &settings(4, 28)).unwrap();
+                (c, r) = (c + o.committed, r + o.rounds);
+            }
+            c as f64 / r as f64
+        };
+        let (before, after) = (tau(&untrained), tau(&trained));
+        assert!(
+            after > before + 0.5,
+            "tau untrained {before:.2}, trained {after:.2}"
+        );
+    }
+}
