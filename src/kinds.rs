@@ -21,6 +21,7 @@ impl Registry {
         r.add(Arc::new(dflash_stage_tokenize::TokenizeKind));
         r.add(Arc::new(dflash_stage_generate::GenerateKind));
         r.add(Arc::new(dflash_stage_train::TrainKind));
+        r.add(Arc::new(dflash_stage_bench::BenchKind));
         r
     }
 

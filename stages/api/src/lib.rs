@@ -19,6 +19,8 @@ mod params;
 pub mod process;
 #[cfg(feature = "remote")]
 pub mod remote;
+#[cfg(feature = "dataset")]
+pub mod tokens;
 
 pub use cancel::Cancel;
 pub use context::{Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput};

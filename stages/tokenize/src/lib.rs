@@ -61,7 +61,8 @@ impl StageKind for TokenizeKind {
     }
 
     fn version(&self) -> u32 {
-        1
+        // 2: writes `tokenize.json` (how rows were rendered), which train and bench read.
+        2
     }
 
     fn summary(&self) -> &'static str {
@@ -243,6 +244,12 @@ impl StageKind for TokenizeKind {
                     |e| format!("e.g. {e}"),
                 )));
         }
+        // How the rows were rendered travels with them: `train` records it with the drafter and
+        // `bench` warns when it serves the drafter differently (thinking mode above all).
+        std::fs::write(
+            ctx.out_dir.join(dflash_stage_api::tokens::RENDERING_FILE),
+            serde_json::to_vec_pretty(&job.describe()).expect("json"),
+        )?;
         Ok(StageOutput {
             summary: Some(all.summary()),
             stats: all.to_manifest(&job.describe()),

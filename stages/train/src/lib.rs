@@ -61,7 +61,8 @@ impl StageKind for TrainKind {
     }
 
     fn version(&self) -> u32 {
-        1
+        // 2: writes `training.json` (the target and the data's rendering) for `bench`.
+        2
     }
 
     fn summary(&self) -> &'static str {

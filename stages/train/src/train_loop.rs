@@ -8,10 +8,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
-use arrow_array::{Array, Int8Array, Int32Array, ListArray};
 use candle_core::{DType, Device, Tensor};
 use dflash_model::nn::objective::{self, Batch, StepMetrics};
 use dflash_model::nn::{AdamW, Drafter, DrafterConfig, Schedule, Target};
+use dflash_stage_api::tokens::{self, TokenRow};
 use dflash_stage_api::{StageContext, StageError, StageOutput};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -23,62 +23,12 @@ fn nn(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
     move |e| StageError::new(format!("{what}: {e}"))
 }
 
-/// One training sequence.
-struct Sequence {
-    ids: Vec<u32>,
-    mask: Vec<i8>,
-}
-
 /// The `train` split of every input's token files, cut to `max_length`.
-fn sequences(ctx: &StageContext<'_>, max_length: usize) -> Result<Vec<Sequence>, StageError> {
+fn sequences(ctx: &StageContext<'_>, max_length: usize) -> Result<Vec<TokenRow>, StageError> {
     let mut out = Vec::new();
     for input in ctx.inputs {
-        let mut files: Vec<_> = std::fs::read_dir(&input.dir)?
-            .filter_map(Result::ok)
-            .map(|e| e.path())
-            .filter(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("train-") && n.ends_with(".arrow"))
-            })
-            .collect();
-        files.sort();
-        for f in files {
-            let file = std::io::BufReader::new(std::fs::File::open(&f)?);
-            let reader = arrow_ipc::reader::StreamReader::try_new(file, None)
-                .map_err(|e| StageError::new(format!("{}: {e}", f.display())))?;
-            for batch in reader {
-                let batch = batch.map_err(|e| StageError::new(format!("{}: {e}", f.display())))?;
-                let col = |name: &str| {
-                    batch
-                        .column_by_name(name)
-                        .and_then(|c| c.as_any().downcast_ref::<ListArray>().cloned())
-                        .ok_or_else(|| {
-                            StageError::new(format!(
-                                "{}: no `{name}` list column; `train` reads what `tokenize` writes",
-                                f.display()
-                            ))
-                        })
-                };
-                let (ids, masks) = (col("input_ids")?, col("loss_mask")?);
-                for r in 0..batch.num_rows() {
-                    let i = ids.value(r);
-                    let m = masks.value(r);
-                    let i = i
-                        .as_any()
-                        .downcast_ref::<Int32Array>()
-                        .ok_or_else(|| StageError::new("input_ids are not int32"))?;
-                    let m = m
-                        .as_any()
-                        .downcast_ref::<Int8Array>()
-                        .ok_or_else(|| StageError::new("loss_mask is not int8"))?;
-                    let n = i.len().min(max_length);
-                    out.push(Sequence {
-                        ids: i.values()[..n].iter().map(|&v| v as u32).collect(),
-                        mask: m.values()[..n].to_vec(),
-                    });
-                }
-            }
+        for f in tokens::files(&input.dir, "train")? {
+            out.extend(tokens::read(&f, max_length)?);
         }
     }
     Ok(out)
@@ -326,6 +276,10 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     let mut text = metrics_lines.join("\n");
     text.push('\n');
     std::fs::write(ctx.out_dir.join("metrics.jsonl"), text)?;
+    std::fs::write(
+        ctx.out_dir.join(tokens::TRAINING_FILE),
+        serde_json::to_vec_pretty(&training_record(ctx, p)?).expect("json"),
+    )?;
 
     let first_loss = metrics_lines
         .first()
@@ -353,6 +307,24 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         stats,
         summary: Some(summary),
     })
+}
+
+/// What the drafter was trained against: the target, and how each input's rows were rendered
+/// (read from the tokenize artifacts; null for token files from elsewhere).
+fn training_record(ctx: &StageContext<'_>, p: &Params) -> Result<Value, StageError> {
+    let mut data = Vec::new();
+    for input in ctx.inputs {
+        let path = input.dir.join(tokens::RENDERING_FILE);
+        let rendering: Value = match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            Err(_) => Value::Null,
+        };
+        data.push(
+            json!({"input": input.name, "digest": input.digest.to_string(),
+            "template_kwargs": rendering.get("template_kwargs").cloned().unwrap_or(Value::Null)}),
+        );
+    }
+    Ok(json!({"target": p.target, "block_size": p.block_size, "data": data}))
 }
 
 /// Commit weights, moments and the metrics since the last checkpoint as shard `ckpt-<step>`.

@@ -93,6 +93,42 @@ impl DrafterConfig {
         }
     }
 
+    /// Read [`DrafterConfig::hf_config`]'s output back (a drafter `config.json`); the error
+    /// names the missing or mistyped field.
+    pub fn from_hf_config(v: &serde_json::Value) -> std::result::Result<Self, String> {
+        let int = |v: &serde_json::Value, k: &str| {
+            v[k].as_u64()
+                .map(|n| n as usize)
+                .ok_or_else(|| format!("`{k}` is missing or not an integer"))
+        };
+        let float = |k: &str| {
+            v[k].as_f64()
+                .ok_or_else(|| format!("`{k}` is missing or not a number"))
+        };
+        let dflash = &v["dflash_config"];
+        if !dflash.is_object() {
+            return Err("no `dflash_config` block: not a DFlash drafter".into());
+        }
+        let target_layers = dflash["target_layer_ids"]
+            .as_array()
+            .and_then(|a| a.iter().map(|l| l.as_u64().map(|l| l as usize)).collect())
+            .ok_or("`dflash_config.target_layer_ids` is missing or not a list of integers")?;
+        Ok(Self {
+            hidden: int(v, "hidden_size")?,
+            layers: int(v, "num_hidden_layers")?,
+            heads: int(v, "num_attention_heads")?,
+            kv_heads: int(v, "num_key_value_heads")?,
+            head_dim: int(v, "head_dim")?,
+            ffn: int(v, "intermediate_size")?,
+            vocab: int(v, "vocab_size")?,
+            eps: float("rms_norm_eps")?,
+            rope_theta: float("rope_theta")?,
+            target_layers,
+            block_size: int(dflash, "block_size").or_else(|_| int(v, "block_size"))?,
+            mask_token_id: int(dflash, "mask_token_id")? as u32,
+        })
+    }
+
     /// Every trainable tensor's name and shape, in a fixed order.
     pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
         let (h, q, kv) = (
@@ -389,6 +425,20 @@ pub(crate) mod tests {
         let ids: Vec<u32> = (0..14).map(|i| (i * 7 + 3) % 39).collect();
         let mask: Vec<i8> = (0..14).map(|i| i8::from(i >= 4)).collect();
         (ids, mask)
+    }
+
+    #[test]
+    fn the_exported_config_reads_back() {
+        let t = tiny_target(DType::F32);
+        let c = DrafterConfig::for_target(&t.config, 2, vec![0, 3], 8, 39);
+        assert_eq!(
+            DrafterConfig::from_hf_config(&c.hf_config("qwen3")),
+            Ok(c.clone())
+        );
+        let mut broken = c.hf_config("qwen3");
+        broken["dflash_config"]["mask_token_id"] = "x".into();
+        let e = DrafterConfig::from_hf_config(&broken).unwrap_err();
+        assert!(e.contains("mask_token_id"), "{e}");
     }
 
     /// Every trainable tensor's gradient against central finite differences, in f64.

@@ -100,6 +100,9 @@ pub fn log_softmax_last(x: &Tensor) -> Result<Tensor> {
     shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)
 }
 
+/// Inputs with at most this many rows take the weights-first product.
+const FEW_ROWS: usize = 16;
+
 /// A bias-free linear layer: dense weights (trainable or frozen) or quantized (frozen).
 #[derive(Clone, Debug)]
 pub enum Linear {
@@ -113,7 +116,10 @@ impl Linear {
     /// `x @ W^T` over the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
+            // A few rows (a decoding step): `W @ x^T` streams the weights once, where `x @ W^T`
+            // has the matmul pack all of the transposed weights first.
             Self::Dense(w) => match x.dims() {
+                [n, _] if *n <= FEW_ROWS => w.matmul(&x.t()?)?.t()?.contiguous(),
                 [_, _] => x.matmul(&w.t()?),
                 _ => x.broadcast_matmul(&w.t()?),
             },

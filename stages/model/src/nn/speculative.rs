@@ -257,9 +257,8 @@ fn propose(
     // The block sees all of the context and all of itself.
     let mask = Tensor::zeros((b, ctx.len() + b), target.dtype, device)?;
     let hidden = d.forward_block(ctx, &embedded, &positions, &mask)?;
-    let logits = hidden
-        .narrow(0, 1, b - 1)?
-        .matmul(&target.lm_head.to_dtype(hidden.dtype())?.t()?)?;
+    let logits = super::ops::Linear::Dense(target.lm_head.to_dtype(hidden.dtype())?)
+        .forward(&hidden.narrow(0, 1, b - 1)?)?;
     let mut best: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
     best.truncate(room);
     Ok(best)

@@ -1,0 +1,101 @@
+//! The `bench` stage kind: drafters measured the way the papers measure them. Every prompt of
+//! every prompt set is decoded by the frozen target autoregressively (the reference), with
+//! prompt lookup (an n-gram drafter), and with each drafter among the inputs, by speculative
+//! decoding on the same device in the same run; per set and method it reports tau (tokens
+//! committed per round, bonus included), acceptance per block position, output tokens/s and the
+//! speedup over autoregressive decoding, and under greedy decoding whether the output is
+//! identical to the autoregressive one (it must be: verification is lossless).
+//!
+//! Inputs are told apart by what they hold: a `train` artifact (a `drafter/` folder) is a
+//! method, anything else is a prompt set — conversations (`download`, `mix`) rendered with the
+//! target's chat template and `template_kwargs`, or token files (`tokenize`), whose prompt is
+//! the part before the first trained token.
+
+mod report;
+mod run;
+mod sets;
+
+use dflash_stage_api::{
+    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
+};
+use serde::Deserialize;
+use serde_json::json;
+
+/// The `bench` stage kind.
+pub struct BenchKind;
+
+/// The params, as the runtime resolved them (defaults filled in).
+#[derive(Clone, Debug, Deserialize)]
+pub struct Params {
+    /// The frozen target, a `.gguf` file.
+    pub target: String,
+    /// Prompts per set (the first ones).
+    pub prompts: u64,
+    /// The most output tokens per prompt.
+    pub max_new_tokens: u64,
+    /// 0: greedy.
+    pub temperature: f64,
+    /// Seeds sampled decoding.
+    pub seed: u64,
+    /// Baselines besides autoregressive decoding.
+    pub baselines: Vec<String>,
+    /// The longest suffix prompt lookup matches.
+    pub ngram: u64,
+    /// Block size for the n-gram baseline (null: the first drafter's, else 16).
+    pub block_size: Option<u64>,
+    /// Passed to the chat template (e.g. `enable_thinking`).
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+impl StageKind for BenchKind {
+    fn name(&self) -> &'static str {
+        "bench"
+    }
+
+    fn version(&self) -> u32 {
+        1
+    }
+
+    fn summary(&self) -> &'static str {
+        "measure drafters by speculative decoding: tau, acceptance per position, tokens/s, speedup"
+    }
+
+    fn params(&self) -> Vec<Param> {
+        let int = || ParamType::Int;
+        vec![
+            Param::new("target", ParamType::Str, "the frozen target the drafters were trained against: a `.gguf` file").required(),
+            Param::new("prompts", int(), "prompts per set (the first ones)").default(80),
+            Param::new("max_new_tokens", int(), "the most output tokens per prompt").default(256),
+            Param::new("temperature", ParamType::Float, "0: greedy (the papers' T = 0); above 0, sampled with lossless verification").default(0.0),
+            Param::new("seed", int(), "seed for sampled decoding").default(0),
+            Param::new("baselines", ParamType::List(Box::new(ParamType::Enum(&["ngram"]))), "baselines besides autoregressive decoding, which always runs: `ngram` is prompt lookup").default(json!(["ngram"])),
+            Param::new("ngram", int(), "the longest suffix prompt lookup matches").default(3),
+            Param::new("block_size", int(), "the n-gram baseline's block size (null: the first drafter's, else 16)"),
+            Param::new("template_kwargs", ParamType::Map(Box::new(ParamType::Any)), "passed to the chat template, e.g. {enable_thinking: false}; must match what the drafter was trained with").default(json!({})),
+        ]
+    }
+
+    fn pin(&self, params: &serde_json::Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
+        // The target enters the key by content: another file under the same name reruns.
+        let target = params["target"].as_str().unwrap_or_default();
+        let path = std::path::Path::new(target);
+        if !path.is_file() {
+            return Err(
+                StageError::new(format!("the target `{target}` does not exist"))
+                    .with_help("`target:` is the GGUF file the drafters were trained against"),
+            );
+        }
+        let name = path
+            .file_name()
+            .map_or_else(|| target.to_owned(), |n| n.to_string_lossy().into_owned());
+        Ok(vec![Pin {
+            name: format!("model:{name}"),
+            identity: pinner.file_digest(path)?.to_hex(),
+        }])
+    }
+
+    fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
+        let p: Params = ctx.params()?;
+        run::run(ctx, &p)
+    }
+}

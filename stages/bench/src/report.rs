@@ -1,0 +1,56 @@
+//! The bench's table for the terminal: one row per set and method.
+
+use std::fmt::Write as _;
+
+use serde_json::Value;
+
+/// Acceptance is shown for the first few block positions; `results.json` has all of them.
+const SHOWN_POSITIONS: usize = 4;
+
+/// The table of `results` (by set, then method), warnings first.
+pub fn table(results: &serde_json::Map<String, Value>, warnings: &[String]) -> String {
+    let mut out = String::new();
+    for w in warnings {
+        let _ = writeln!(out, "warning: {w}");
+    }
+    let _ = writeln!(
+        out,
+        "{:<14} {:<16} {:>7} {:>6} {:>8} {:>8}  {:<24} {}",
+        "set", "method", "prompts", "tau", "tok/s", "speedup", "accepted at k=1..", "identical"
+    );
+    for (set, v) in results {
+        let Some(methods) = v["methods"].as_object() else {
+            continue;
+        };
+        for (i, (name, r)) in methods.iter().enumerate() {
+            let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+            let acceptance: Vec<String> = r["acceptance"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .take(SHOWN_POSITIONS)
+                .map(|a| format!("{:.2}", a.as_f64().unwrap_or(0.0)))
+                .collect();
+            let identical = match (r["identical"].as_u64(), r["prompts"].as_u64()) {
+                (Some(s), Some(n)) => format!("{s}/{n}"),
+                _ => "-".into(),
+            };
+            let _ = writeln!(
+                out,
+                "{:<14} {:<16} {:>7} {:>6.2} {:>8.1} {:>7.2}x  {:<24} {identical}",
+                if i == 0 { set.as_str() } else { "" },
+                name,
+                r["prompts"].as_u64().unwrap_or(0),
+                f("tau"),
+                f("tokens_per_second"),
+                f("speedup"),
+                if acceptance.is_empty() {
+                    "-".into()
+                } else {
+                    acceptance.join(" ")
+                },
+            );
+        }
+    }
+    out.trim_end().to_owned()
+}

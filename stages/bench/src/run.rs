@@ -1,0 +1,415 @@
+//! The bench loop: load the target, the drafters and the prompt sets; decode every prompt with
+//! every method, interleaved per prompt (so drift in the machine's speed hits them alike); one
+//! shard per set, committed as it finishes, so a rerun after a crash redoes only unfinished
+//! sets; the results in `results.json`, the manifest and a table.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use dflash_model::nn::speculative::{self, Decoded, Proposer, Settings};
+use dflash_model::nn::{Drafter, DrafterConfig, Target};
+use dflash_stage_api::tokens;
+use dflash_stage_api::{Input, StageContext, StageError, StageLog, StageOutput};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::Params;
+use crate::report;
+use crate::sets::{self, PromptSet, Rendering};
+
+fn nn(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
+    move |e| StageError::new(format!("{what}: {e}"))
+}
+
+/// One method's figures on one set.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MethodResult {
+    /// Prompts decoded.
+    pub prompts: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Seconds, prefill included.
+    pub seconds: f64,
+    /// Output tokens per second.
+    pub tokens_per_second: f64,
+    /// Mean tokens committed per verification round, the target's own token included.
+    pub tau: f64,
+    /// Per block position k = 1..B-1: the share of rounds whose proposal at k was accepted.
+    pub acceptance: Vec<f64>,
+    /// Tokens per second over autoregressive decoding's on the same prompts.
+    pub speedup: f64,
+    /// Under greedy decoding: prompts whose output equals autoregressive decoding's.
+    pub identical: Option<u64>,
+    /// Verification rounds.
+    pub rounds: u64,
+    /// Tokens the rounds committed.
+    pub committed: u64,
+}
+
+/// Running totals for one method on one set.
+#[derive(Default)]
+struct Totals {
+    prompts: u64,
+    tokens: u64,
+    seconds: f64,
+    rounds: u64,
+    committed: u64,
+    accepted_at: Vec<u64>,
+    identical: u64,
+}
+
+impl Totals {
+    fn add(&mut self, d: &Decoded, same: bool) {
+        self.prompts += 1;
+        self.tokens += d.tokens.len() as u64;
+        self.seconds += d.prefill_seconds + d.decode_seconds;
+        self.rounds += d.rounds;
+        self.committed += d.committed;
+        if self.accepted_at.len() < d.accepted_at.len() {
+            self.accepted_at.resize(d.accepted_at.len(), 0);
+        }
+        for (t, a) in self.accepted_at.iter_mut().zip(&d.accepted_at) {
+            *t += a;
+        }
+        self.identical += u64::from(same);
+    }
+
+    fn result(&self, reference_tps: Option<f64>, greedy: bool) -> MethodResult {
+        let tps = self.tokens as f64 / self.seconds.max(1e-9);
+        let rounds = self.rounds.max(1) as f64;
+        MethodResult {
+            prompts: self.prompts,
+            output_tokens: self.tokens,
+            seconds: self.seconds,
+            tokens_per_second: tps,
+            tau: self.committed as f64 / rounds,
+            acceptance: self
+                .accepted_at
+                .iter()
+                .map(|&a| a as f64 / rounds)
+                .collect(),
+            speedup: reference_tps.map_or(1.0, |r| tps / r.max(1e-9)),
+            identical: greedy.then_some(self.identical),
+            rounds: self.rounds,
+            committed: self.committed,
+        }
+    }
+}
+
+/// A method: a name and what proposes.
+enum Method {
+    Autoregressive,
+    Ngram { n: usize, block: usize },
+    Drafter(Box<Drafter>),
+}
+
+impl Method {
+    fn proposer(&self) -> Proposer<'_> {
+        match self {
+            Self::Autoregressive => Proposer::Autoregressive,
+            Self::Ngram { n, .. } => Proposer::Ngram { n: *n },
+            Self::Drafter(d) => Proposer::Drafter(d),
+        }
+    }
+
+    fn block(&self) -> usize {
+        match self {
+            Self::Autoregressive => 1,
+            Self::Ngram { block, .. } => *block,
+            Self::Drafter(d) => d.config.block_size,
+        }
+    }
+}
+
+/// Load a `train` artifact's exported drafter, checked against the target.
+fn load_drafter(input: &Input, target: &Target) -> Result<(Drafter, Value), StageError> {
+    let dir = input.dir.join("drafter");
+    let bad = |what: String| {
+        StageError::new(format!("drafter `{}`: {what}", input.name))
+            .with_help("bench takes the drafters `train` exports")
+    };
+    let config: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)
+        .map_err(|e| bad(format!("config.json: {e}")))?;
+    let config =
+        DrafterConfig::from_hf_config(&config).map_err(|e| bad(format!("config.json: {e}")))?;
+    let tc = &target.config;
+    if config.hidden != tc.hidden || config.vocab != tc.vocab {
+        return Err(bad(format!(
+            "hidden size {} and vocabulary {} do not fit the target's {} and {}: it was trained against another model",
+            config.hidden, config.vocab, tc.hidden, tc.vocab
+        )));
+    }
+    if let Some(l) = config.target_layers.iter().find(|&&l| l >= tc.layers) {
+        return Err(bad(format!(
+            "it taps layer {l}; the target has {} layers",
+            tc.layers
+        )));
+    }
+    let tensors: HashMap<String, Tensor> =
+        candle_core::safetensors::load(dir.join("model.safetensors"), target.embed.device())
+            .map_err(|e| bad(format!("model.safetensors: {e}")))?
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.to_dtype(DType::F32)?)))
+            .collect::<Result<_, candle_core::Error>>()
+            .map_err(|e| bad(e.to_string()))?;
+    let drafter = Drafter::from_tensors(config, &tensors).map_err(|e| bad(e.to_string()))?;
+    let training: Value = std::fs::read(input.dir.join(tokens::TRAINING_FILE))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or(Value::Null);
+    Ok((drafter, training))
+}
+
+/// The warnings a drafter's training record raises against this bench.
+fn mismatches(name: &str, training: &Value, p: &Params, sets: &[PromptSet]) -> Vec<String> {
+    let mut out = Vec::new();
+    let file = |s: &str| {
+        std::path::Path::new(s)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+    };
+    if let Some(t) = training["target"].as_str()
+        && file(t) != file(&p.target)
+    {
+        out.push(format!(
+            "drafter `{name}` was trained against `{t}`; it is benchmarked against `{}`",
+            p.target
+        ));
+    }
+    let trained = training["data"].as_array().and_then(|d| {
+        d.iter()
+            .map(|d| &d["template_kwargs"])
+            .find(|k| !k.is_null())
+    });
+    if let Some(trained) = trained {
+        for s in sets.iter().filter(|s| !s.template_kwargs.is_null()) {
+            if &s.template_kwargs != trained {
+                out.push(format!(
+                    "drafter `{name}` was trained on data rendered with template_kwargs {trained}; set `{}` is rendered with {}: thinking mode at training and at serving must match, or acceptance collapses",
+                    s.name, s.template_kwargs
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Bench; see the module docs.
+pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError> {
+    let device = Device::Cpu;
+    let path = ctx.cwd.join(&p.target);
+    let target = Target::from_gguf(&path, &device).map_err(nn("loading the target"))?;
+    let mut log = StageLog::open(ctx.log_path).ok();
+    let mut say = |line: &str| {
+        if let Some(l) = log.as_mut() {
+            l.line(line);
+        }
+    };
+    // A target without a tokenizer can still run token sets (no stop tokens, no text).
+    let mut rendering = match Rendering::load(&path, &p.template_kwargs) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            say(&format!("no tokenizer or chat template in the target: {e}"));
+            None
+        }
+    };
+    let mut drafters = Vec::new();
+    let mut set_inputs = Vec::new();
+    for input in ctx.inputs {
+        if sets::is_drafter(input) {
+            drafters.push((input.name.clone(), load_drafter(input, &target)?));
+        } else {
+            set_inputs.push(input);
+        }
+    }
+    let mut prompt_sets = Vec::new();
+    for input in set_inputs {
+        prompt_sets.push(sets::read_set(
+            input,
+            p.prompts as usize,
+            rendering.as_mut(),
+            &p.template_kwargs,
+        )?);
+    }
+    if prompt_sets.iter().all(|s| s.prompts.is_empty()) {
+        return Err(StageError::new("no prompts to benchmark on").with_help(
+            "give bench prompt sets as inputs: `download` (MT-Bench, HumanEval, GSM8K), `mix` or `tokenize` stages",
+        ));
+    }
+    let mut warnings = Vec::new();
+    for (name, (_, training)) in &drafters {
+        warnings.extend(mismatches(name, training, p, &prompt_sets));
+    }
+    for w in &warnings {
+        say(&format!("warning: {w}"));
+    }
+    let block = p.block_size.map_or_else(
+        || {
+            drafters
+                .first()
+                .map_or(16, |(_, (d, _))| d.config.block_size)
+        },
+        |b| b as usize,
+    );
+    let mut methods: Vec<(String, Method)> =
+        vec![("autoregressive".into(), Method::Autoregressive)];
+    if p.baselines.iter().any(|b| b == "ngram") {
+        methods.push((
+            "ngram".into(),
+            Method::Ngram {
+                n: p.ngram.max(1) as usize,
+                block: block.max(2),
+            },
+        ));
+    }
+    for (name, (d, _)) in drafters {
+        methods.push((name, Method::Drafter(Box::new(d))));
+    }
+    let stop = rendering
+        .as_ref()
+        .map(|r| r.stop.clone())
+        .unwrap_or_default();
+    let settings = |m: &Method, i: usize| Settings {
+        block_size: m.block(),
+        max_new_tokens: p.max_new_tokens as usize,
+        temperature: p.temperature,
+        seed: p.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        stop: stop.clone(),
+    };
+    let greedy = p.temperature <= 0.0;
+
+    // Warm up (allocations, caches) so the first method timed pays no first-call costs.
+    if let Some(first) = prompt_sets.iter().flat_map(|s| s.prompts.first()).next() {
+        for (_, m) in &methods {
+            let mut s = settings(m, 0);
+            s.max_new_tokens = s.max_new_tokens.min(4);
+            speculative::decode(&target, &m.proposer(), &first.ids, &s).map_err(nn("warm-up"))?;
+        }
+    }
+
+    let done = ctx.shards.done();
+    let total: u64 = prompt_sets
+        .iter()
+        .map(|s| s.prompts.len() as u64)
+        .sum::<u64>()
+        * methods.len() as u64;
+    let mut finished = 0u64;
+    let mut results: serde_json::Map<String, Value> = serde_json::Map::new();
+    for set in &prompt_sets {
+        let shard = format!("set-{}", set.name);
+        let summary_file = format!("sets/{}.json", set.name);
+        if done.contains(&shard) {
+            let bytes = ctx.shards.read(&shard, &summary_file)?;
+            let v: Value = serde_json::from_slice(&bytes)
+                .map_err(|e| StageError::new(format!("shard {shard} is unreadable: {e}")))?;
+            results.insert(set.name.clone(), v);
+            finished += set.prompts.len() as u64 * methods.len() as u64;
+            continue;
+        }
+        let mut totals: Vec<Totals> = methods.iter().map(|_| Totals::default()).collect();
+        let mut lines = String::new();
+        for (i, prompt) in set.prompts.iter().enumerate() {
+            let mut reference: Option<Vec<u32>> = None;
+            for ((name, m), t) in methods.iter().zip(&mut totals) {
+                if ctx.cancel.is_cancelled() {
+                    return Err(StageError::cancelled());
+                }
+                let d = speculative::decode(&target, &m.proposer(), &prompt.ids, &settings(m, i))
+                    .map_err(nn("decoding"))?;
+                let same = reference.as_ref().is_none_or(|r| *r == d.tokens);
+                let mut line = json!({"id": prompt.id, "method": name, "prompt_tokens": prompt.ids.len(),
+                    "output_tokens": d.tokens.len(), "rounds": d.rounds, "committed": d.committed,
+                    "tau": d.tau(), "seconds": d.prefill_seconds + d.decode_seconds,
+                    "stopped": d.stopped});
+                if reference.is_none() {
+                    if let Some(r) = &rendering {
+                        line["text"] = Value::String(r.decode(&d.tokens));
+                    }
+                    reference = Some(d.tokens.clone());
+                } else if greedy {
+                    line["identical"] = Value::Bool(same);
+                }
+                lines.push_str(&line.to_string());
+                lines.push('\n');
+                t.add(&d, same);
+                finished += 1;
+                ctx.progress.set(
+                    finished,
+                    Some(total),
+                    &format!(
+                        "{}: prompt {}/{} {name}",
+                        set.name,
+                        i + 1,
+                        set.prompts.len()
+                    ),
+                );
+            }
+        }
+        let reference_tps = totals
+            .first()
+            .map(|t| t.tokens as f64 / t.seconds.max(1e-9));
+        let mut by_method = serde_json::Map::new();
+        for (j, ((name, _), t)) in methods.iter().zip(&totals).enumerate() {
+            // The reference is identical to itself by definition: not a finding.
+            let r = t.result(reference_tps, greedy && j > 0);
+            by_method.insert(name.clone(), serde_json::to_value(r).expect("json"));
+        }
+        let mut v = json!({"prompts": set.prompts.len(), "skipped": set.skipped,
+            "template_kwargs": set.template_kwargs, "methods": by_method});
+        if set.prompts.is_empty() {
+            v["methods"] = json!({});
+        }
+        let root = ctx.scratch_dir.join(format!("shard-{shard}"));
+        std::fs::create_dir_all(root.join("sets"))?;
+        std::fs::write(
+            root.join(&summary_file),
+            serde_json::to_vec_pretty(&v).expect("json"),
+        )?;
+        std::fs::write(root.join(format!("sets/{}.jsonl", set.name)), lines)?;
+        ctx.shards.commit(&shard, &root)?;
+        let _ = std::fs::remove_dir_all(&root);
+        results.insert(set.name.clone(), v);
+    }
+
+    let all = json!({"target": p.target, "temperature": p.temperature,
+        "max_new_tokens": p.max_new_tokens, "sets": results, "warnings": warnings});
+    std::fs::write(
+        ctx.out_dir.join("results.json"),
+        serde_json::to_vec_pretty(&all).expect("json"),
+    )?;
+    let table = report::table(&results, &warnings);
+    let mut stats = serde_json::Map::new();
+    stats.insert("sets".into(), Value::Object(compact(&results)));
+    stats.insert("temperature".into(), json!(p.temperature));
+    stats.insert("warnings".into(), json!(warnings));
+    Ok(StageOutput {
+        stats,
+        summary: Some(table),
+    })
+}
+
+/// What the manifest keeps per set and method: the figures users compare (`dflash diff` shows
+/// their changes), not the counts behind them.
+fn compact(results: &serde_json::Map<String, Value>) -> serde_json::Map<String, Value> {
+    results
+        .iter()
+        .map(|(set, v)| {
+            let methods: serde_json::Map<String, Value> = v["methods"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(m, r)| {
+                    let round = |x: &Value| (x.as_f64().unwrap_or(0.0) * 1000.0).round() / 1000.0;
+                    let mut o = json!({"tau": round(&r["tau"]), "speedup": round(&r["speedup"]),
+                        "tokens_per_second": round(&r["tokens_per_second"]),
+                        "acceptance": r["acceptance"].as_array().map(|a| a.iter().map(round).collect::<Vec<_>>())});
+                    if !r["identical"].is_null() {
+                        o["identical"] = r["identical"].clone();
+                    }
+                    (m.clone(), o)
+                })
+                .collect();
+            (set.clone(), json!({"prompts": v["prompts"], "methods": methods}))
+        })
+        .collect()
+}

@@ -1,0 +1,166 @@
+//! The bench's inputs: drafters (`train` artifacts) and prompt sets. A conversation set is
+//! rendered with the target's chat template up to its first assistant turn, with the
+//! generation prompt, and tokenized as `tokenize` does (the same crate); a token set's prompt is
+//! each row's tokens before the first trained one, as they were rendered for training.
+
+use std::path::{Path, PathBuf};
+
+use dflash_stage_api::dataset;
+use dflash_stage_api::tokens;
+use dflash_stage_api::{Input, StageError};
+use dflash_stage_tokenize::{Cache, ChatTemplate, Encoder, Turn};
+use serde_json::{Map, Value};
+
+/// One prompt, tokenized.
+pub struct Prompt {
+    /// The row's id.
+    pub id: String,
+    /// Its tokens.
+    pub ids: Vec<u32>,
+}
+
+/// One prompt set.
+pub struct PromptSet {
+    /// The input's name.
+    pub name: String,
+    /// The prompts, at most the `prompts` param.
+    pub prompts: Vec<Prompt>,
+    /// The template kwargs the prompts were rendered with.
+    pub template_kwargs: Value,
+    /// Rows without a user turn to prompt with.
+    pub skipped: u64,
+}
+
+/// The target's tokenizer and chat template.
+pub struct Rendering {
+    template: ChatTemplate,
+    encoder: Encoder,
+    cache: Cache,
+    /// End-of-turn token ids: decoding stops at them.
+    pub stop: Vec<u32>,
+}
+
+impl Rendering {
+    /// The tokenizer and template of the GGUF model at `path`.
+    pub fn load(path: &Path, kwargs: &Map<String, Value>) -> Result<Self, StageError> {
+        let model = dflash_stage_tokenize::load_model(path, None)?;
+        let template = ChatTemplate::new(&model.template, &model.special, kwargs)
+            .map_err(|e| StageError::new(e.0))?;
+        let stop = model
+            .end_tokens
+            .iter()
+            .filter_map(|t| model.tokenizer.token_to_id(t))
+            .collect();
+        let encoder = Encoder::from_parts(model.tokenizer, model.fast);
+        let cache = encoder.take_cache();
+        Ok(Self {
+            template,
+            encoder,
+            cache,
+            stop,
+        })
+    }
+
+    /// The text of `ids`.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.encoder
+            .tokenizer()
+            .decode(ids, true)
+            .unwrap_or_default()
+    }
+
+    fn prompt(&mut self, messages: &[dataset::Message]) -> Result<Option<Vec<u32>>, StageError> {
+        let turns: Vec<Turn<'_>> = messages
+            .iter()
+            .take_while(|m| m.role != "assistant")
+            .map(|m| Turn {
+                role: &m.role,
+                content: &m.content,
+                reasoning: None,
+                tool_calls: None,
+            })
+            .collect();
+        if !turns.iter().any(|t| t.role == "user") {
+            return Ok(None);
+        }
+        let text = self
+            .template
+            .render(&turns, None, true)
+            .map_err(|e| StageError::new(e.0))?;
+        let (ids, _) = self
+            .encoder
+            .encode(&text, &mut self.cache)
+            .map_err(StageError::new)?;
+        Ok(Some(ids))
+    }
+}
+
+/// Whether `input` is a `train` artifact.
+pub fn is_drafter(input: &Input) -> bool {
+    input.dir.join("drafter/config.json").is_file()
+}
+
+/// Read one prompt set: its first `limit` usable rows, splits in name order (`eval` first).
+pub fn read_set(
+    input: &Input,
+    limit: usize,
+    rendering: Option<&mut Rendering>,
+    kwargs: &Map<String, Value>,
+) -> Result<PromptSet, StageError> {
+    let mut set = PromptSet {
+        name: input.name.clone(),
+        prompts: Vec::new(),
+        template_kwargs: Value::Object(kwargs.clone()),
+        skipped: 0,
+    };
+    let files: Vec<PathBuf> = dataset::files(&input.dir)?
+        .into_values()
+        .flatten()
+        .collect();
+    let Some(first) = files.first() else {
+        return Err(StageError::new(format!(
+            "input `{}` holds neither a drafter nor prompts",
+            input.name
+        ))
+        .with_help("bench takes `train` stages (drafters) and `download`, `mix` or `tokenize` stages (prompts)"));
+    };
+    if tokens::is_token_file(first)? {
+        // Rendered when they were tokenized: their kwargs are the tokenize stage's.
+        if let Ok(bytes) = std::fs::read(input.dir.join(tokens::RENDERING_FILE)) {
+            let r: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            set.template_kwargs = r["template_kwargs"].clone();
+        }
+        'files: for f in &files {
+            for row in tokens::read(f, usize::MAX)? {
+                if set.prompts.len() >= limit {
+                    break 'files;
+                }
+                let ids = row.prompt().to_vec();
+                if ids.is_empty() {
+                    set.skipped += 1;
+                    continue;
+                }
+                set.prompts.push(Prompt { id: row.id, ids });
+            }
+        }
+        return Ok(set);
+    }
+    let Some(rendering) = rendering else {
+        return Err(StageError::new(format!(
+            "prompt set `{}` holds conversations, and the target has no tokenizer or chat template to render them",
+            input.name
+        )));
+    };
+    'files: for f in &files {
+        for row in dataset::read_rows(f)? {
+            if set.prompts.len() >= limit {
+                break 'files;
+            }
+            match rendering.prompt(&row.messages)? {
+                Some(ids) => set.prompts.push(Prompt { id: row.id, ids }),
+                None => set.skipped += 1,
+            }
+        }
+    }
+    Ok(set)
+}
