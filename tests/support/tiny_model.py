@@ -7,8 +7,10 @@ import numpy as np
 import pyarrow as pa
 
 out_model, out_tokens, rows, length = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+# `--vocab N`: another vocabulary size (a target some drafter does not fit).
+V = int(sys.argv[sys.argv.index("--vocab") + 1]) if "--vocab" in sys.argv else 64
 rng = np.random.default_rng(0)
-H, L, HEADS, KV, FFN, V = 32, 4, 4, 2, 48, 64
+H, L, HEADS, KV, FFN = 32, 4, 4, 2, 48
 w = gguf.GGUFWriter(out_model, "llama")
 w.add_block_count(L)
 w.add_embedding_length(H)

@@ -1,0 +1,212 @@
+//! End-to-end tests of `bench` against the tiny random Llama GGUF of the train tests
+//! (`tests/support/tiny_model.py`): every method's greedy output is the autoregressive one,
+//! the results land in the artifact and the manifest, a thinking-mode mismatch between training
+//! and benchmark data is called out, and `dflash diff` shows the tau change per set.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+mod support;
+use support::env::Env;
+
+const PIPELINE: &str = r#"
+name: bench
+stages:
+  tokens:
+    kind: command
+    params: {run: "cp train-00000.arrow $DFLASH_OUT/ && cp trained/tokenize.json $DFLASH_OUT/",
+             files: [train-00000.arrow, trained/tokenize.json]}
+  prompts:
+    kind: command
+    params: {run: "cp train-00000.arrow $DFLASH_OUT/ && cp served/tokenize.json $DFLASH_OUT/",
+             files: [train-00000.arrow, served/tokenize.json]}
+  trained:
+    kind: train
+    inputs: [tokens]
+    params: {target: tiny.gguf, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 63,
+             target_layers: [0, 2], epochs: 10, max_steps: 20, lr: 0.003}
+  untrained:
+    kind: train
+    inputs: [tokens]
+    params: {target: tiny.gguf, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 63,
+             target_layers: [0, 2], max_steps: 0}
+  bench:
+    kind: bench
+    inputs: [trained, untrained, prompts]
+    params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24}
+"#;
+
+fn setup(env: &Env) {
+    let out = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/tiny_model.py"))
+        .args(["tiny.gguf", "train-00000.arrow", "12", "32"])
+        .current_dir(env.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    env.write(
+        "trained/tokenize.json",
+        r#"{"template_kwargs": {"enable_thinking": false}}"#,
+    );
+    env.write(
+        "served/tokenize.json",
+        r#"{"template_kwargs": {"enable_thinking": true}}"#,
+    );
+    env.write("p.yaml", PIPELINE);
+}
+
+fn show(env: &Env, stage: &str, pipeline: &str) -> Value {
+    let out = env.dflash(&["show", stage, "-p", pipeline]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn every_method_reproduces_autoregressive_output_and_the_results_are_kept() {
+    let env = Env::new();
+    setup(&env);
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["bench"], "ran");
+    let dir = env.path().join("out");
+    let o = env.dflash(&["export", "bench", "-p", "p.yaml", dir.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let results: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    let methods = &results["sets"]["prompts"]["methods"];
+    let names: Vec<&str> = methods
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(names, ["autoregressive", "ngram", "trained", "untrained"]);
+    let ar = &methods["autoregressive"];
+    assert_eq!(ar["prompts"], 4);
+    assert_eq!(ar["tau"], 1.0);
+    assert_eq!(ar["speedup"], 1.0);
+    assert!(ar["identical"].is_null());
+    for m in ["ngram", "trained", "untrained"] {
+        let r = &methods[m];
+        assert_eq!(
+            r["identical"], 4,
+            "{m}: greedy speculation changed the output: {r}"
+        );
+        assert_eq!(r["output_tokens"], ar["output_tokens"], "{m}");
+        let tau = r["tau"].as_f64().unwrap();
+        assert!((1.0..=4.0).contains(&tau), "{m}: tau {tau}");
+        assert_eq!(r["acceptance"].as_array().unwrap().len(), 3, "{m}");
+    }
+    // Per prompt and method, in the artifact.
+    let lines = std::fs::read_to_string(dir.join("sets/prompts.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 16);
+
+    // The manifest keeps the figures and the warning; the drafters saw thinking off, the
+    // benchmark prompts were rendered with it on.
+    let m = show(&env, "bench", "p.yaml");
+    assert_eq!(
+        m["stats"]["sets"]["prompts"]["methods"]["trained"]["identical"],
+        4
+    );
+    let warnings: Vec<&str> = m["stats"]["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w.as_str().unwrap())
+        .collect();
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(
+        warnings[0].contains("thinking mode")
+            && warnings[0].contains(r#"{"enable_thinking":true}"#),
+        "{warnings:?}"
+    );
+    // The drafter records what it was trained against.
+    let t = show(&env, "trained", "p.yaml");
+    assert!(
+        t["files"].to_string().contains("training.json"),
+        "{}",
+        t["files"]
+    );
+}
+
+#[test]
+fn diff_shows_the_tau_change_per_set() {
+    let env = Env::new();
+    setup(&env);
+    let (_, first) = env.run("p.yaml", 0);
+    env.write(
+        "q.yaml",
+        &PIPELINE
+            .replace("max_steps: 20", "max_steps: 60")
+            .replace("max_new_tokens: 24", "max_new_tokens: 40"),
+    );
+    let (st, second) = env.run("q.yaml", 0);
+    assert_eq!(st["trained"], "ran");
+    assert_eq!(st["bench"], "ran");
+    assert_eq!(st["untrained"], "cached");
+    let out = env.dflash(&[
+        "diff",
+        first["run_id"].as_str().unwrap(),
+        second["run_id"].as_str().unwrap(),
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let bench = v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"].as_str().unwrap().starts_with("bench"))
+        .unwrap()
+        .to_string();
+    // Longer outputs give prompt lookup more to match, so its tau moves.
+    assert!(
+        bench.contains("stat `sets.prompts.methods.ngram.tau`"),
+        "{bench}"
+    );
+}
+
+#[test]
+fn a_drafter_for_another_target_is_refused_with_the_reason() {
+    let env = Env::new();
+    setup(&env);
+    // A drafter whose vocabulary is not the target's.
+    env.write(
+        "p.yaml",
+        &PIPELINE.replace(
+            "params: {target: tiny.gguf, prompts: 4",
+            "params: {target: other.gguf, prompts: 4",
+        ),
+    );
+    let out = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/tiny_model.py"))
+        .args(["other.gguf", "unused.arrow", "1", "16", "--vocab", "80"])
+        .current_dir(env.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (st, v) = env.run("p.yaml", 1);
+    assert_eq!(st["bench"], "failed");
+    let err = v.to_string();
+    assert!(
+        err.contains("vocabulary") && err.contains("trained"),
+        "{err}"
+    );
+}
