@@ -210,3 +210,69 @@ fn a_drafter_for_another_target_is_refused_with_the_reason() {
         "{err}"
     );
 }
+
+#[test]
+fn endpoint_mode_compares_running_servers_with_and_without_speculation() {
+    let model = support::hub::assets().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let plain = support::LlamaServer::start(&model, "smollm2", &[]);
+    let lookup = support::LlamaServer::start(
+        &model,
+        "smollm2",
+        &[
+            "--draft_model",
+            "prompt-lookup-decoding",
+            "--draft_model_num_pred_tokens",
+            "8",
+        ],
+    );
+    let env = Env::new();
+    std::fs::copy(
+        support::hub::assets().join("mt-bench.jsonl"),
+        env.path().join("mt-bench.jsonl"),
+    )
+    .unwrap();
+    env.write(
+        "p.yaml",
+        &format!(
+            "stages:\n  mt_bench: {{kind: download, params: {{path: mt-bench.jsonl}}}}\n  \
+             bench:\n    kind: bench\n    inputs: [mt_bench]\n    params: {{prompts: 2, max_new_tokens: 24, \
+             endpoints: {{plain: '{}', lookup: '{}'}}}}\n",
+            plain.url(),
+            lookup.url()
+        ),
+    );
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["bench"], "ran");
+    let m = show(&env, "bench", "p.yaml");
+    let methods = &m["stats"]["sets"]["mt_bench"]["methods"];
+    for name in ["plain", "lookup"] {
+        let r = &methods[name];
+        assert!(
+            r["tokens_per_second"].as_f64().unwrap() > 0.0,
+            "{name}: {r}"
+        );
+        let (p50, p90) = (
+            r["latency_p50"].as_f64().unwrap(),
+            r["latency_p90"].as_f64().unwrap(),
+        );
+        assert!(p50 > 0.0 && p90 >= p50, "{name}: {r}");
+        // llama.cpp reports no accept length: none is made up.
+        assert!(r["tau"].is_null(), "{name}: {r}");
+    }
+    assert_eq!(methods["plain"]["speedup"], 1.0);
+    drop((plain, lookup));
+
+    // A server that is not there fails the stage and names it.
+    env.write(
+        "q.yaml",
+        &format!(
+            "stages:\n  mt_bench: {{kind: download, params: {{path: mt-bench.jsonl}}}}\n  \
+             bench:\n    kind: bench\n    inputs: [mt_bench]\n    params: {{prompts: 1, \
+             endpoints: {{gone: 'http://127.0.0.1:{}/v1'}}}}\n",
+            support::free_port()
+        ),
+    );
+    let (st, v) = env.run("q.yaml", 1);
+    assert_eq!(st["bench"], "failed");
+    assert!(v.to_string().contains("endpoint `gone`"), "{v}");
+}

@@ -415,32 +415,12 @@ fn launched_servers_share_the_work_and_are_stopped() {
 #[test]
 fn llama_cpp_server_is_a_real_peer() {
     let env = Env::new();
-    let port = free_port();
-    let gguf = assets().join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let mut server = Command::new("python3")
-        .args(["-m", "llama_cpp.server", "--model"])
-        .arg(&gguf)
-        .args([
-            "--model_alias",
-            "smollm2",
-            "--host",
-            "127.0.0.1",
-            "--n_ctx",
-            "2048",
-        ])
-        .args(["--n_threads", "2", "--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "llama.cpp's server did not start"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let server = support::LlamaServer::start(
+        &assets().join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+        "smollm2",
+        &[],
+    );
+    let port = server.port;
     env.write(
         "prompts.jsonl",
         "{\"id\": \"fr\", \"prompt\": \"What is the capital of France?\"}\n{\"id\": \"count\", \"prompt\": \"Count from one to twenty in words.\"}\n",
@@ -456,8 +436,7 @@ fn llama_cpp_server_is_a_real_peer() {
         ),
     );
     let (st, _) = env.run("gen.yaml", 0);
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
     assert_eq!(st["answers"], "ran");
     let rows = rows(&env);
     let fr = rows["fr"]["messages"][1]["content"].as_str().unwrap();

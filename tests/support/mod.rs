@@ -113,6 +113,58 @@ impl Seaweed {
     }
 }
 
+/// llama.cpp's OpenAI-compatible server (`llama-cpp-python`, installed by `.ci/run`) on
+/// 127.0.0.1 serving a GGUF model as `alias`; killed on drop.
+pub struct LlamaServer {
+    child: Child,
+    pub port: u16,
+}
+
+impl LlamaServer {
+    /// Start it with `extra` server arguments; returns once it accepts connections.
+    pub fn start(model: &std::path::Path, alias: &str, extra: &[&str]) -> Self {
+        let port = free_port();
+        let child = Command::new("python3")
+            .args(["-m", "llama_cpp.server", "--model"])
+            .arg(model)
+            .args([
+                "--model_alias",
+                alias,
+                "--host",
+                "127.0.0.1",
+                "--n_ctx",
+                "2048",
+            ])
+            .args(["--n_threads", "2", "--port", &port.to_string()])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("llama.cpp's server: `pip install llama-cpp-python[server]`, as .ci/run does");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "llama.cpp's server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Self { child, port }
+    }
+
+    /// Its base URL.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/v1", self.port)
+    }
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for Seaweed {
     fn drop(&mut self) {
         let _ = self.child.kill();

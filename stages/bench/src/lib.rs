@@ -11,6 +11,7 @@
 //! target's chat template and `template_kwargs`, or token files (`tokenize`), whose prompt is
 //! the part before the first trained token.
 
+mod endpoint;
 mod report;
 mod run;
 mod sets;
@@ -27,8 +28,12 @@ pub struct BenchKind;
 /// The params, as the runtime resolved them (defaults filled in).
 #[derive(Clone, Debug, Deserialize)]
 pub struct Params {
-    /// The frozen target, a `.gguf` file.
-    pub target: String,
+    /// The frozen target, a `.gguf` file (in-process mode).
+    pub target: Option<String>,
+    /// Endpoint mode: running servers by name (OpenAI-compatible base URLs).
+    pub endpoints: serde_json::Map<String, serde_json::Value>,
+    /// The model name sent to the endpoints (null: the first one's `/v1/models`).
+    pub model: Option<String>,
     /// Prompts per set (the first ones).
     pub prompts: u64,
     /// The most output tokens per prompt.
@@ -63,7 +68,9 @@ impl StageKind for BenchKind {
     fn params(&self) -> Vec<Param> {
         let int = || ParamType::Int;
         vec![
-            Param::new("target", ParamType::Str, "the frozen target the drafters were trained against: a `.gguf` file").required(),
+            Param::new("target", ParamType::Str, "the frozen target the drafters were trained against: a `.gguf` file (in-process mode)"),
+            Param::new("endpoints", ParamType::Map(Box::new(ParamType::Str)), "endpoint mode: running OpenAI-compatible servers by name, e.g. {plain: 'http://127.0.0.1:30000/v1', dflash: 'http://127.0.0.1:30001/v1'}; the first is the speedup's reference").default(json!({})),
+            Param::new("model", ParamType::Str, "endpoint mode: the model name sent (null: what the first endpoint lists)"),
             Param::new("prompts", int(), "prompts per set (the first ones)").default(80),
             Param::new("max_new_tokens", int(), "the most output tokens per prompt").default(256),
             Param::new("temperature", ParamType::Float, "0: greedy (the papers' T = 0); above 0, sampled with lossless verification").default(0.0),
@@ -77,7 +84,10 @@ impl StageKind for BenchKind {
 
     fn pin(&self, params: &serde_json::Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
         // The target enters the key by content: another file under the same name reruns.
-        let target = params["target"].as_str().unwrap_or_default();
+        // Endpoint mode has none: the servers are named by their URLs in the params.
+        let Some(target) = params["target"].as_str() else {
+            return Ok(Vec::new());
+        };
         let path = std::path::Path::new(target);
         if !path.is_file() {
             return Err(

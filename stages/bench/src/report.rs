@@ -31,17 +31,26 @@ pub fn table(results: &serde_json::Map<String, Value>, warnings: &[String]) -> S
                 .take(SHOWN_POSITIONS)
                 .map(|a| format!("{:.2}", a.as_f64().unwrap_or(0.0)))
                 .collect();
+            let acceptance = match (r["latency_p50"].as_f64(), r["latency_p90"].as_f64()) {
+                // Endpoint mode: latency per request where acceptance is not known.
+                (Some(p50), Some(p90)) if acceptance.is_empty() => {
+                    vec![format!("latency p50 {p50:.2}s p90 {p90:.2}s")]
+                }
+                _ => acceptance,
+            };
+            let tau = r["tau"]
+                .as_f64()
+                .map_or_else(|| "-".to_owned(), |t| format!("{t:.2}"));
             let identical = match (r["identical"].as_u64(), r["prompts"].as_u64()) {
                 (Some(s), Some(n)) => format!("{s}/{n}"),
                 _ => "-".into(),
             };
             let _ = writeln!(
                 out,
-                "{:<14} {:<16} {:>7} {:>6.2} {:>8.1} {:>7.2}x  {:<24} {identical}",
+                "{:<14} {:<16} {:>7} {tau:>6} {:>8.1} {:>7.2}x  {:<24} {identical}",
                 if i == 0 { set.as_str() } else { "" },
                 name,
                 r["prompts"].as_u64().unwrap_or(0),
-                f("tau"),
                 f("tokens_per_second"),
                 f("speedup"),
                 if acceptance.is_empty() {

@@ -169,11 +169,11 @@ fn mismatches(name: &str, training: &Value, p: &Params, sets: &[PromptSet]) -> V
             .map(|n| n.to_string_lossy().into_owned())
     };
     if let Some(t) = training["target"].as_str()
-        && file(t) != file(&p.target)
+        && let Some(bench_target) = &p.target
+        && file(t) != file(bench_target)
     {
         out.push(format!(
-            "drafter `{name}` was trained against `{t}`; it is benchmarked against `{}`",
-            p.target
+            "drafter `{name}` was trained against `{t}`; it is benchmarked against `{bench_target}`"
         ));
     }
     let trained = training["data"].as_array().and_then(|d| {
@@ -196,8 +196,16 @@ fn mismatches(name: &str, training: &Value, p: &Params, sets: &[PromptSet]) -> V
 
 /// Bench; see the module docs.
 pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError> {
+    if !p.endpoints.is_empty() {
+        return run_endpoints(ctx, p);
+    }
+    let Some(target_path) = &p.target else {
+        return Err(StageError::new(
+            "bench needs `target:` (a GGUF file, decoded in process) or `endpoints:` (running servers)",
+        ));
+    };
     let device = Device::Cpu;
-    let path = ctx.cwd.join(&p.target);
+    let path = ctx.cwd.join(target_path);
     let target = Target::from_gguf(&path, &device).map_err(nn("loading the target"))?;
     let mut log = StageLog::open(ctx.log_path).ok();
     let mut say = |line: &str| {
@@ -371,15 +379,59 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         results.insert(set.name.clone(), v);
     }
 
-    let all = json!({"target": p.target, "temperature": p.temperature,
-        "max_new_tokens": p.max_new_tokens, "sets": results, "warnings": warnings});
+    finish(ctx, p, &results, &warnings)
+}
+
+/// Endpoint mode ([`crate::endpoint`]).
+fn run_endpoints(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError> {
+    if let Some((name, _)) = p
+        .endpoints
+        .iter()
+        .find(|(_, u)| !u.as_str().is_some_and(|u| u.starts_with("http")))
+    {
+        return Err(
+            StageError::new(format!("endpoint `{name}` is not an http(s) URL"))
+                .with_help("endpoints are base URLs ending in /v1, e.g. http://127.0.0.1:30000/v1"),
+        );
+    }
+    let mut sets = Vec::new();
+    for input in ctx.inputs {
+        if sets::is_drafter(input) {
+            return Err(StageError::new(format!(
+                "input `{}` is a drafter; in endpoint mode the servers hold the drafters",
+                input.name
+            )));
+        }
+        sets.push(sets::read_messages(
+            input,
+            p.prompts as usize,
+            &p.template_kwargs,
+        )?);
+    }
+    if sets.iter().all(|(s, _)| s.prompts.is_empty()) {
+        return Err(StageError::new("no prompts to benchmark on"));
+    }
+    let results = crate::endpoint::run(ctx, p, &sets)?;
+    finish(ctx, p, &results, &[])
+}
+
+/// Write `results.json`; the manifest's figures and the table.
+fn finish(
+    ctx: &StageContext<'_>,
+    p: &Params,
+    results: &serde_json::Map<String, Value>,
+    warnings: &[String],
+) -> Result<StageOutput, StageError> {
+    let all = json!({"target": p.target, "endpoints": p.endpoints.keys().collect::<Vec<_>>(),
+        "temperature": p.temperature, "max_new_tokens": p.max_new_tokens, "sets": results,
+        "warnings": warnings});
     std::fs::write(
         ctx.out_dir.join("results.json"),
         serde_json::to_vec_pretty(&all).expect("json"),
     )?;
-    let table = report::table(&results, &warnings);
+    let table = report::table(results, warnings);
     let mut stats = serde_json::Map::new();
-    stats.insert("sets".into(), Value::Object(compact(&results)));
+    stats.insert("sets".into(), Value::Object(compact(results)));
     stats.insert("temperature".into(), json!(p.temperature));
     stats.insert("warnings".into(), json!(warnings));
     Ok(StageOutput {
@@ -399,12 +451,17 @@ fn compact(results: &serde_json::Map<String, Value>) -> serde_json::Map<String, 
                 .into_iter()
                 .flatten()
                 .map(|(m, r)| {
-                    let round = |x: &Value| (x.as_f64().unwrap_or(0.0) * 1000.0).round() / 1000.0;
+                    // Null stays null (an endpoint that reports no accept length).
+                    let round = |x: &Value| x.as_f64().map(|x| (x * 1000.0).round() / 1000.0);
                     let mut o = json!({"tau": round(&r["tau"]), "speedup": round(&r["speedup"]),
                         "tokens_per_second": round(&r["tokens_per_second"]),
                         "acceptance": r["acceptance"].as_array().map(|a| a.iter().map(round).collect::<Vec<_>>())});
                     if !r["identical"].is_null() {
                         o["identical"] = r["identical"].clone();
+                    }
+                    if !r["latency_p50"].is_null() {
+                        o["latency_p50"] = json!(round(&r["latency_p50"]));
+                        o["latency_p90"] = json!(round(&r["latency_p90"]));
                     }
                     (m.clone(), o)
                 })

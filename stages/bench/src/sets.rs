@@ -164,3 +164,53 @@ pub fn read_set(
     }
     Ok(set)
 }
+
+/// Read one conversation set for endpoint mode: the first `limit` usable rows' leading turns
+/// (up to the first assistant turn) as OpenAI chat messages; the servers render them.
+pub fn read_messages(
+    input: &Input,
+    limit: usize,
+    kwargs: &Map<String, Value>,
+) -> Result<(PromptSet, Vec<Vec<Value>>), StageError> {
+    let mut set = PromptSet {
+        name: input.name.clone(),
+        prompts: Vec::new(),
+        template_kwargs: Value::Object(kwargs.clone()),
+        skipped: 0,
+    };
+    let mut conversations = Vec::new();
+    let files: Vec<PathBuf> = dataset::files(&input.dir)?
+        .into_values()
+        .flatten()
+        .collect();
+    'files: for f in &files {
+        if tokens::is_token_file(f)? {
+            return Err(StageError::new(format!(
+                "prompt set `{}` holds token files; endpoint mode sends text",
+                input.name
+            ))
+            .with_help("give endpoint mode `download` or `mix` stages as prompt sets"));
+        }
+        for row in dataset::read_rows(f)? {
+            if set.prompts.len() >= limit {
+                break 'files;
+            }
+            let messages: Vec<Value> = row
+                .messages
+                .iter()
+                .take_while(|m| m.role != "assistant")
+                .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                .collect();
+            if !messages.iter().any(|m| m["role"] == "user") {
+                set.skipped += 1;
+                continue;
+            }
+            set.prompts.push(Prompt {
+                id: row.id,
+                ids: Vec::new(),
+            });
+            conversations.push(messages);
+        }
+    }
+    Ok((set, conversations))
+}
