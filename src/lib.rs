@@ -9,6 +9,7 @@ pub mod cli;
 pub mod estimate;
 pub mod graph;
 pub mod hashcache;
+pub mod html;
 pub mod key;
 pub mod kinds;
 pub mod lineage;

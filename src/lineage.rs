@@ -469,11 +469,21 @@ pub fn diff_pipelines(a: &Pipeline, b: &Pipeline) -> Vec<StageDiff> {
     }
 }
 
-/// A diff as aligned text.
-pub fn render_diff(diffs: &[StageDiff]) -> String {
+/// A diff as aligned text; `colour` marks each stage's change in ANSI colours (for a terminal).
+pub fn render_diff(diffs: &[StageDiff], colour: bool) -> String {
     let mut out = String::new();
     for d in diffs {
-        let _ = writeln!(out, "{:<8} {}", d.change, d.id);
+        let code = match d.change {
+            "changed" => "33",
+            "added" => "32",
+            "removed" => "31",
+            _ => "2",
+        };
+        if colour {
+            let _ = writeln!(out, "\x1b[{code}m{:<8}\x1b[0m {}", d.change, d.id);
+        } else {
+            let _ = writeln!(out, "{:<8} {}", d.change, d.id);
+        }
         for det in &d.details {
             let _ = writeln!(out, "           {det}");
         }

@@ -4,7 +4,7 @@
 
 mod report;
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -153,6 +153,16 @@ enum Command {
         #[command(flatten)]
         store: StoreArg,
     },
+    /// Write one run as a self-contained HTML page: the stage graph, timings, data summaries, charts
+    Report {
+        /// A run id or its prefix (see `dflash runs`), or `latest`
+        run: String,
+        /// The HTML file to write
+        #[arg(long, short, default_value = "report.html")]
+        output: PathBuf,
+        #[command(flatten)]
+        store: StoreArg,
+    },
     /// List past runs
     Runs {
         /// Print JSON on stdout
@@ -287,6 +297,26 @@ fn load(path: &Path, registry: &Registry) -> Result<(Arc<Pipeline>, Graph), Fail
     let p = pipeline::load(path, registry)?;
     let g = Graph::build(&p).map_err(|e| Failure::from(*e))?;
     Ok((Arc::new(p), g))
+}
+
+/// The run whose id starts with `id` (`latest`: the last one).
+fn find_run(
+    runs: &[crate::store::RunRecord],
+    id: &str,
+) -> Result<crate::store::RunRecord, Failure> {
+    if id == "latest" {
+        return runs
+            .last()
+            .cloned()
+            .ok_or_else(|| Failure::from(CliError::NoRun(id.to_owned())));
+    }
+    let hits: Vec<&crate::store::RunRecord> =
+        runs.iter().filter(|r| r.run_id.starts_with(id)).collect();
+    match hits.len() {
+        1 => Ok(hits[0].clone()),
+        0 => Err(Failure::from(CliError::NoRun(id.to_owned()))),
+        n => Err(Failure::from(CliError::Ambiguous(id.to_owned(), n))),
+    }
 }
 
 fn out(s: &str) {
@@ -558,15 +588,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                 let store = open_store(&store, None)?;
                 runtime()?.block_on(async {
                     let runs = store.runs().await?;
-                    let find = |id: &str| {
-                        let hits: Vec<&crate::store::RunRecord> =
-                            runs.iter().filter(|r| r.run_id.starts_with(id)).collect();
-                        match hits.len() {
-                            1 => Ok(hits[0].clone()),
-                            0 => Err(Failure::from(CliError::NoRun(id.to_owned()))),
-                            n => Err(Failure::from(CliError::Ambiguous(id.to_owned(), n))),
-                        }
-                    };
+                    let find = |id: &str| find_run(&runs, id);
                     // Two artifacts (key or digest prefixes) rather than two runs.
                     let is_run = |id: &str| runs.iter().any(|r| r.run_id.starts_with(id));
                     let is_hex =
@@ -594,8 +616,24 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             if json {
                 out(&serde_json::json!({ "stages": diffs }).to_string());
             } else {
-                out(crate::lineage::render_diff(&diffs).trim_end());
+                // Colour only on a terminal, and never when NO_COLOR is set (no-color.org).
+                let colour =
+                    std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+                out(crate::lineage::render_diff(&diffs, colour).trim_end());
             }
+            Ok(0)
+        }
+        Command::Report { run, output, store } => {
+            let store = open_store(&store, None)?;
+            let html = runtime()?.block_on(async {
+                let runs = store.runs().await?;
+                let record = find_run(&runs, &run)?;
+                let stages = crate::html::gather(&store, &record).await?;
+                Ok::<_, Failure>(crate::html::render(&record, &stages))
+            })?;
+            std::fs::write(&output, html)
+                .map_err(|e| Failure::from(CliError::Write(output.display().to_string(), e)))?;
+            eprintln!("wrote {}", output.display());
             Ok(0)
         }
         Command::Runs { json, store } => {

@@ -53,9 +53,9 @@ pub fn files(dir: &Path, split: &str) -> Result<Vec<PathBuf>, StageError> {
         .filter_map(Result::ok)
         .map(|e| e.path())
         .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".arrow"))
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                n.starts_with(&prefix) && Path::new(n).extension().is_some_and(|e| e == "arrow")
+            })
         })
         .collect();
     files.sort();

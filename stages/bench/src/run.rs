@@ -287,7 +287,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     let greedy = p.temperature <= 0.0;
 
     // Warm up (allocations, caches) so the first method timed pays no first-call costs.
-    if let Some(first) = prompt_sets.iter().flat_map(|s| s.prompts.first()).next() {
+    if let Some(first) = prompt_sets.iter().find_map(|s| s.prompts.first()) {
         for (_, m) in &methods {
             let mut s = settings(m, 0);
             s.max_new_tokens = s.max_new_tokens.min(4);

@@ -1,0 +1,278 @@
+//! `dflash report RUN -o report.html`: one run as a single self-contained HTML page — the
+//! stage graph coloured by status, each stage's timings, key, error and data summaries, and
+//! charts where a picture reads faster than numbers: a mix's composition before and after, a
+//! training loss curve, tau per method and prompt set. No scripts, no external resources.
+
+mod charts;
+
+use std::fmt::Write as _;
+
+use serde_json::Value;
+
+use crate::store::{Manifest, RunRecord, StageResult, Store, StoreError};
+
+/// What the page shows of one stage.
+pub struct StageView {
+    /// The run record's line.
+    pub result: StageResult,
+    /// Its manifest, when the stage has an artifact.
+    pub manifest: Option<Manifest>,
+    /// (step, loss) from a `train` artifact's `metrics.jsonl`.
+    pub loss: Vec<(f64, f64)>,
+}
+
+/// HTML-escape text for element content and attribute values.
+pub fn esc(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Read what the page needs from the store: each stage's manifest and, for `train`, its
+/// metrics.
+pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, StoreError> {
+    let mut out = Vec::with_capacity(run.stages.len());
+    for r in &run.stages {
+        let manifest = match &r.key {
+            Some(k) => store.manifest(k).await?,
+            None => None,
+        };
+        let mut loss = Vec::new();
+        if let Some(m) = &manifest
+            && m.fingerprint.kind == "train"
+            && let Some(f) = m.files.iter().find(|f| f.path == "metrics.jsonl")
+        {
+            let bytes = store.get_blob(&f.digest).await?;
+            for line in String::from_utf8_lossy(&bytes).lines() {
+                if let Ok(v) = serde_json::from_str::<Value>(line)
+                    && let (Some(s), Some(l)) = (v["step"].as_f64(), v["loss"].as_f64())
+                {
+                    loss.push((s, l));
+                }
+            }
+        }
+        out.push(StageView {
+            result: r.clone(),
+            manifest,
+            loss,
+        });
+    }
+    Ok(out)
+}
+
+const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}\
+h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}\
+table{border-collapse:collapse;font-size:13px}td,th{padding:3px 10px;border-bottom:1px solid #eee;text-align:left}\
+td.n{text-align:right;font-variant-numeric:tabular-nums}.status{font-weight:600}\
+.ran{color:#2e7d32}.resumed{color:#1565c0}.cached{color:#607d8b}.failed{color:#c62828}.skipped{color:#9e9e9e}\
+pre{background:#f6f8fa;padding:8px;font-size:12px;overflow-x:auto}.err{color:#c62828}";
+
+/// The page.
+pub fn render(run: &RunRecord, stages: &[StageView]) -> String {
+    let mut h = String::new();
+    let title = format!("dflash run {} · {}", run.run_id, run.pipeline);
+    let _ = write!(
+        h,
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{}</title><style>{STYLE}</style></head><body>",
+        esc(&title)
+    );
+    let count = |s: &str| {
+        stages
+            .iter()
+            .filter(|v| v.result.status.as_str() == s)
+            .count()
+    };
+    let _ = write!(
+        h,
+        "<h1>{}</h1><p>pipeline <code>{}</code> · started {} · {:.2} s · ran {} · cached {} · resumed {} · failed {}</p>",
+        esc(&title),
+        esc(&run.pipeline_path),
+        esc(&run.started),
+        run.seconds,
+        count("ran"),
+        count("cached"),
+        count("resumed"),
+        count("failed"),
+    );
+    let nodes: Vec<charts::Node<'_>> = stages
+        .iter()
+        .map(|v| charts::Node {
+            id: &v.result.id,
+            kind: &v.result.kind,
+            status: v.result.status.as_str(),
+            seconds: v.result.seconds,
+            inputs: v
+                .manifest
+                .as_ref()
+                .map(|m| {
+                    m.lineage
+                        .inputs
+                        .iter()
+                        .map(|i| i.stage_id.as_str())
+                        .collect()
+                })
+                .unwrap_or_default(),
+        })
+        .collect();
+    h.push_str(&charts::dag(&nodes));
+    h.push_str("<table><tr><th>stage</th><th>kind</th><th>status</th><th>seconds</th><th>key</th><th>files</th><th>bytes</th></tr>");
+    for v in stages {
+        let r = &v.result;
+        let (files, bytes) = v.manifest.as_ref().map_or((0, 0), |m| {
+            (m.files.len(), m.files.iter().map(|f| f.size).sum::<u64>())
+        });
+        let _ = write!(
+            h,
+            "<tr><td><a href=\"#stage-{id}\">{id}</a></td><td>{kind}</td><td class=\"status {st}\">{st}</td><td class=\"n\">{secs:.2}</td><td><code>{key}</code></td><td class=\"n\">{files}</td><td class=\"n\">{bytes}</td></tr>",
+            id = esc(&r.id),
+            kind = esc(&r.kind),
+            st = r.status.as_str(),
+            secs = r.seconds,
+            key = r.key.as_ref().map(|k| k.0.short(12)).unwrap_or_default(),
+        );
+    }
+    h.push_str("</table>");
+    for v in stages {
+        stage_section(&mut h, v);
+    }
+    h.push_str("</body></html>\n");
+    h
+}
+
+fn stage_section(h: &mut String, v: &StageView) {
+    let r = &v.result;
+    let _ = write!(
+        h,
+        "<h2 id=\"stage-{id}\">{id} <small>({kind}, <span class=\"{st}\">{st}</span>, {secs:.2} s)</small></h2>",
+        id = esc(&r.id),
+        kind = esc(&r.kind),
+        st = r.status.as_str(),
+        secs = r.seconds
+    );
+    if let Some(e) = &r.error {
+        let _ = write!(h, "<p class=\"err\">error: {}</p>", esc(e));
+        if let Some(hint) = &r.hint {
+            let _ = write!(h, "<p>hint: {}</p>", esc(hint));
+        }
+    }
+    let Some(m) = &v.manifest else { return };
+    let _ = write!(
+        h,
+        "<p>key <code>{}</code> · output <code>{}</code> · produced {} on {}</p>",
+        m.key.0.short(16),
+        m.digest.short(16),
+        esc(&m.lineage.started),
+        esc(&m.lineage.host)
+    );
+    // Scalars at the top level of the stats, in a table; nested ones get charts below.
+    let scalars: Vec<(&String, &Value)> = m
+        .stats
+        .iter()
+        .filter(|(_, v)| v.is_number() || v.is_string() || v.is_boolean())
+        .filter(|(_, v)| v.as_str().is_none_or(|s| !s.contains('\n')))
+        .collect();
+    if !scalars.is_empty() {
+        h.push_str("<table>");
+        for (k, val) in scalars {
+            let shown = match val {
+                Value::String(s) => s.clone(),
+                Value::Number(n) => n
+                    .as_f64()
+                    .filter(|f| f.fract() != 0.0)
+                    .map_or_else(|| n.to_string(), |f| format!("{f:.4}")),
+                other => other.to_string(),
+            };
+            let _ = write!(
+                h,
+                "<tr><td>{}</td><td class=\"n\">{}</td></tr>",
+                esc(k),
+                esc(&shown)
+            );
+        }
+        h.push_str("</table>");
+    }
+    match m.fingerprint.kind.as_str() {
+        "mix" => mix_charts(h, &m.stats),
+        "train" if !v.loss.is_empty() => {
+            h.push_str("<p>training loss per optimizer step</p>");
+            h.push_str(&charts::line(&v.loss, "step", "loss"));
+        }
+        "bench" => bench_chart(h, &m.stats),
+        _ => {}
+    }
+    if let Some(text) = m.stats.get("composition").and_then(Value::as_str) {
+        let _ = write!(h, "<pre>{}</pre>", esc(text));
+    }
+}
+
+/// Shares before and after the mix, by source and by category.
+fn mix_charts(h: &mut String, stats: &serde_json::Map<String, Value>) {
+    for (group, noun) in [("sources", "source"), ("categories", "category")] {
+        let (Some(after), Some(before)) = (
+            stats.get(group).and_then(Value::as_object),
+            stats
+                .get("before")
+                .and_then(|b| b.get(group))
+                .and_then(Value::as_object),
+        ) else {
+            continue;
+        };
+        let mut labels: Vec<String> = before.keys().chain(after.keys()).cloned().collect();
+        labels.sort();
+        labels.dedup();
+        let share = |m: &serde_json::Map<String, Value>| -> Vec<f64> {
+            let total: f64 = m.values().filter_map(Value::as_f64).sum::<f64>().max(1.0);
+            labels
+                .iter()
+                .map(|l| m.get(l).and_then(Value::as_f64).unwrap_or(0.0) / total)
+                .collect()
+        };
+        let series = [("before", share(before)), ("after", share(after))];
+        let _ = write!(h, "<p>share of rows by {noun}, before and after</p>");
+        h.push_str(&charts::bars(&labels, &series, &|v| {
+            format!("{:.1}%", v * 100.0)
+        }));
+    }
+}
+
+/// Tau per prompt set, one bar per method.
+fn bench_chart(h: &mut String, stats: &serde_json::Map<String, Value>) {
+    let Some(sets) = stats.get("sets").and_then(Value::as_object) else {
+        return;
+    };
+    let labels: Vec<String> = sets.keys().cloned().collect();
+    let mut methods: Vec<String> = Vec::new();
+    for s in sets.values() {
+        for m in s["methods"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, _)| k)
+        {
+            if !methods.contains(m) {
+                methods.push(m.clone());
+            }
+        }
+    }
+    let series: Vec<(&str, Vec<f64>)> = methods
+        .iter()
+        .map(|m| {
+            let v = labels
+                .iter()
+                .map(|l| sets[l]["methods"][m]["tau"].as_f64().unwrap_or(0.0))
+                .collect();
+            (m.as_str(), v)
+        })
+        .collect();
+    h.push_str("<p>tau (tokens committed per verification round) by prompt set</p>");
+    h.push_str(&charts::bars(&labels, &series, &|v| format!("{v:.2}")));
+}

@@ -1,0 +1,145 @@
+//! `dflash report`: a run as one HTML page, checked in a real headless browser (Debian's
+//! chromium, installed by `.ci/run`): it renders, draws the stage graph and the charts, and logs
+//! no console errors.
+
+use std::path::Path;
+use std::process::Command;
+
+mod support;
+use support::env::Env;
+
+const PIPELINE: &str = r#"
+name: report
+stages:
+  code:
+    kind: download
+    params: {path: code.jsonl, format: alpaca, category: code}
+  chat:
+    kind: download
+    params: {path: chat.jsonl, format: sharegpt}
+  prompts:
+    kind: mix
+    inputs: [code, chat]
+    params: {by: source, weights: {code: 0.5, chat: 0.5}, total: 20, seed: 0}
+  tokens:
+    kind: command
+    params: {run: "cp train-00000.arrow $DFLASH_OUT/", files: [train-00000.arrow]}
+  drafter:
+    kind: train
+    inputs: [tokens]
+    params: {target: tiny.gguf, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 63,
+             target_layers: [0, 2], epochs: 2, lr: 0.003}
+  bench:
+    kind: bench
+    inputs: [drafter, tokens]
+    params: {target: tiny.gguf, prompts: 2, max_new_tokens: 12}
+  broken:
+    kind: command
+    inputs: [prompts]
+    params: {run: "echo '<script>alert(1)</script>' >&2; exit 3"}
+"#;
+
+#[test]
+fn a_run_report_renders_in_a_real_browser_without_console_errors() {
+    let env = Env::new();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for f in ["code.jsonl", "chat.jsonl"] {
+        std::fs::copy(
+            root.join("pipelines/quickstart").join(f),
+            env.path().join(f),
+        )
+        .unwrap();
+    }
+    let out = Command::new("python3")
+        .arg(root.join("tests/support/tiny_model.py"))
+        .args(["tiny.gguf", "train-00000.arrow", "10", "24"])
+        .current_dir(env.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    env.write("p.yaml", PIPELINE);
+    let (st, run) = env.run("p.yaml", 1);
+    assert_eq!(st["broken"], "failed");
+    assert_eq!(st["bench"], "ran");
+    let id = run["run_id"].as_str().unwrap();
+
+    let o = env.dflash(&["report", &id[..12], "-o", "report.html"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let html = std::fs::read_to_string(env.path().join("report.html")).unwrap();
+    for want in [
+        "class=\"dag\"",
+        "training loss per optimizer step",
+        "share of rows by source",
+        "tau (tokens committed per verification round)",
+        "id=\"stage-broken\"",
+    ] {
+        assert!(html.contains(want), "missing {want}");
+    }
+    // Text from stages is escaped, never markup.
+    assert!(!html.contains("<script"), "unescaped text in the report");
+    // `latest` is the same run.
+    let o = env.dflash(&["report", "latest", "-o", "latest.html"]);
+    assert!(o.status.success());
+    assert_eq!(
+        std::fs::read_to_string(env.path().join("latest.html")).unwrap(),
+        html
+    );
+
+    // The browser: the DOM it built, its console, and a screenshot.
+    let url = format!("file://{}", env.path().join("report.html").display());
+    let shot = env.path().join("shot.png");
+    let browser = Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+        ])
+        .args([
+            "--enable-logging=stderr",
+            "--v=0",
+            "--window-size=1200,1600",
+        ])
+        .arg(format!(
+            "--user-data-dir={}",
+            env.path().join("chromium").display()
+        ))
+        .arg(format!("--screenshot={}", shot.display()))
+        .arg(&url)
+        .output()
+        .expect("chromium must be installed: `apt-get install chromium`, as .ci/run does");
+    let log = String::from_utf8_lossy(&browser.stderr);
+    assert!(browser.status.success(), "{log}");
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("CONSOLE") || l.contains("Uncaught")),
+        "console messages: {log}"
+    );
+    assert!(
+        std::fs::metadata(&shot).unwrap().len() > 10_000,
+        "a blank screenshot"
+    );
+    let dom = Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+        ])
+        .arg(format!(
+            "--user-data-dir={}",
+            env.path().join("chromium").display()
+        ))
+        .arg("--dump-dom")
+        .arg(&url)
+        .output()
+        .unwrap();
+    let dom = String::from_utf8_lossy(&dom.stdout);
+    // Seven stages drawn as seven nodes, and the charts.
+    assert!(dom.matches("<rect x=").count() >= 7, "{dom}");
+    assert!(dom.contains("<polyline"), "no loss curve in the DOM");
+}
