@@ -199,8 +199,15 @@ impl Target {
         let c = &config;
         let q_width = c.heads * c.head_dim;
         let kv_width = c.kv_heads * c.head_dim;
-        let mut w =
-            |o: usize, i: usize| -> Result<Tensor> { rng.normal(&[o, i], 0.02, dtype, device) };
+        // On a GPU the draws happen there (billions of them at a real shape): fast, but not the
+        // same numbers as on CPU; CPU draws are the same on every machine.
+        let mut w = |o: usize, i: usize| -> Result<Tensor> {
+            if device.is_cuda() {
+                Tensor::randn(0f32, 0.02, (o, i), device)?.to_dtype(dtype)
+            } else {
+                rng.normal(&[o, i], 0.02, dtype, device)
+            }
+        };
         let ones = |n: usize| Tensor::ones(n, dtype, device);
         let embed = w(c.vocab, c.hidden)?;
         let mut layers = Vec::with_capacity(c.layers);
@@ -237,6 +244,43 @@ impl Target {
             rope_interleaved: false,
             dtype,
         })
+    }
+
+    /// The dense weights by Hugging Face name (`model.layers.0.self_attn.q_proj.weight`, ...), for
+    /// reference implementations to load; quantized layers are left out.
+    pub fn tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![
+            ("model.embed_tokens.weight".to_owned(), self.embed.clone()),
+            ("lm_head.weight".to_owned(), self.lm_head.clone()),
+            ("model.norm.weight".to_owned(), self.norm.clone()),
+        ];
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = |n: &str| format!("model.layers.{i}.{n}.weight");
+            let dense = |x: &Linear| match x {
+                Linear::Dense(w) => Some(w.clone()),
+                Linear::Quantized(_) => None,
+            };
+            out.push((p("input_layernorm"), l.attn_norm.clone()));
+            out.push((p("post_attention_layernorm"), l.ffn_norm.clone()));
+            for (n, x) in [
+                ("self_attn.q_proj", &l.q),
+                ("self_attn.k_proj", &l.k),
+                ("self_attn.v_proj", &l.v),
+                ("self_attn.o_proj", &l.o),
+                ("mlp.gate_proj", &l.gate),
+                ("mlp.up_proj", &l.up),
+                ("mlp.down_proj", &l.down),
+            ] {
+                if let Some(w) = dense(x) {
+                    out.push((p(n), w));
+                }
+            }
+            if let (Some(q), Some(k)) = (&l.q_norm, &l.k_norm) {
+                out.push((p("self_attn.q_norm"), q.clone()));
+                out.push((p("self_attn.k_norm"), k.clone()));
+            }
+        }
+        out
     }
 
     /// Embeddings of `ids`: `[n, H]`.
