@@ -312,70 +312,125 @@ impl Target {
         Ok((logits, tapped))
     }
 
+    /// Extend several sequences' caches by one step each (`batch[i].0` after what `batch[i].1`
+    /// holds) in one pass: the linear layers multiply every sequence's rows at once, which reads
+    /// each weight once for the whole batch; attention runs per sequence over its own cache.
+    /// Returns each sequence's next-token logits at its last position, `[batch, vocab]` (f32).
+    pub fn extend_batch(&self, batch: &mut [(&[u32], &mut KvCache)]) -> Result<Tensor> {
+        let mut seqs: Vec<Seq<'_>> = batch
+            .iter_mut()
+            .map(|(ids, cache)| Seq {
+                ids,
+                cache: Some(&mut **cache),
+            })
+            .collect();
+        let lens: Vec<usize> = seqs.iter().map(|s| s.ids.len()).collect();
+        let (x, _) = self.run_layers(&mut seqs, &[], self.config.layers)?;
+        let mut last = Vec::with_capacity(lens.len());
+        let mut end = 0;
+        for n in lens {
+            end += n;
+            last.push(end as u32 - 1);
+        }
+        let x = x.index_select(&Tensor::new(last.as_slice(), x.device())?, 0)?;
+        let h = fused_norm(&x, &self.norm, self.config.eps)?;
+        Linear::Dense(self.lm_head.to_dtype(DType::F32)?).forward(&h.to_dtype(DType::F32)?)
+    }
+
     /// Run the first `upto` layers over `ids`, after what `cache` holds (if any), appending
     /// their keys and values to it; the last layer's output and the taps' outputs in the order
     /// asked.
     fn layers_forward(
         &self,
         ids: &[u32],
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
+        taps: &[usize],
+        upto: usize,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        self.run_layers(&mut [Seq { ids, cache }], taps, upto)
+    }
+
+    /// [`Self::layers_forward`] over several sequences, their rows stacked in order.
+    fn run_layers(
+        &self,
+        seqs: &mut [Seq<'_>],
         taps: &[usize],
         upto: usize,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let device = self.embed.device();
-        let n = ids.len();
         let c = &self.config;
         if let Some(bad) = taps.iter().find(|&&t| t >= c.layers) {
             candle_core::bail!("tap {bad} is past the target's {} layers", c.layers);
         }
-        let past = cache.as_ref().map_or(0, |c| c.len());
-        if let Some(cache) = cache.as_mut() {
-            cache.layers.resize(c.layers, None);
+        // Per sequence: its rows' offset and count, its position tables and mask.
+        let mut rows = Vec::with_capacity(seqs.len());
+        let mut all_ids = Vec::new();
+        for s in seqs.iter_mut() {
+            let (n, past) = (s.ids.len(), s.cache.as_ref().map_or(0, |c| c.len()));
+            if let Some(cache) = s.cache.as_mut() {
+                cache.layers.resize(c.layers, None);
+            }
+            let positions: Vec<u32> = (past as u32..(past + n) as u32).collect();
+            let (cos, sin) =
+                super::ops::rope_tables(&positions, c.head_dim, c.rope_theta, self.dtype, device)?;
+            let mask = causal_mask_after(past, n, self.dtype, device)?;
+            rows.push((all_ids.len(), n, cos, sin, mask));
+            all_ids.extend_from_slice(s.ids);
         }
-        let ids_t = Tensor::new(ids, device)?;
-        let mut x = self.embed(&ids_t)?;
-        let positions: Vec<u32> = (past as u32..(past + n) as u32).collect();
-        let (cos, sin) =
-            super::ops::rope_tables(&positions, c.head_dim, c.rope_theta, self.dtype, device)?;
-        let mask = causal_mask_after(past, n, self.dtype, device)?;
+        let mut x = self.embed(&Tensor::new(all_ids.as_slice(), device)?)?;
         let mut out = std::collections::BTreeMap::new();
         for (i, layer) in self.layers.iter().enumerate().take(upto) {
             let h = fused_norm(&x, &layer.attn_norm, c.eps)?;
-            let heads = |t: Tensor, count: usize| -> Result<Tensor> {
-                t.reshape((n, count, c.head_dim))?
-                    .transpose(0, 1)?
-                    .contiguous()
-            };
-            let mut q = heads(layer.q.forward(&h)?, c.heads)?;
-            let mut k = heads(layer.k.forward(&h)?, c.kv_heads)?;
-            let mut v = heads(layer.v.forward(&h)?, c.kv_heads)?;
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                q = fused_norm(&q, qn, c.eps)?;
-                k = fused_norm(&k, kn, c.eps)?;
-            }
-            let rope = |t: &Tensor| -> Result<Tensor> {
-                if t.dtype() == DType::F64 && !self.rope_interleaved {
-                    return super::ops::rope(t, &cos, &sin);
-                }
-                let t = t.unsqueeze(0)?.contiguous()?;
-                let r = if self.rope_interleaved {
-                    candle_nn::rotary_emb::rope_i(&t, &cos, &sin)?
-                } else {
-                    candle_nn::rotary_emb::rope(&t, &cos, &sin)?
+            let (q_all, k_all, v_all) = (
+                layer.q.forward(&h)?,
+                layer.k.forward(&h)?,
+                layer.v.forward(&h)?,
+            );
+            let mut attended = Vec::with_capacity(seqs.len());
+            for (s, (at, n, cos, sin, mask)) in seqs.iter_mut().zip(&rows) {
+                let (at, n) = (*at, *n);
+                let heads = |t: &Tensor, count: usize| -> Result<Tensor> {
+                    t.narrow(0, at, n)?
+                        .reshape((n, count, c.head_dim))?
+                        .transpose(0, 1)?
+                        .contiguous()
                 };
-                r.squeeze(0)
-            };
-            let (q, mut k) = (rope(&q)?, rope(&k)?);
-            if let Some(cache) = cache.as_mut() {
-                let slot = &mut cache.layers[i];
-                if let Some((pk, pv)) = slot.take() {
-                    k = Tensor::cat(&[&pk, &k], 1)?;
-                    v = Tensor::cat(&[&pv, &v], 1)?;
+                let mut q = heads(&q_all, c.heads)?;
+                let mut k = heads(&k_all, c.kv_heads)?;
+                let mut v = heads(&v_all, c.kv_heads)?;
+                if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                    q = fused_norm(&q, qn, c.eps)?;
+                    k = fused_norm(&k, kn, c.eps)?;
                 }
-                *slot = Some((k.clone(), v.clone()));
+                let rope = |t: &Tensor| -> Result<Tensor> {
+                    if t.dtype() == DType::F64 && !self.rope_interleaved {
+                        return super::ops::rope(t, cos, sin);
+                    }
+                    let t = t.unsqueeze(0)?.contiguous()?;
+                    let r = if self.rope_interleaved {
+                        candle_nn::rotary_emb::rope_i(&t, cos, sin)?
+                    } else {
+                        candle_nn::rotary_emb::rope(&t, cos, sin)?
+                    };
+                    r.squeeze(0)
+                };
+                let (q, mut k) = (rope(&q)?, rope(&k)?);
+                if let Some(cache) = s.cache.as_mut() {
+                    let slot = &mut cache.layers[i];
+                    if let Some((pk, pv)) = slot.take() {
+                        k = Tensor::cat(&[&pk, &k], 1)?;
+                        v = Tensor::cat(&[&pv, &v], 1)?;
+                    }
+                    *slot = Some((k.clone(), v.clone()));
+                }
+                let a = super::ops::attention(&q, &k, &v, mask)?;
+                attended.push(a.transpose(0, 1)?.reshape((n, c.heads * c.head_dim))?);
             }
-            let a = super::ops::attention(&q, &k, &v, &mask)?;
-            let a = a.transpose(0, 1)?.reshape((n, c.heads * c.head_dim))?;
+            let a = if attended.len() == 1 {
+                attended.pop().expect("one")
+            } else {
+                Tensor::cat(&attended, 0)?
+            };
             x = (x + layer.o.forward(&a)?)?;
             let h = fused_norm(&x, &layer.ffn_norm, c.eps)?;
             x = (&x + super::ops::swiglu(&h, &layer.gate, &layer.up, &layer.down)?)?;
@@ -383,8 +438,10 @@ impl Target {
                 out.insert(i, x.clone());
             }
         }
-        if let Some(cache) = cache {
-            cache.len = past + n;
+        for (s, (_, n, ..)) in seqs.iter_mut().zip(&rows) {
+            if let Some(cache) = s.cache.as_mut() {
+                cache.len += n;
+            }
         }
         let tapped = if taps.is_empty() {
             None
@@ -395,6 +452,12 @@ impl Target {
         };
         Ok((x, tapped))
     }
+}
+
+/// One sequence of a forward pass: its new tokens and, when decoding, its cache.
+struct Seq<'a> {
+    ids: &'a [u32],
+    cache: Option<&'a mut KvCache>,
 }
 
 /// The target's keys and values for the positions decoded so far (speculative decoding crops
