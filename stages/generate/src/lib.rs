@@ -59,6 +59,7 @@ struct Params {
     attempts: i64,
     shard_rows: i64,
     shard_seconds: f64,
+    batch_size: i64,
 }
 
 impl StageKind for GenerateKind {
@@ -67,7 +68,8 @@ impl StageKind for GenerateKind {
     }
 
     fn version(&self) -> u32 {
-        1
+        // 2: the candle backend decodes batches with dflash's own model code (dense weights).
+        2
     }
 
     fn summary(&self) -> &'static str {
@@ -179,6 +181,12 @@ impl StageKind for GenerateKind {
                 "...or after this many seconds",
             )
             .default(60.0),
+            Param::new(
+                "batch_size",
+                ParamType::Int,
+                "candle backend: conversations decoded together (one pass reads the weights once for all of them)",
+            )
+            .default(8),
         ]
     }
 
@@ -534,7 +542,9 @@ fn with_writer(
     Ok(reports)
 }
 
-/// Generate every task in-process, one at a time.
+/// Generate every task in-process, `batch_size` conversations at a time: each wave decodes the
+/// next reply of every unfinished conversation of the batch together (multi-turn rows take
+/// several waves); rows are sent in task order as their batch completes.
 fn generate_locally(
     local: &mut Local,
     todo: &[&Task],
@@ -549,25 +559,48 @@ fn generate_locally(
         top_p: p.top_p,
         stop: &p.stop,
     };
-    for t in todo {
-        let mut r = Regeneration::new(t, p);
-        let answered = loop {
-            let seed = r.seed.unwrap_or(0);
-            let Some((convo, _)) = r.context() else {
-                break r.done();
-            };
-            match local.reply(convo, &sampling, seed, ctx.cancel)? {
-                Ok(reply) => {
-                    if !r.reply(reply) {
-                        break r.done();
-                    }
+    for chunk in todo.chunks(p.batch_size.max(1) as usize) {
+        let mut live: Vec<Option<Regeneration<'_>>> = chunk
+            .iter()
+            .map(|t| Some(Regeneration::new(t, p)))
+            .collect();
+        let mut answered: Vec<Option<Answered>> = chunk.iter().map(|_| None).collect();
+        loop {
+            let mut wave = Vec::new();
+            for (i, slot) in live.iter_mut().enumerate() {
+                let Some(r) = slot.as_mut() else { continue };
+                let seed = r.seed.unwrap_or(0);
+                match r.context() {
+                    Some((convo, _)) => wave.push((i, convo.to_vec(), seed)),
+                    None => answered[i] = slot.take().map(Regeneration::done),
                 }
-                Err(why) => break r.refused(&why),
             }
-        };
-        c.add(&answered);
-        if tx.send(answered).is_err() {
-            return Ok(());
+            if wave.is_empty() {
+                break;
+            }
+            let convos: Vec<&[Message]> = wave.iter().map(|(_, m, _)| m.as_slice()).collect();
+            let seeds: Vec<u64> = wave.iter().map(|(.., s)| *s).collect();
+            let replies = local.reply_batch(&convos, &sampling, &seeds, ctx.cancel)?;
+            for ((i, ..), reply) in wave.iter().zip(replies) {
+                let slot = &mut live[*i];
+                let keep = match (reply, slot.as_mut()) {
+                    (Ok(reply), Some(r)) => r.reply(reply),
+                    (Err(why), Some(_)) => {
+                        answered[*i] = slot.take().map(|r| r.refused(&why));
+                        continue;
+                    }
+                    (_, None) => continue,
+                };
+                if !keep {
+                    answered[*i] = slot.take().map(Regeneration::done);
+                }
+            }
+        }
+        for a in answered.into_iter().flatten() {
+            c.add(&a);
+            if tx.send(a).is_err() {
+                return Ok(());
+            }
         }
         c.report(ctx, "");
     }

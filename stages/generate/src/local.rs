@@ -1,15 +1,18 @@
-//! The `candle` backend: generation in-process with candle, for a local GGUF model (the
-//! quickstart's SmolLM2-135M-Instruct on CPU). The prompt is rendered with the model's own chat
-//! template and tokenized exactly as `tokenize` does (the same crate), so what was generated is
-//! what will be trained on. One sequence at a time: candle's quantized Llama has no padding mask
-//! for batches of prompts of different lengths; each forward is parallel over the cores.
+//! The `candle` backend: generation in-process with candle, for a local GGUF model (Llama or
+//! Qwen3 architecture; the quickstart's SmolLM2-135M-Instruct on CPU). The prompt is rendered
+//! with the model's own chat template and tokenized exactly as `tokenize` does (the same crate),
+//! so what was generated is what will be trained on. Conversations are decoded in batches: each
+//! prompt is prefilled on its own, then every step feeds the batch's next tokens through one
+//! pass (`dflash_model::nn::Target::extend_batch`), so the weights are read once per step for
+//! the whole batch instead of once per sequence.
 
 use std::path::Path;
 
+use candle_core::Device;
 use candle_core::quantized::gguf_file;
-use candle_core::{Device, Tensor};
 use candle_transformers::generation::LogitsProcessor;
-use candle_transformers::models::quantized_llama::ModelWeights;
+use dflash_model::nn::Target;
+use dflash_model::nn::target::KvCache;
 use dflash_stage_api::dataset::Message;
 use dflash_stage_api::{Cancel, StageError};
 use dflash_stage_tokenize::{Cache, ChatTemplate, Encoder, Turn};
@@ -19,13 +22,12 @@ use crate::client::Reply;
 
 /// A loaded model.
 pub struct Local {
-    weights: ModelWeights,
+    target: Target,
     template: ChatTemplate,
     encoder: Encoder,
     cache: Cache,
     end_ids: Vec<u32>,
     context: usize,
-    device: Device,
 }
 
 /// Sampling settings.
@@ -44,6 +46,16 @@ fn err(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
     move |e| StageError::new(format!("{what}: {e}"))
 }
 
+/// One conversation being decoded.
+struct Decoding {
+    cache: KvCache,
+    sampler: LogitsProcessor,
+    budget: usize,
+    out: Vec<u32>,
+    /// The finished reply (or why there is none).
+    result: Option<Result<Reply, String>>,
+}
+
 impl Local {
     /// Load the GGUF model at `path`; `kwargs` go to its chat template.
     pub fn load(path: &Path, kwargs: &Map<String, Json>) -> Result<Self, StageError> {
@@ -58,10 +70,9 @@ impl Local {
             .find(|(k, _)| k.ends_with(".context_length"))
             .and_then(|(_, v)| v.to_u32().ok())
             .unwrap_or(2048) as usize;
-        let device = Device::Cpu;
-        let weights = ModelWeights::from_gguf(gguf, &mut file, &device).map_err(|e| {
+        let target = Target::from_gguf(path, &Device::Cpu).map_err(|e| {
             StageError::new(format!("cannot load `{shown}`: {e}"))
-                .with_help("the candle backend runs Llama-architecture GGUF models")
+                .with_help("the candle backend runs Llama- and Qwen3-architecture GGUF models")
         })?;
         let model = dflash_stage_tokenize::load_model(path, None)?;
         let template = ChatTemplate::new(&model.template, &model.special, kwargs)
@@ -74,24 +85,17 @@ impl Local {
         let encoder = Encoder::from_parts(model.tokenizer, model.fast);
         let cache = encoder.take_cache();
         Ok(Self {
-            weights,
+            target,
             template,
             encoder,
             cache,
             end_ids,
             context,
-            device,
         })
     }
 
-    /// Generate the reply to `convo`.
-    pub fn reply(
-        &mut self,
-        convo: &[Message],
-        s: &Sampling<'_>,
-        seed: u64,
-        cancel: &Cancel,
-    ) -> Result<Result<Reply, String>, StageError> {
+    /// The tokens of `convo` rendered with the generation prompt.
+    fn prompt(&mut self, convo: &[Message]) -> Result<Vec<u32>, StageError> {
         let turns: Vec<Turn<'_>> = convo
             .iter()
             .map(|m| Turn {
@@ -109,58 +113,121 @@ impl Local {
             .encoder
             .encode(&text, &mut self.cache)
             .map_err(StageError::new)?;
-        if prompt.len() >= self.context {
-            return Ok(Err(format!(
-                "the prompt has {} tokens; the model's context is {}",
-                prompt.len(),
-                self.context
-            )));
-        }
-        let budget = s.max_tokens.min(self.context - prompt.len());
+        Ok(prompt)
+    }
+
+    /// Generate the reply to each of `convos` (with `seeds[i]`), decoded together. A reply that
+    /// cannot be generated (a prompt past the context) is an `Err` with the reason.
+    pub fn reply_batch(
+        &mut self,
+        convos: &[&[Message]],
+        s: &Sampling<'_>,
+        seeds: &[u64],
+        cancel: &Cancel,
+    ) -> Result<Vec<Result<Reply, String>>, StageError> {
         let temperature = (s.temperature > 0.0).then_some(s.temperature);
         let top_p = (s.top_p < 1.0).then_some(s.top_p);
-        let mut sampler = LogitsProcessor::new(seed, temperature, top_p);
-        self.weights.clear_kv_cache();
-        let input = Tensor::new(prompt.as_slice(), &self.device)
-            .and_then(|t| t.unsqueeze(0))
-            .map_err(err("prefill"))?;
-        let mut logits = self.weights.forward(&input, 0).map_err(err("prefill"))?;
-        let mut out: Vec<u32> = Vec::new();
-        let mut finish = "length";
-        while out.len() < budget {
+        let mut seqs = Vec::with_capacity(convos.len());
+        let mut logits = Vec::with_capacity(convos.len());
+        for (convo, &seed) in convos.iter().zip(seeds) {
+            let prompt = self.prompt(convo)?;
+            let mut d = Decoding {
+                cache: KvCache::default(),
+                sampler: LogitsProcessor::new(seed, temperature, top_p),
+                budget: s.max_tokens.min(self.context.saturating_sub(prompt.len())),
+                out: Vec::new(),
+                result: None,
+            };
+            if prompt.len() >= self.context {
+                d.result = Some(Err(format!(
+                    "the prompt has {} tokens; the model's context is {}",
+                    prompt.len(),
+                    self.context
+                )));
+                logits.push(None);
+            } else {
+                let (l, _) = self
+                    .target
+                    .extend(&prompt, &mut d.cache, &[])
+                    .map_err(err("prefill"))?;
+                logits.push(Some(
+                    l.narrow(0, prompt.len() - 1, 1).map_err(err("prefill"))?,
+                ));
+            }
+            seqs.push(d);
+        }
+        loop {
             if cancel.is_cancelled() {
                 return Err(StageError::cancelled());
             }
-            let next = logits
-                .squeeze(0)
-                .and_then(|l| sampler.sample(&l))
-                .map_err(err("sampling"))?;
-            if self.end_ids.contains(&next) {
-                finish = "stop";
+            // Sample each live sequence's next token; finish those that end here.
+            let mut step: Vec<(usize, u32)> = Vec::new();
+            for (i, d) in seqs.iter_mut().enumerate() {
+                if d.result.is_some() {
+                    continue;
+                }
+                let Some(l) = logits[i].take() else { continue };
+                if d.out.len() >= d.budget {
+                    d.result = Some(Ok(self.finish(&d.out, "length")?));
+                    continue;
+                }
+                let next = l
+                    .squeeze(0)
+                    .and_then(|l| d.sampler.sample(&l))
+                    .map_err(err("sampling"))?;
+                if self.end_ids.contains(&next) {
+                    d.result = Some(Ok(self.finish(&d.out, "stop")?));
+                    continue;
+                }
+                d.out.push(next);
+                if !s.stop.is_empty() {
+                    let so_far = self.decode(&d.out)?;
+                    if let Some(at) = s
+                        .stop
+                        .iter()
+                        .filter_map(|st| so_far.find(st.as_str()))
+                        .min()
+                    {
+                        d.result = Some(Ok(split_reasoning(&so_far[..at], "stop", d.out.len())));
+                        continue;
+                    }
+                }
+                if d.out.len() >= d.budget {
+                    d.result = Some(Ok(self.finish(&d.out, "length")?));
+                    continue;
+                }
+                step.push((i, next));
+            }
+            if step.is_empty() {
                 break;
             }
-            out.push(next);
-            if !s.stop.is_empty() {
-                let so_far = self.decode(&out)?;
-                if let Some(at) = s
-                    .stop
-                    .iter()
-                    .filter_map(|st| so_far.find(st.as_str()))
-                    .min()
-                {
-                    return Ok(Ok(split_reasoning(&so_far[..at], "stop", out.len())));
-                }
+            let tokens: Vec<[u32; 1]> = step.iter().map(|&(_, t)| [t]).collect();
+            let mut batch: Vec<(&[u32], &mut KvCache)> = Vec::with_capacity(step.len());
+            let mut caches: Vec<&mut KvCache> = seqs
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| step.iter().any(|(j, _)| j == i))
+                .map(|(_, d)| &mut d.cache)
+                .collect();
+            for (t, c) in tokens.iter().zip(caches.drain(..)) {
+                batch.push((t.as_slice(), c));
             }
-            let input = Tensor::new(&[next], &self.device)
-                .and_then(|t| t.unsqueeze(0))
+            let out = self
+                .target
+                .extend_batch(&mut batch)
                 .map_err(err("decode"))?;
-            logits = self
-                .weights
-                .forward(&input, prompt.len() + out.len() - 1)
-                .map_err(err("decode"))?;
+            for (row, &(i, _)) in step.iter().enumerate() {
+                logits[i] = Some(out.narrow(0, row, 1).map_err(err("decode"))?);
+            }
         }
-        let text = self.decode(&out)?;
-        Ok(Ok(split_reasoning(&text, finish, out.len())))
+        Ok(seqs
+            .into_iter()
+            .map(|d| d.result.unwrap_or_else(|| Err("no reply".into())))
+            .collect())
+    }
+
+    fn finish(&self, out: &[u32], reason: &str) -> Result<Reply, StageError> {
+        Ok(split_reasoning(&self.decode(out)?, reason, out.len()))
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String, StageError> {
