@@ -186,7 +186,7 @@ fn parity(args: &[String]) -> Result<()> {
         saved.insert(format!("drafter.{n}"), t);
     }
     // The same weights on the device under test.
-    let target = Target::random(tc.clone(), 3, DType::F32, &device)?;
+    let target = target_cpu.to_device(&device)?;
     let moved: HashMap<String, Tensor> = drafter_cpu
         .tensors(DType::F32)?
         .into_iter()

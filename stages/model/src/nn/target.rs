@@ -283,6 +283,46 @@ impl Target {
         out
     }
 
+    /// The same target on `device` (dense weights only: quantized layers cannot move).
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        let mv = |t: &Tensor| t.to_device(device);
+        let lin = |l: &Linear| match l {
+            Linear::Dense(w) => Ok(Linear::Dense(w.to_device(device)?)),
+            Linear::Quantized(_) => {
+                candle_core::bail!("quantized layers cannot move between devices")
+            }
+        };
+        let opt = |t: &Option<Tensor>| t.as_ref().map(mv).transpose();
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(Layer {
+                    attn_norm: mv(&l.attn_norm)?,
+                    q: lin(&l.q)?,
+                    k: lin(&l.k)?,
+                    v: lin(&l.v)?,
+                    o: lin(&l.o)?,
+                    q_norm: opt(&l.q_norm)?,
+                    k_norm: opt(&l.k_norm)?,
+                    ffn_norm: mv(&l.ffn_norm)?,
+                    gate: lin(&l.gate)?,
+                    up: lin(&l.up)?,
+                    down: lin(&l.down)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            config: self.config.clone(),
+            embed: mv(&self.embed)?,
+            lm_head: mv(&self.lm_head)?,
+            norm: mv(&self.norm)?,
+            layers,
+            rope_interleaved: self.rope_interleaved,
+            dtype: self.dtype,
+        })
+    }
+
     /// Embeddings of `ids`: `[n, H]`.
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         self.embed.index_select(ids, 0)?.to_dtype(self.dtype)
