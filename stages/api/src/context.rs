@@ -38,6 +38,23 @@ pub trait Pinner: Sync {
     fn file_digest(&self, path: &Path) -> Result<Digest, StageError>;
 }
 
+/// The pin of a local model file (`model:<file name>` = its content digest), so another file
+/// under the same name reruns the stage; `help` says what the param should name when the file
+/// is missing.
+pub fn pin_model_file(path: &str, pinner: &dyn Pinner, help: &str) -> Result<Pin, StageError> {
+    let p = Path::new(path);
+    if !p.is_file() {
+        return Err(StageError::new(format!("the model `{path}` does not exist")).with_help(help));
+    }
+    let name = p
+        .file_name()
+        .map_or_else(|| path.to_owned(), |n| n.to_string_lossy().into_owned());
+    Ok(Pin {
+        name: format!("model:{name}"),
+        identity: pinner.file_digest(p)?.to_hex(),
+    })
+}
+
 /// Partial progress that survives a crash: each shard is committed to the store (create-only)
 /// as soon as it is complete, and a rerun of the same key sees which shards are done.
 pub trait ShardSink: Sync {

@@ -23,7 +23,9 @@ pub mod remote;
 pub mod tokens;
 
 pub use cancel::Cancel;
-pub use context::{Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput};
+pub use context::{
+    Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput, pin_model_file,
+};
 pub use digest::{Digest, DigestParseError};
 pub use error::StageError;
 pub use log::StageLog;

@@ -88,20 +88,11 @@ impl StageKind for BenchKind {
         let Some(target) = params["target"].as_str() else {
             return Ok(Vec::new());
         };
-        let path = std::path::Path::new(target);
-        if !path.is_file() {
-            return Err(
-                StageError::new(format!("the target `{target}` does not exist"))
-                    .with_help("`target:` is the GGUF file the drafters were trained against"),
-            );
-        }
-        let name = path
-            .file_name()
-            .map_or_else(|| target.to_owned(), |n| n.to_string_lossy().into_owned());
-        Ok(vec![Pin {
-            name: format!("model:{name}"),
-            identity: pinner.file_digest(path)?.to_hex(),
-        }])
+        Ok(vec![dflash_stage_api::pin_model_file(
+            target,
+            pinner,
+            "`target:` is the GGUF file the drafters were trained against",
+        )?])
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {

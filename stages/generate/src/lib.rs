@@ -197,20 +197,11 @@ impl StageKind for GenerateKind {
             return Ok(Vec::new());
         }
         let model = params["model"].as_str().unwrap_or_default();
-        let path = std::path::Path::new(model);
-        if !path.is_file() {
-            return Err(
-                StageError::new(format!("the model `{model}` does not exist"))
-                    .with_help("with `backend: candle`, `model:` is a GGUF file"),
-            );
-        }
-        let name = path
-            .file_name()
-            .map_or_else(|| model.to_owned(), |n| n.to_string_lossy().into_owned());
-        Ok(vec![Pin {
-            name: format!("model:{name}"),
-            identity: pinner.file_digest(path)?.to_hex(),
-        }])
+        Ok(vec![dflash_stage_api::pin_model_file(
+            model,
+            pinner,
+            "with `backend: candle`, `model:` is a GGUF file",
+        )?])
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {

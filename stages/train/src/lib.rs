@@ -8,7 +8,9 @@
 
 mod train_loop;
 
-use dflash_stage_api::{Param, ParamType, StageContext, StageError, StageKind, StageOutput};
+use dflash_stage_api::{
+    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
+};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -62,6 +64,7 @@ impl StageKind for TrainKind {
 
     fn version(&self) -> u32 {
         // 2: writes `training.json` (the target and the data's rendering) for `bench`.
+        // The target file's content entered the key (a pin) with 2 as well.
         2
     }
 
@@ -95,6 +98,20 @@ impl StageKind for TrainKind {
             Param::new("max_steps", int(), "stop after this many optimizer steps (null: all epochs)"),
             Param::new("device", ParamType::Enum(&["auto", "cpu", "cuda"]), "where to train").default("auto"),
         ]
+    }
+
+    fn pin(&self, params: &serde_json::Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
+        // The frozen target enters the key by content: another file under the same name retrains.
+        // (A folder or Hub id is refused when the stage runs, with the reason.)
+        let target = params["target"].as_str().unwrap_or_default();
+        if !std::path::Path::new(target).is_file() {
+            return Ok(Vec::new());
+        }
+        Ok(vec![dflash_stage_api::pin_model_file(
+            target,
+            pinner,
+            "`target:` is the frozen target's .gguf file",
+        )?])
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
