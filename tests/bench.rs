@@ -3,9 +3,6 @@
 //! the results land in the artifact and the manifest, a thinking-mode mismatch between training
 //! and benchmark data is called out, and `dflash diff` shows the tau change per set.
 
-use std::path::Path;
-use std::process::Command;
-
 use serde_json::Value;
 
 mod support;
@@ -39,17 +36,7 @@ stages:
 "#;
 
 fn setup(env: &Env) {
-    let out = Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/tiny_model.py"))
-        .args(["tiny.gguf", "train-00000.arrow", "12", "32"])
-        .current_dir(env.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "12", "32"]);
     env.write(
         "trained/tokenize.json",
         r#"{"template_kwargs": {"enable_thinking": false}}"#,
@@ -191,16 +178,9 @@ fn a_drafter_for_another_target_is_refused_with_the_reason() {
             "params: {target: other.gguf, prompts: 4",
         ),
     );
-    let out = Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/tiny_model.py"))
-        .args(["other.gguf", "unused.arrow", "1", "16", "--vocab", "80"])
-        .current_dir(env.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    support::tiny_model(
+        env.path(),
+        &["other.gguf", "unused.arrow", "1", "16", "--vocab", "80"],
     );
     let (st, v) = env.run("p.yaml", 1);
     assert_eq!(st["bench"], "failed");

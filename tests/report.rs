@@ -50,17 +50,7 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
         )
         .unwrap();
     }
-    let out = Command::new("python3")
-        .arg(root.join("tests/support/tiny_model.py"))
-        .args(["tiny.gguf", "train-00000.arrow", "10", "24"])
-        .current_dir(env.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "10", "24"]);
     env.write("p.yaml", PIPELINE);
     let (st, run) = env.run("p.yaml", 1);
     assert_eq!(st["broken"], "failed");

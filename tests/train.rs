@@ -3,7 +3,6 @@
 //! with `kill -9` after a checkpoint resumes from it and ends with the same bytes as a run that
 //! was never stopped.
 
-use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
@@ -25,17 +24,7 @@ stages:
 "#;
 
 fn tiny(env: &Env) {
-    let out = Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/tiny_model.py"))
-        .args(["tiny.gguf", "train-00000.arrow", "100", "48"])
-        .current_dir(env.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "100", "48"]);
     env.write("p.yaml", PIPELINE);
 }
 

@@ -9,6 +9,22 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// Write a tiny random Llama GGUF and a token file as `tokenize` writes them into `dir`
+/// (`tests/support/tiny_model.py`; `args`: model file, token file, rows, length, options).
+pub fn tiny_model(dir: &std::path::Path, args: &[&str]) {
+    let out = Command::new("python3")
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/tiny_model.py"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("python3 with the `gguf` package, as .ci/run installs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A running SeaweedFS with one bucket; killed on drop.
 pub struct Seaweed {
     child: Child,

@@ -275,7 +275,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     }
     let stop = rendering
         .as_ref()
-        .map(|r| r.stop.clone())
+        .map(|r| r.stop().to_vec())
         .unwrap_or_default();
     let settings = |m: &Method, i: usize| Settings {
         block_size: m.block(),

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use dflash_stage_api::dataset;
 use dflash_stage_api::tokens;
 use dflash_stage_api::{Input, StageError};
-use dflash_stage_tokenize::{Cache, ChatTemplate, Encoder, Turn};
+use dflash_stage_tokenize::Chat;
 use serde_json::{Map, Value};
 
 /// One prompt, tokenized.
@@ -31,68 +31,43 @@ pub struct PromptSet {
     pub skipped: u64,
 }
 
-/// The target's tokenizer and chat template.
-pub struct Rendering {
-    template: ChatTemplate,
-    encoder: Encoder,
-    cache: Cache,
-    /// End-of-turn token ids: decoding stops at them.
-    pub stop: Vec<u32>,
-}
+/// The target's tokenizer and chat template, for conversation sets.
+pub struct Rendering(Chat);
 
 impl Rendering {
     /// The tokenizer and template of the GGUF model at `path`.
     pub fn load(path: &Path, kwargs: &Map<String, Value>) -> Result<Self, StageError> {
-        let model = dflash_stage_tokenize::load_model(path, None)?;
-        let template = ChatTemplate::new(&model.template, &model.special, kwargs)
-            .map_err(|e| StageError::new(e.0))?;
-        let stop = model
-            .end_tokens
-            .iter()
-            .filter_map(|t| model.tokenizer.token_to_id(t))
-            .collect();
-        let encoder = Encoder::from_parts(model.tokenizer, model.fast);
-        let cache = encoder.take_cache();
-        Ok(Self {
-            template,
-            encoder,
-            cache,
-            stop,
-        })
+        Chat::load(path, kwargs).map(Self)
+    }
+
+    /// End-of-turn token ids: decoding stops at them.
+    pub fn stop(&self) -> &[u32] {
+        &self.0.stop
     }
 
     /// The text of `ids`.
     pub fn decode(&self, ids: &[u32]) -> String {
-        self.encoder
-            .tokenizer()
-            .decode(ids, true)
-            .unwrap_or_default()
+        self.0.decode(ids).unwrap_or_default()
     }
 
+    /// The prompt for a conversation: its turns before the first assistant turn; `None` when
+    /// they hold no user turn.
     fn prompt(&mut self, messages: &[dataset::Message]) -> Result<Option<Vec<u32>>, StageError> {
-        let turns: Vec<Turn<'_>> = messages
-            .iter()
-            .take_while(|m| m.role != "assistant")
-            .map(|m| Turn {
-                role: &m.role,
-                content: &m.content,
-                reasoning: None,
-                tool_calls: None,
-            })
-            .collect();
-        if !turns.iter().any(|t| t.role == "user") {
+        let leading = leading_turns(messages);
+        if !leading.iter().any(|m| m.role == "user") {
             return Ok(None);
         }
-        let text = self
-            .template
-            .render(&turns, None, true)
-            .map_err(|e| StageError::new(e.0))?;
-        let (ids, _) = self
-            .encoder
-            .encode(&text, &mut self.cache)
-            .map_err(StageError::new)?;
-        Ok(Some(ids))
+        self.0.prompt(leading).map(Some)
     }
+}
+
+/// The turns before the first assistant turn: what a benchmark prompts with.
+fn leading_turns(messages: &[dataset::Message]) -> &[dataset::Message] {
+    let end = messages
+        .iter()
+        .position(|m| m.role == "assistant")
+        .unwrap_or(messages.len());
+    &messages[..end]
 }
 
 /// Whether `input` is a `train` artifact.
@@ -195,10 +170,8 @@ pub fn read_messages(
             if set.prompts.len() >= limit {
                 break 'files;
             }
-            let messages: Vec<Value> = row
-                .messages
+            let messages: Vec<Value> = leading_turns(&row.messages)
                 .iter()
-                .take_while(|m| m.role != "assistant")
                 .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
                 .collect();
             if !messages.iter().any(|m| m["role"] == "user") {

@@ -15,7 +15,7 @@ use dflash_model::nn::Target;
 use dflash_model::nn::target::KvCache;
 use dflash_stage_api::dataset::Message;
 use dflash_stage_api::{Cancel, StageError};
-use dflash_stage_tokenize::{Cache, ChatTemplate, Encoder, Turn};
+use dflash_stage_tokenize::Chat;
 use serde_json::{Map, Value as Json};
 
 use crate::client::Reply;
@@ -23,10 +23,7 @@ use crate::client::Reply;
 /// A loaded model.
 pub struct Local {
     target: Target,
-    template: ChatTemplate,
-    encoder: Encoder,
-    cache: Cache,
-    end_ids: Vec<u32>,
+    chat: Chat,
     context: usize,
 }
 
@@ -74,46 +71,12 @@ impl Local {
             StageError::new(format!("cannot load `{shown}`: {e}"))
                 .with_help("the candle backend runs Llama- and Qwen3-architecture GGUF models")
         })?;
-        let model = dflash_stage_tokenize::load_model(path, None)?;
-        let template = ChatTemplate::new(&model.template, &model.special, kwargs)
-            .map_err(|e| StageError::new(e.0))?;
-        let end_ids = model
-            .end_tokens
-            .iter()
-            .filter_map(|t| model.tokenizer.token_to_id(t))
-            .collect();
-        let encoder = Encoder::from_parts(model.tokenizer, model.fast);
-        let cache = encoder.take_cache();
+        let chat = Chat::load(path, kwargs)?;
         Ok(Self {
             target,
-            template,
-            encoder,
-            cache,
-            end_ids,
+            chat,
             context,
         })
-    }
-
-    /// The tokens of `convo` rendered with the generation prompt.
-    fn prompt(&mut self, convo: &[Message]) -> Result<Vec<u32>, StageError> {
-        let turns: Vec<Turn<'_>> = convo
-            .iter()
-            .map(|m| Turn {
-                role: &m.role,
-                content: &m.content,
-                reasoning: None,
-                tool_calls: None,
-            })
-            .collect();
-        let text = self
-            .template
-            .render(&turns, None, true)
-            .map_err(|e| StageError::new(e.0))?;
-        let (prompt, _) = self
-            .encoder
-            .encode(&text, &mut self.cache)
-            .map_err(StageError::new)?;
-        Ok(prompt)
     }
 
     /// Generate the reply to each of `convos` (with `seeds[i]`), decoded together. A reply that
@@ -130,7 +93,7 @@ impl Local {
         let mut seqs = Vec::with_capacity(convos.len());
         let mut logits = Vec::with_capacity(convos.len());
         for (convo, &seed) in convos.iter().zip(seeds) {
-            let prompt = self.prompt(convo)?;
+            let prompt = self.chat.prompt(convo)?;
             let mut d = Decoding {
                 cache: KvCache::default(),
                 sampler: LogitsProcessor::new(seed, temperature, top_p),
@@ -175,7 +138,7 @@ impl Local {
                     .squeeze(0)
                     .and_then(|l| d.sampler.sample(&l))
                     .map_err(err("sampling"))?;
-                if self.end_ids.contains(&next) {
+                if self.chat.stop.contains(&next) {
                     d.result = Some(Ok(self.finish(&d.out, "stop")?));
                     continue;
                 }
@@ -231,10 +194,7 @@ impl Local {
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String, StageError> {
-        self.encoder
-            .tokenizer()
-            .decode(ids, true)
-            .map_err(|e| StageError::new(format!("cannot decode: {e}")))
+        self.chat.decode(ids)
     }
 }
 

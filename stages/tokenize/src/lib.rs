@@ -10,6 +10,7 @@
 //! written, so a rerun after a crash redoes only the files that were not finished.
 
 mod bpe;
+mod chat;
 mod encoder;
 mod gguf;
 mod model;
@@ -33,6 +34,7 @@ use serde::Deserialize;
 use serde_json::{Value as Json, json};
 
 pub use crate::bpe::Cache;
+pub use crate::chat::Chat;
 pub use crate::encoder::Encoder;
 pub use crate::model::{Model, load as load_model};
 pub use crate::spans::Which;
