@@ -86,6 +86,27 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Te
     probs.matmul(&v.contiguous()?)?.reshape((heads, nq, d))
 }
 
+/// [`attention`] for the frozen target on a GPU: the same maths with candle's fused softmax
+/// kernel (no backward pass, which the target never needs) in the activations' dtype, instead
+/// of five composed kernels over scores widened to f32. On CPU the target keeps [`attention`],
+/// so CPU results stay bit-identical to the training path's.
+pub fn attention_frozen(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    if !q.device().is_cuda() {
+        return attention(q, k, v, mask);
+    }
+    let (heads, nq, d) = q.dims3()?;
+    let kv_heads = k.dim(0)?;
+    let group = heads / kv_heads;
+    let q = q.reshape((kv_heads, group * nq, d))?;
+    let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
+    let scores = scores
+        .reshape((kv_heads, group, nq, k.dim(1)?))?
+        .broadcast_add(&mask.to_dtype(scores.dtype())?)?;
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+    let probs = probs.reshape((kv_heads, group * nq, k.dim(1)?))?;
+    probs.matmul(&v.contiguous()?)?.reshape((heads, nq, d))
+}
+
 /// Softmax over the last dimension from differentiable ops.
 pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
