@@ -159,28 +159,21 @@ def speed(a):
     taps = [1, 9, 17, 25, 33]
     last = max(taps)
     W = {"model.embed_tokens.weight": r(V, H), "lm_head.weight": r(V, H)}
+    ones = lambda n: torch.ones(n, device=dev, dtype=dt)
+
+    def layer(p):  # one Qwen3 decoder layer's weights under prefix `p`
+        return {p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
+                p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd),
+                p + "self_attn.q_proj.weight": r(heads * hd, H), p + "self_attn.k_proj.weight": r(kv * hd, H),
+                p + "self_attn.v_proj.weight": r(kv * hd, H), p + "self_attn.o_proj.weight": r(H, heads * hd),
+                p + "mlp.gate_proj.weight": r(ffn, H), p + "mlp.up_proj.weight": r(ffn, H),
+                p + "mlp.down_proj.weight": r(H, ffn)}
+
     for i in range(last + 1):
-        p = f"model.layers.{i}."
-        W.update({p + "input_layernorm.weight": torch.ones(H, device=dev, dtype=dt),
-                  p + "post_attention_layernorm.weight": torch.ones(H, device=dev, dtype=dt),
-                  p + "self_attn.q_norm.weight": torch.ones(hd, device=dev, dtype=dt),
-                  p + "self_attn.k_norm.weight": torch.ones(hd, device=dev, dtype=dt),
-                  p + "self_attn.q_proj.weight": r(heads * hd, H), p + "self_attn.k_proj.weight": r(kv * hd, H),
-                  p + "self_attn.v_proj.weight": r(kv * hd, H), p + "self_attn.o_proj.weight": r(H, heads * hd),
-                  p + "mlp.gate_proj.weight": r(ffn, H), p + "mlp.up_proj.weight": r(ffn, H),
-                  p + "mlp.down_proj.weight": r(H, ffn)})
-    D = {"fc.weight": r(H, len(taps) * H), "hidden_norm.weight": torch.ones(H, device=dev, dtype=dt),
-         "norm.weight": torch.ones(H, device=dev, dtype=dt)}
+        W.update(layer(f"model.layers.{i}."))
+    D = {"fc.weight": r(H, len(taps) * H), "hidden_norm.weight": ones(H), "norm.weight": ones(H)}
     for i in range(a.layers):
-        p = f"layers.{i}."
-        D.update({p + "input_layernorm.weight": torch.ones(H, device=dev, dtype=dt),
-                  p + "post_attention_layernorm.weight": torch.ones(H, device=dev, dtype=dt),
-                  p + "self_attn.q_norm.weight": torch.ones(hd, device=dev, dtype=dt),
-                  p + "self_attn.k_norm.weight": torch.ones(hd, device=dev, dtype=dt),
-                  p + "self_attn.q_proj.weight": r(heads * hd, H), p + "self_attn.k_proj.weight": r(kv * hd, H),
-                  p + "self_attn.v_proj.weight": r(kv * hd, H), p + "self_attn.o_proj.weight": r(H, heads * hd),
-                  p + "mlp.gate_proj.weight": r(ffn, H), p + "mlp.up_proj.weight": r(ffn, H),
-                  p + "mlp.down_proj.weight": r(H, ffn)})
+        D.update(layer(f"layers.{i}."))
     for v in D.values():
         v.requires_grad_(True)
     opt = torch.optim.AdamW(list(D.values()), lr=6e-4, fused=True)

@@ -48,16 +48,6 @@ fn setup(env: &Env) {
     env.write("p.yaml", PIPELINE);
 }
 
-fn show(env: &Env, stage: &str, pipeline: &str) -> Value {
-    let out = env.dflash(&["show", stage, "-p", pipeline]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 #[test]
 fn every_method_reproduces_autoregressive_output_and_the_results_are_kept() {
     let env = Env::new();
@@ -99,7 +89,7 @@ fn every_method_reproduces_autoregressive_output_and_the_results_are_kept() {
 
     // The manifest keeps the figures and the warning; the drafters saw thinking off, the
     // benchmark prompts were rendered with it on.
-    let m = show(&env, "bench", "p.yaml");
+    let m = env.show("bench", "p.yaml");
     assert_eq!(
         m["stats"]["sets"]["prompts"]["methods"]["trained"]["identical"],
         4
@@ -117,7 +107,7 @@ fn every_method_reproduces_autoregressive_output_and_the_results_are_kept() {
         "{warnings:?}"
     );
     // The drafter records what it was trained against.
-    let t = show(&env, "trained", "p.yaml");
+    let t = env.show("trained", "p.yaml");
     assert!(
         t["files"].to_string().contains("training.json"),
         "{}",
@@ -223,7 +213,7 @@ fn endpoint_mode_compares_running_servers_with_and_without_speculation() {
     );
     let (st, _) = env.run("p.yaml", 0);
     assert_eq!(st["bench"], "ran");
-    let m = show(&env, "bench", "p.yaml");
+    let m = env.show("bench", "p.yaml");
     let methods = &m["stats"]["sets"]["mt_bench"]["methods"];
     for name in ["plain", "lookup"] {
         let r = &methods[name];

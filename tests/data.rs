@@ -107,18 +107,7 @@ stages:
 ";
 
 fn show(env: &Env, stage: &str) -> Value {
-    show_in(env, stage, "hub.yaml")
-}
-
-/// `dflash show STAGE -p PIPELINE` as JSON.
-fn show_in(env: &Env, stage: &str, pipeline: &str) -> Value {
-    let out = env.dflash(&["show", stage, "-p", pipeline]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    env.show(stage, "hub.yaml")
 }
 
 #[test]
@@ -384,7 +373,7 @@ fn prompts_digest(report: &Value) -> Value {
 }
 
 fn mix_stats(env: &Env) -> Value {
-    show_in(env, "prompts", "mix.yaml")["stats"].clone()
+    env.show("prompts", "mix.yaml")["stats"].clone()
 }
 
 #[test]
@@ -469,7 +458,7 @@ fn a_plain_url_is_pinned_by_etag_and_a_changed_file_reruns() {
         &format!("stages:\n  web: {{kind: download, params: {{url: '{url}', category: math}}}}\n"),
     );
     env.run("p.yaml", 0);
-    let m = show_in(&env, "web", "p.yaml");
+    let m = env.show("web", "p.yaml");
     assert_eq!(m["stats"]["rows"], 100);
     let pin = &m["fingerprint"]["pins"][0];
     assert!(
@@ -491,7 +480,7 @@ fn a_plain_url_is_pinned_by_etag_and_a_changed_file_reruns() {
         "{plan}"
     );
     env.run("p.yaml", 0);
-    let m = show_in(&env, "web", "p.yaml");
+    let m = env.show("web", "p.yaml");
     assert_eq!(m["stats"]["rows"], 101);
 }
 
@@ -515,7 +504,7 @@ fn an_object_store_url_is_read_with_the_environments_credentials() {
     );
     let (st, _) = env.run("p.yaml", 0);
     assert_eq!(st["s3"], "ran");
-    let m = show_in(&env, "s3", "p.yaml");
+    let m = env.show("s3", "p.yaml");
     assert_eq!(m["stats"]["rows"], 80);
     let pin = m["fingerprint"]["pins"][0].to_string();
     assert!(pin.contains("etag=") && pin.contains("size=48929"), "{pin}");

@@ -83,6 +83,17 @@ impl Env {
     }
 
     /// `dflash run --json`, asserting the exit code; returns status by stage id.
+    /// `dflash show STAGE -p PIPELINE`: the artifact's manifest, which must exist.
+    pub fn show(&self, stage: &str, pipeline: &str) -> Value {
+        let out = self.dflash(&["show", stage, "-p", pipeline]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
     pub fn run(&self, pipeline: &str, code: i32) -> (BTreeMap<String, String>, Value) {
         let out = self.dflash(&["run", pipeline, "--json"]);
         assert_eq!(

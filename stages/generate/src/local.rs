@@ -165,15 +165,13 @@ impl Local {
                 break;
             }
             let tokens: Vec<[u32; 1]> = step.iter().map(|&(_, t)| [t]).collect();
+            // `step` lists live sequences in ascending order: pair each with its cache.
+            let mut live = step.iter().map(|&(i, _)| i).peekable();
             let mut batch: Vec<(&[u32], &mut KvCache)> = Vec::with_capacity(step.len());
-            let mut caches: Vec<&mut KvCache> = seqs
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| step.iter().any(|(j, _)| j == i))
-                .map(|(_, d)| &mut d.cache)
-                .collect();
-            for (t, c) in tokens.iter().zip(caches.drain(..)) {
-                batch.push((t.as_slice(), c));
+            for (i, d) in seqs.iter_mut().enumerate() {
+                if live.next_if_eq(&i).is_some() {
+                    batch.push((tokens[batch.len()].as_slice(), &mut d.cache));
+                }
             }
             let out = self
                 .target

@@ -140,11 +140,7 @@ fn speed(args: &[String]) -> Result<()> {
         device.synchronize()?;
         let drafter_ms = t.elapsed().as_secs_f64() * 1e3;
         let t = Instant::now();
-        let g = drafter
-            .vars
-            .iter()
-            .filter_map(|(n, v)| grads.get(v.as_tensor()).map(|g| (n.clone(), g.clone())))
-            .collect();
+        let g = drafter.gradients(&grads);
         adam.step(&drafter.vars, &g, 6e-4, 1.0)?;
         device.synchronize()?;
         let optim_ms = t.elapsed().as_secs_f64() * 1e3;
@@ -207,10 +203,8 @@ fn parity(args: &[String]) -> Result<()> {
         batch.weight(),
     )?;
     let grads = l.backward()?;
-    for (n, v) in &drafter.vars {
-        if let Some(g) = grads.get(v.as_tensor()) {
-            saved.insert(format!("grad.{n}"), g.to_device(&cpu)?);
-        }
+    for (n, g) in drafter.gradients(&grads) {
+        saved.insert(format!("grad.{n}"), g.to_device(&cpu)?);
     }
     let u32s = |v: &[u32]| Tensor::new(v.iter().map(|&x| i64::from(x)).collect::<Vec<i64>>(), &cpu);
     saved.insert("batch.ids".into(), u32s(&ids)?);

@@ -241,14 +241,12 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
                 objective::loss(&drafter, &embed, &target.lm_head, &context, b, weight)
                     .map_err(nn("drafter forward"))?;
             let g = loss.backward().map_err(nn("backward"))?;
-            for (name, var) in &drafter.vars {
-                if let Some(t) = g.get(var.as_tensor()) {
-                    let sum = match grads.remove(name) {
-                        Some(prev) => (prev + t).map_err(nn("accumulating"))?,
-                        None => t.clone(),
-                    };
-                    grads.insert(name.clone(), sum);
-                }
+            for (name, t) in drafter.gradients(&g) {
+                let sum = match grads.remove(&name) {
+                    Some(prev) => (prev + t).map_err(nn("accumulating"))?,
+                    None => t,
+                };
+                grads.insert(name, sum);
             }
             m.add(&sm);
         }

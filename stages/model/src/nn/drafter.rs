@@ -389,6 +389,14 @@ impl Drafter {
         ops::rms_norm(&x, self.w("norm.weight"), c.eps)
     }
 
+    /// The gradient of every trainable tensor that has one in `grads`, by name.
+    pub fn gradients(&self, grads: &candle_core::backprop::GradStore) -> BTreeMap<String, Tensor> {
+        self.vars
+            .iter()
+            .filter_map(|(n, v)| grads.get(v.as_tensor()).map(|g| (n.clone(), g.clone())))
+            .collect()
+    }
+
     /// The weights as named tensors, in `dtype` (for checkpoints and the export).
     pub fn tensors(&self, dtype: DType) -> Result<std::collections::HashMap<String, Tensor>> {
         self.vars

@@ -70,8 +70,32 @@ pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear) -> Result<T
 }
 
 /// Softmax attention. `q`: `[heads, nq, d]`, `k`, `v`: `[kv_heads, nk, d]`, `mask`: additive
-/// `[nq, nk]` (0 or -inf). Grouped-query heads share their K/V head.
+/// `[nq, nk]` (0 or -inf). Grouped-query heads share their K/V head. Differentiable: the
+/// softmax is composed, over scores widened to f32.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    attention_with(q, k, v, mask, &|s| {
+        softmax_last(&s.to_dtype(wide(s.dtype()))?)?.to_dtype(s.dtype())
+    })
+}
+
+/// [`attention`] for the frozen target: on a GPU with candle's fused softmax kernel (no
+/// backward pass, which the target never needs) instead of five composed kernels over widened
+/// scores. On CPU it is [`attention`], so CPU results stay bit-identical to the training path's.
+pub fn attention_frozen(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    if !q.device().is_cuda() {
+        return attention(q, k, v, mask);
+    }
+    attention_with(q, k, v, mask, &|s| candle_nn::ops::softmax_last_dim(s))
+}
+
+/// The attention both variants share, with the softmax over the last dimension given.
+fn attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    softmax: &dyn Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
     let (heads, nq, d) = q.dims3()?;
     let kv_heads = k.dim(0)?;
     let group = heads / kv_heads;
@@ -81,29 +105,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Te
     let scores = scores
         .reshape((kv_heads, group, nq, k.dim(1)?))?
         .broadcast_add(&mask.to_dtype(scores.dtype())?)?;
-    let probs = softmax_last(&scores.to_dtype(wide(q.dtype()))?)?.to_dtype(q.dtype())?;
-    let probs = probs.reshape((kv_heads, group * nq, k.dim(1)?))?;
-    probs.matmul(&v.contiguous()?)?.reshape((heads, nq, d))
-}
-
-/// [`attention`] for the frozen target on a GPU: the same maths with candle's fused softmax
-/// kernel (no backward pass, which the target never needs) in the activations' dtype, instead
-/// of five composed kernels over scores widened to f32. On CPU the target keeps [`attention`],
-/// so CPU results stay bit-identical to the training path's.
-pub fn attention_frozen(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    if !q.device().is_cuda() {
-        return attention(q, k, v, mask);
-    }
-    let (heads, nq, d) = q.dims3()?;
-    let kv_heads = k.dim(0)?;
-    let group = heads / kv_heads;
-    let q = q.reshape((kv_heads, group * nq, d))?;
-    let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
-    let scores = scores
-        .reshape((kv_heads, group, nq, k.dim(1)?))?
-        .broadcast_add(&mask.to_dtype(scores.dtype())?)?;
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-    let probs = probs.reshape((kv_heads, group * nq, k.dim(1)?))?;
+    let probs = softmax(&scores)?.reshape((kv_heads, group * nq, k.dim(1)?))?;
     probs.matmul(&v.contiguous()?)?.reshape((heads, nq, d))
 }
 

@@ -446,11 +446,7 @@ mod tests {
             let ctx = target.tapped(ids, &trained.config.target_layers).unwrap();
             let (l, _) = loss(&trained, &embed, &target.lm_head, &ctx, &b, b.weight()).unwrap();
             let grads = l.backward().unwrap();
-            let g = trained
-                .vars
-                .iter()
-                .filter_map(|(n, v)| grads.get(v.as_tensor()).map(|g| (n.clone(), g.clone())))
-                .collect();
+            let g = trained.gradients(&grads);
             adam.step(&trained.vars, &g, 1e-2, 1.0).unwrap();
         }
         // Held-out prompts.
