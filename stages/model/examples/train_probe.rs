@@ -6,6 +6,10 @@
 //! forward, the drafter's forward + backward and the AdamW update timed apart (the device is
 //! synchronised between them), then a summary line.
 //!
+//! `train_probe fused`: the fused ops of `nn::fused` on the device in f32 and bf16 against their
+//! CPU implementation in f64 (forward and gradient), one JSON line per check with the largest
+//! absolute difference.
+//!
 //! `train_probe parity OUT.safetensors`: a small target and drafter (f32, weights drawn on CPU),
 //! one sequence, one loss; writes every weight, the batch, the loss, the taps and every
 //! gradient, for `bench/train_reference.py` to recompute in PyTorch and compare.
@@ -75,6 +79,39 @@ fn sequence(n: usize, vocab: usize, seed: u64) -> (Vec<u32>, Vec<i8>) {
         .collect();
     let mask = (0..n).map(|i| i8::from(i >= 64.min(n / 4))).collect();
     (ids, mask)
+}
+
+/// The H200's dense bf16 peak (NVIDIA's figure), the denominator of MFU.
+const H200_BF16_FLOPS: f64 = 989.4e12;
+
+/// The useful FLOPs of one step, counted the same for both implementations: the target's
+/// forward over `seq` tokens up to its last tapped layer (causal attention: half the scores);
+/// the drafter's forward and backward (x3) over the block rows and the context projections;
+/// block attention over what each block sees (about half the context on average, plus itself);
+/// the frozen LM head's forward and input gradient (x2) over the predicted rows.
+fn step_flops(
+    tc: &TargetConfig,
+    dc: &DrafterConfig,
+    seq: usize,
+    anchors: usize,
+    block: usize,
+) -> f64 {
+    let (h, hd) = (tc.hidden as f64, tc.head_dim as f64);
+    let attn = |heads: usize, kv: usize| h * hd * (2.0 * heads as f64 + 2.0 * kv as f64);
+    let layer = |heads: usize, kv: usize, ffn: usize| attn(heads, kv) + 3.0 * h * ffn as f64;
+    let depth = dc.target_layers.iter().max().map_or(0, |&l| l + 1) as f64;
+    let (s, m) = (seq as f64, (anchors * block) as f64);
+    let target = depth
+        * (2.0 * layer(tc.heads, tc.kv_heads, tc.ffn) * s
+            + 2.0 * 2.0 * tc.heads as f64 * hd * s * s / 2.0);
+    let per_layer = layer(dc.heads, dc.kv_heads, dc.ffn);
+    let kv = h * hd * 2.0 * dc.kv_heads as f64;
+    let drafter = 3.0
+        * (2.0 * dc.layers as f64 * (per_layer * m + kv * s)
+            + 2.0 * dc.target_layers.len() as f64 * h * h * s
+            + dc.layers as f64 * 2.0 * 2.0 * dc.heads as f64 * hd * m * (s / 2.0 + block as f64));
+    let head = 2.0 * 2.0 * h * tc.vocab as f64 * (anchors * (block - 1)) as f64;
+    target + drafter + head
 }
 
 fn speed(args: &[String]) -> Result<()> {
@@ -157,11 +194,127 @@ fn speed(args: &[String]) -> Result<()> {
     let warm = &totals[1.min(totals.len() - 1)..];
     let mean =
         |f: fn(&(f64, f64, f64, f64)) -> f64| warm.iter().map(f).sum::<f64>() / warm.len() as f64;
+    let flops = step_flops(&tc, &config, seq, anchors, block);
+    let seconds = mean(|t| t.3) / 1e3;
     println!(
         "{}",
         serde_json::json!({"phase": "summary", "target_ms": mean(|t| t.0), "drafter_ms": mean(|t| t.1),
-            "optim_ms": mean(|t| t.2), "total_ms": mean(|t| t.3), "steps_timed": warm.len()})
+            "optim_ms": mean(|t| t.2), "total_ms": mean(|t| t.3), "steps_timed": warm.len(),
+            "flops": flops, "mfu": flops / seconds / H200_BF16_FLOPS,
+            "sequence_tokens_per_second": seq as f64 / seconds,
+            "block_tokens_per_second": (anchors * block) as f64 / seconds,
+            "peak_note": "peak memory: nvidia-smi while it runs (candle has no allocator statistics)"})
     );
+    Ok(())
+}
+
+/// The largest absolute difference of two tensors (compared on CPU in f64).
+fn worst(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?)
+}
+
+fn fused(_args: &[String]) -> Result<()> {
+    use candle_core::Var;
+    use dflash_model::nn::drafter::Init;
+    use dflash_model::nn::fused;
+    let device = device()?;
+    let cpu = Device::Cpu;
+    let mut init = Init::new(1);
+    // Attention-shaped scores [kv, group, nq, nk] under a block mask with one closed row.
+    let (nq, nk) = (48, 1100);
+    let scores = (init.normal(&[2, 3, nq, nk], 1.0, DType::F64, &cpu)? * 8.0)?;
+    let upstream = init.normal(&[2, 3, nq, nk], 1.0, DType::F64, &cpu)?;
+    let mask: Vec<f64> = (0..nq * nk)
+        .map(|i| {
+            let (r, c) = (i / nk, i % nk);
+            if r != 5 && c <= 20 * r + 3 {
+                0.0
+            } else {
+                f64::NEG_INFINITY
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (nq, nk), &cpu)?;
+    let logits = (init.normal(&[37, 50_000], 1.0, DType::F64, &cpu)? * 3.0)?;
+    let labels: Vec<u32> = (0..37u32).map(|i| i * 1_337 % 50_000).collect();
+    let weights = init.normal(&[37], 1.0, DType::F64, &cpu)?;
+    // Softmax and cross-entropy: value and gradient of a weighted sum, on `dev` in `dtype`.
+    let run = |dev: &Device, dtype: DType| -> Result<Vec<Tensor>> {
+        let x = Var::from_tensor(&scores.to_dtype(dtype)?.to_device(dev)?)?;
+        let p =
+            fused::masked_softmax(x.as_tensor(), &mask.to_dtype(dtype)?.to_device(dev)?, 0.088)?;
+        let up = upstream.to_dtype(dtype)?.to_device(dev)?;
+        let g = (&p * &up)?.sum_all()?.backward()?;
+        let z = Var::from_tensor(&logits.to_dtype(dtype)?.to_device(dev)?)?;
+        let nll = fused::cross_entropy(z.as_tensor(), &labels)?;
+        let w = weights.to_dtype(nll.dtype())?.to_device(dev)?;
+        let gz = (&nll * &w)?.sum_all()?.backward()?;
+        Ok(vec![
+            p,
+            g.get(x.as_tensor()).ok_or("no softmax gradient")?.clone(),
+            nll,
+            gz.get(z.as_tensor())
+                .ok_or("no cross-entropy gradient")?
+                .clone(),
+        ])
+    };
+    let want = run(&cpu, DType::F64)?;
+    // AdamW: three steps of a parameter against the same on CPU.
+    let adam = |dev: &Device, dtype: DType| -> Result<Tensor> {
+        let mut init = Init::new(7);
+        let p = init
+            .normal(&[3, 4099], 1.0, DType::F32, &cpu)?
+            .to_dtype(dtype)?
+            .to_device(dev)?;
+        let (m, v) = (
+            Tensor::zeros((3, 4099), DType::F32, dev)?,
+            Tensor::zeros((3, 4099), DType::F32, dev)?,
+        );
+        for t in 1..=3 {
+            let g = init
+                .normal(&[3, 4099], 0.1, DType::F32, &cpu)?
+                .to_dtype(dtype)?
+                .to_device(dev)?;
+            let step = fused::AdamStep {
+                lr: 1e-2,
+                weight_decay: 0.1,
+                betas: (0.9, 0.999),
+                corrections: (1.0 - 0.9f64.powi(t), 1.0 - 0.999f64.powi(t)),
+                eps: 1e-8,
+                clip_scale: 0.7,
+            };
+            fused::adamw_update(&p, &g, &m, &v, &step)?;
+        }
+        Ok(p)
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        let got = run(&device, dtype)?;
+        for (name, (g, w)) in [
+            "softmax",
+            "softmax_grad",
+            "cross_entropy",
+            "cross_entropy_grad",
+        ]
+        .iter()
+        .zip(got.iter().zip(&want))
+        {
+            println!(
+                "{}",
+                serde_json::json!({"phase": "fused", "check": name, "dtype": format!("{dtype:?}"),
+                    "device": format!("{device:?}"), "max_abs_diff": worst(g, w)?,
+                    "max_abs": worst(w, &w.zeros_like()?)?})
+            );
+        }
+        let p = adam(&device, dtype)?;
+        let reference = adam(&cpu, dtype)?;
+        println!(
+            "{}",
+            serde_json::json!({"phase": "fused", "check": "adamw_3_steps", "dtype": format!("{dtype:?}"),
+                "device": format!("{device:?}"), "max_abs_diff": worst(&p, &reference)?})
+        );
+    }
     Ok(())
 }
 
@@ -233,6 +386,7 @@ fn main() -> Result<()> {
     match args.get(1).map(String::as_str) {
         Some("speed") => speed(&args),
         Some("parity") => parity(&args),
-        _ => Err("usage: train_probe speed [...] | parity OUT.safetensors".into()),
+        Some("fused") => fused(&args),
+        _ => Err("usage: train_probe speed [...] | fused | parity OUT.safetensors".into()),
     }
 }

@@ -355,7 +355,7 @@ fn checkpoint(
         .into_iter()
         .map(|(k, t)| (format!("param.{k}"), t))
         .collect();
-    tensors.extend(adam.tensors());
+    tensors.extend(adam.tensors().map_err(nn("checkpoint"))?);
     candle_core::safetensors::save(&tensors, dir.join("state.safetensors"))
         .map_err(nn("checkpoint"))?;
     let mut text = metrics.join("\n");

@@ -1,10 +1,12 @@
 //! The networks, in candle: the frozen target with hidden-state taps ([`target`]), the DFlash
 //! drafter ([`drafter`]), the training objective ([`objective`]), the optimizer ([`optim`])
-//! and speculative decoding ([`speculative`]). Everything the drafter's gradients flow through is built from differentiable
-//! candle ops ([`ops`]); candle's fused rms_norm / rope / softmax kernels have no backward and are
-//! used only in the frozen target.
+//! and speculative decoding ([`speculative`]). Everything the drafter's gradients flow through is
+//! differentiable: candle ops ([`ops`]), and fused ops with backward passes of their own for
+//! attention's softmax, the cross-entropy and AdamW ([`fused`]); candle's fused rms_norm / rope
+//! kernels have no backward and are used only in the frozen target.
 
 pub mod drafter;
+pub mod fused;
 pub mod objective;
 pub mod ops;
 pub mod optim;

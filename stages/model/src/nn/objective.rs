@@ -10,7 +10,6 @@ use rand::seq::index;
 
 use super::Result;
 use super::drafter::Drafter;
-use super::ops;
 
 /// One sequence's blocks, ready for the drafter.
 #[derive(Clone, Debug)]
@@ -202,14 +201,11 @@ pub fn loss(
         .flat_map(|j| (1..bs).map(move |k| (j * bs + k) as u32))
         .collect();
     let hidden = hidden.index_select(&Tensor::new(rows.as_slice(), device)?, 0)?;
-    let logits = hidden
-        .matmul(&lm_head.to_dtype(dtype)?.t()?)?
-        .to_dtype(ops::wide(dtype))?;
-    let logp = ops::log_softmax_last(&logits)?;
-    let labels = Tensor::new(batch.labels.as_slice(), device)?;
-    let picked = logp.gather(&labels.unsqueeze(1)?, 1)?.squeeze(1)?;
-    let weights = Tensor::new(batch.weights.as_slice(), device)?.to_dtype(picked.dtype())?;
-    let total = (picked.mul(&weights)?.sum_all()?.neg()? / normalizer)?;
+    // The logits stay in the activations' dtype: the fused cross-entropy widens per element.
+    let logits = hidden.matmul(&lm_head.to_dtype(dtype)?.t()?)?;
+    let nll = super::fused::cross_entropy(&logits, &batch.labels)?;
+    let weights = Tensor::new(batch.weights.as_slice(), device)?.to_dtype(nll.dtype())?;
+    let total = (nll.mul(&weights)?.sum_all()? / normalizer)?;
 
     let predicted: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
     let mut m = StepMetrics {

@@ -1,6 +1,7 @@
 //! Differentiable building blocks: RMSNorm, rotary embeddings at arbitrary positions, SwiGLU,
-//! and attention with an additive mask. Each is composed of candle ops that have a backward
-//! pass, so the drafter trains through them; the finite-difference test in `drafter` checks it.
+//! and attention with an additive mask. Each has a backward pass (composed candle ops, or the
+//! fused softmax of [`super::fused`]), so the drafter trains through them; the
+//! finite-difference test in `drafter` checks it.
 
 use candle_core::{D, DType, Device, Tensor};
 
@@ -70,42 +71,21 @@ pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear) -> Result<T
 }
 
 /// Softmax attention. `q`: `[heads, nq, d]`, `k`, `v`: `[kv_heads, nk, d]`, `mask`: additive
-/// `[nq, nk]` (0 or -inf). Grouped-query heads share their K/V head. Differentiable: the
-/// softmax is composed, over scores widened to f32.
+/// `[nq, nk]` (0 or -inf). Grouped-query heads share their K/V head. Differentiable: the scale,
+/// mask and softmax are one fused op with its own backward ([`super::fused::masked_softmax`]),
+/// the same for the frozen target and the drafter, on every device.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    attention_with(q, k, v, mask, &|s| {
-        softmax_last(&s.to_dtype(wide(s.dtype()))?)?.to_dtype(s.dtype())
-    })
-}
-
-/// [`attention`] for the frozen target: on a GPU with candle's fused softmax kernel (no
-/// backward pass, which the target never needs) instead of five composed kernels over widened
-/// scores. On CPU it is [`attention`], so CPU results stay bit-identical to the training path's.
-pub fn attention_frozen(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    if !q.device().is_cuda() {
-        return attention(q, k, v, mask);
-    }
-    attention_with(q, k, v, mask, &|s| candle_nn::ops::softmax_last_dim(s))
-}
-
-/// The attention both variants share, with the softmax over the last dimension given.
-fn attention_with(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &Tensor,
-    softmax: &dyn Fn(&Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
     let (heads, nq, d) = q.dims3()?;
-    let kv_heads = k.dim(0)?;
+    let (kv_heads, nk) = (k.dim(0)?, k.dim(1)?);
     let group = heads / kv_heads;
     // [kv, group * nq, d]: each K/V head serves its group of query heads in one matmul.
     let q = q.reshape((kv_heads, group * nq, d))?;
-    let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
-    let scores = scores
-        .reshape((kv_heads, group, nq, k.dim(1)?))?
-        .broadcast_add(&mask.to_dtype(scores.dtype())?)?;
-    let probs = softmax(&scores)?.reshape((kv_heads, group * nq, k.dim(1)?))?;
+    let scores = q.matmul(&k.t()?)?.reshape((kv_heads, group, nq, nk))?;
+    let probs = super::fused::masked_softmax(&scores, mask, 1.0 / (d as f64).sqrt())?.reshape((
+        kv_heads,
+        group * nq,
+        nk,
+    ))?;
     probs.matmul(&v.contiguous()?)?.reshape((heads, nq, d))
 }
 

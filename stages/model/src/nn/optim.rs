@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{DType, Tensor, Var};
 
-use super::Result;
+use super::{Result, fused};
 
 /// Learning rate by optimizer step.
 #[derive(Clone, Debug)]
@@ -50,9 +50,9 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    /// Zero moments for `vars`, in f32.
+    /// Zero moments for `vars`, in f32 (each its own storage: the update writes them in place).
     pub fn new(vars: &BTreeMap<String, Var>, weight_decay: f64) -> Result<Self> {
-        let zeros = |v: &Var| v.as_tensor().zeros_like()?.to_dtype(DType::F32);
+        let zeros = |v: &Var| Tensor::zeros(v.shape(), DType::F32, v.device());
         Ok(Self {
             betas: (0.9, 0.999),
             eps: 1e-8,
@@ -70,7 +70,8 @@ impl AdamW {
     }
 
     /// One update with gradients already summed over the step; returns the gradients' global
-    /// norm before clipping to `clip` (no clipping when `clip <= 0`).
+    /// norm before clipping to `clip` (no clipping when `clip <= 0`). Parameters and moments
+    /// are updated in place by [`fused::adamw_update`]; the norm costs one device sync.
     pub fn step(
         &mut self,
         vars: &BTreeMap<String, Var>,
@@ -78,22 +79,23 @@ impl AdamW {
         lr: f64,
         clip: f64,
     ) -> Result<f64> {
-        let mut sq = 0.0f64;
         let mut gs: Vec<(&String, &Var, Tensor)> = Vec::with_capacity(vars.len());
+        let mut squares = Vec::with_capacity(vars.len());
         for (name, var) in vars {
+            // A parameter the loss did not reach has a zero gradient (its moments still decay).
             let g = match grads.get(name) {
-                Some(g) => g.to_dtype(DType::F32)?,
-                None => var.as_tensor().zeros_like()?.to_dtype(DType::F32)?,
+                Some(g) => g.clone(),
+                None => var.as_tensor().zeros_like()?,
             };
-            sq += g
-                .sqr()?
-                .sum_all()?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
+            squares.push(g.to_dtype(DType::F32)?.sqr()?.sum_all()?);
             gs.push((name, var, g));
         }
-        let norm = sq.sqrt();
-        let scale = if clip > 0.0 && norm > clip {
+        let norm = if squares.is_empty() {
+            0.0
+        } else {
+            f64::from(Tensor::stack(&squares, 0)?.sum_all()?.to_scalar::<f32>()?).sqrt()
+        };
+        let clip_scale = if clip > 0.0 && norm > clip {
             clip / (norm + 1e-6)
         } else {
             1.0
@@ -101,47 +103,48 @@ impl AdamW {
         self.step += 1;
         let (b1, b2) = self.betas;
         let t = self.step as i32;
-        let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+        let step = fused::AdamStep {
+            lr,
+            weight_decay: self.weight_decay,
+            betas: self.betas,
+            corrections: (1.0 - b1.powi(t), 1.0 - b2.powi(t)),
+            eps: self.eps,
+            clip_scale,
+        };
         for (name, var, g) in gs {
-            let g = (g * scale)?;
-            let m = ((&self.m[name] * b1)? + (&g * (1.0 - b1))?)?;
-            let v = ((&self.v[name] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
-            let p = var.as_tensor().to_dtype(DType::F32)?;
-            let p = (&p * (1.0 - lr * self.weight_decay))?;
-            let update = ((&m / c1)? / ((&v / c2)?.sqrt()? + self.eps)?)?;
-            let p = (p - (update * lr)?)?;
-            var.set(&p.to_dtype(var.dtype())?)?;
-            self.m.insert(name.clone(), m);
-            self.v.insert(name.clone(), v);
+            fused::adamw_update(var.as_tensor(), &g, &self.m[name], &self.v[name], &step)?;
         }
         Ok(norm)
     }
 
-    /// The moments as named tensors (`m.NAME`, `v.NAME`).
-    pub fn tensors(&self) -> HashMap<String, Tensor> {
+    /// The moments as named tensors (`m.NAME`, `v.NAME`): copies, since the next step writes
+    /// the optimizer's own in place.
+    pub fn tensors(&self) -> Result<HashMap<String, Tensor>> {
         let mut out = HashMap::new();
-        for (k, t) in &self.m {
-            out.insert(format!("m.{k}"), t.clone());
+        for (prefix, moments) in [("m", &self.m), ("v", &self.v)] {
+            for (k, t) in moments {
+                out.insert(format!("{prefix}.{k}"), t.copy()?);
+            }
         }
-        for (k, t) in &self.v {
-            out.insert(format!("v.{k}"), t.clone());
-        }
-        out
+        Ok(out)
     }
 
-    /// Restore moments saved by [`Self::tensors`] after `step` steps.
+    /// Restore moments saved by [`Self::tensors`] after `step` steps (copied: the updates write
+    /// them in place, and the caller's tensors stay as they were).
     pub fn restore(&mut self, tensors: &HashMap<String, Tensor>, step: u64) -> Result<()> {
         for (k, slot) in self.m.iter_mut() {
             *slot = tensors
                 .get(&format!("m.{k}"))
                 .ok_or_else(|| candle_core::Error::Msg(format!("checkpoint lacks `m.{k}`")))?
-                .clone();
+                .to_dtype(DType::F32)?
+                .copy()?;
         }
         for (k, slot) in self.v.iter_mut() {
             *slot = tensors
                 .get(&format!("v.{k}"))
                 .ok_or_else(|| candle_core::Error::Msg(format!("checkpoint lacks `v.{k}`")))?
-                .clone();
+                .to_dtype(DType::F32)?
+                .copy()?;
         }
         self.step = step;
         Ok(())

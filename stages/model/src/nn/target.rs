@@ -463,7 +463,7 @@ impl Target {
                     }
                     *slot = Some((k.clone(), v.clone()));
                 }
-                let a = super::ops::attention_frozen(&q, &k, &v, mask)?;
+                let a = super::ops::attention(&q, &k, &v, mask)?;
                 attended.push(a.transpose(0, 1)?.reshape((n, c.heads * c.head_dim))?);
             }
             let a = if attended.len() == 1 {

@@ -1,0 +1,968 @@
+//! Fused ops with backward passes of their own, for the hot spots of a training step.
+//!
+//! Composed from candle ops, attention's softmax over `[heads, blocks x B, context + blocks x B]`
+//! scores and the cross-entropy over `[rows, vocab]` logits each write and keep several
+//! f32 intermediates of that size, and candle's backward adds a zero-filled buffer and an add
+//! per intermediate: on an H200 that, not the matmuls, was most of the step. Here each is one
+//! kernel forward and one backward that keeps only what the gradient needs (the probabilities;
+//! the logits). AdamW's update is two in-place kernels instead of a dozen allocating ones.
+//!
+//! Every op has a CPU implementation (used by CPU training and by the tests, which check it
+//! against the composed ops and finite differences) and, with the `cuda` feature, CUDA kernels
+//! (`kernels.cu`) for f32 and bf16; arithmetic is f32 on the GPU and f64 on the CPU.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    CpuStorage, CustomOp2, CustomOp3, DType, InplaceOp2, InplaceOp3, Layout, Shape, Tensor,
+    WithDType, bail,
+};
+use rayon::prelude::*;
+
+use super::Result;
+
+/// `softmax(scores * scale + mask)` over the last dimension. `scores`: `[.., nq, nk]`;
+/// `mask`: additive `[nq, nk]` (0 or -inf), the same for every leading index. A row masked
+/// everywhere gives zeros. Differentiable in `scores`.
+pub fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+    let dims = scores.dims();
+    let (nq, nk) = mask.dims2()?;
+    if dims.len() < 2 || dims[dims.len() - 2..] != [nq, nk] {
+        bail!("masked_softmax: scores {dims:?} do not end in the mask's [{nq}, {nk}]");
+    }
+    let mask = mask.to_dtype(scores.dtype())?.contiguous()?;
+    scores
+        .contiguous()?
+        .apply_op2(&mask, MaskedSoftmax { scale })
+}
+
+/// Per row of `logits` `[m, vocab]`: `logsumexp(row) - row[label]`, `[m]` in f32 (f64 for f64
+/// logits). Differentiable in `logits`.
+pub fn cross_entropy(logits: &Tensor, labels: &[u32]) -> Result<Tensor> {
+    let (m, vocab) = logits.dims2()?;
+    if labels.len() != m {
+        bail!("cross_entropy: {m} rows of logits, {} labels", labels.len());
+    }
+    if let Some(bad) = labels.iter().find(|&&y| y as usize >= vocab) {
+        bail!("cross_entropy: label {bad} is past the vocabulary of {vocab}");
+    }
+    let labels = Tensor::new(labels, logits.device())?;
+    logits.contiguous()?.apply_op2(&labels, CrossEntropy)
+}
+
+/// The AdamW update of one parameter in place: `m` and `v` (f32, the parameter's shape) take
+/// the clipped gradient `grad * clip_scale`, then `param` moves by the bias-corrected step and
+/// decays by `lr * weight_decay` (PyTorch's order).
+pub fn adamw_update(
+    param: &Tensor,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    step: &AdamStep,
+) -> Result<()> {
+    let grad = grad.contiguous()?;
+    m.inplace_op2(
+        &grad,
+        &Moment {
+            beta: step.betas.0 as f32,
+            scale: step.clip_scale as f32,
+            squared: false,
+        },
+    )?;
+    v.inplace_op2(
+        &grad,
+        &Moment {
+            beta: step.betas.1 as f32,
+            scale: step.clip_scale as f32,
+            squared: true,
+        },
+    )?;
+    param.inplace_op3(m, v, step)
+}
+
+/// One AdamW step's constants.
+#[derive(Clone, Debug)]
+pub struct AdamStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Betas.
+    pub betas: (f64, f64),
+    /// Bias corrections `1 - beta^t`.
+    pub corrections: (f64, f64),
+    /// Epsilon.
+    pub eps: f64,
+    /// What the gradient is multiplied by (global-norm clipping; 1 for none).
+    pub clip_scale: f64,
+}
+
+struct MaskedSoftmax {
+    scale: f64,
+}
+
+struct SoftmaxGrad {
+    scale: f64,
+}
+
+struct CrossEntropy;
+
+struct CrossEntropyGrad;
+
+struct Moment {
+    beta: f32,
+    scale: f32,
+    squared: bool,
+}
+
+/// The contiguous elements of a CPU tensor.
+fn cpu<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fused op: a non-contiguous input".into()))?;
+    Ok(&s.as_slice::<T>()?[a..b])
+}
+
+/// The range of a contiguous tensor's elements in its storage.
+fn span(l: &Layout) -> Result<std::ops::Range<usize>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fused op: a non-contiguous input".into()))?;
+    Ok(a..b)
+}
+
+/// The last dimension and the count of rows before it.
+fn rows(l: &Layout) -> (usize, usize) {
+    let n = l.dims().last().copied().unwrap_or(1);
+    (l.shape().elem_count() / n.max(1), n)
+}
+
+/// Run `$f::<T>` for the float dtype `$dtype`, else fail naming `$what`.
+macro_rules! by_float {
+    ($dtype:expr, $what:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            DType::F16 => $f::<half::f16>($($arg),*),
+            d => bail!("{}: {d:?} is not a float type", $what),
+        }
+    };
+}
+
+fn softmax_cpu<T: WithDType>(x: &[T], mask: &[T], n: usize, nq: usize, scale: f64) -> CpuStorage {
+    let mut out = vec![T::from_f64(0.0); x.len()];
+    out.par_chunks_mut(n)
+        .zip(x.par_chunks(n))
+        .enumerate()
+        .for_each(|(r, (y, x))| {
+            let m = &mask[(r % nq) * n..(r % nq + 1) * n];
+            let z = |j: usize| x[j].to_f64() * scale + m[j].to_f64();
+            let max = (0..n).map(z).fold(f64::NEG_INFINITY, f64::max);
+            if max == f64::NEG_INFINITY {
+                return;
+            }
+            let sum: f64 = (0..n).map(|j| (z(j) - max).exp()).sum();
+            for (j, y) in y.iter_mut().enumerate() {
+                *y = T::from_f64((z(j) - max).exp() / sum);
+            }
+        });
+    T::to_cpu_storage_owned(out)
+}
+
+impl CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "masked-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, n) = rows(l1);
+        let nq = l2.dims()[0];
+        fn go<T: WithDType>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+            n: usize,
+            nq: usize,
+            scale: f64,
+        ) -> Result<CpuStorage> {
+            Ok(softmax_cpu(
+                cpu::<T>(s1, l1)?,
+                cpu::<T>(s2, l2)?,
+                n,
+                nq,
+                scale,
+            ))
+        }
+        let out = by_float!(
+            s1.dtype(),
+            self.name(),
+            go(s1, l1, s2, l2, n, nq, self.scale)
+        )?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = cuda::masked_softmax(s1, l1, s2, l2, self.scale as f32)?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _scores: &Tensor,
+        _mask: &Tensor,
+        probs: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = probs.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad { scale: self.scale })?;
+        Ok((Some(g), None))
+    }
+}
+
+impl CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "masked-softmax-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, n) = rows(l1);
+        fn go<T: WithDType>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+            n: usize,
+            scale: f64,
+        ) -> Result<CpuStorage> {
+            let (p, dp) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
+            let mut out = vec![T::from_f64(0.0); p.len()];
+            out.par_chunks_mut(n)
+                .zip(p.par_chunks(n).zip(dp.par_chunks(n)))
+                .for_each(|(ds, (p, dp))| {
+                    let dot: f64 = p.iter().zip(dp).map(|(a, b)| a.to_f64() * b.to_f64()).sum();
+                    for ((ds, p), dp) in ds.iter_mut().zip(p).zip(dp) {
+                        *ds = T::from_f64(scale * p.to_f64() * (dp.to_f64() - dot));
+                    }
+                });
+            Ok(T::to_cpu_storage_owned(out))
+        }
+        let out = by_float!(s1.dtype(), self.name(), go(s1, l1, s2, l2, n, self.scale))?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = cuda::softmax_grad(s1, l1, s2, l2, self.scale as f32)?;
+        Ok((out, l1.shape().clone()))
+    }
+}
+
+/// The dtype cross-entropy losses come out in.
+fn loss_dtype(logits: DType) -> DType {
+    if logits == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// The log-sum-exp of a row, in f64.
+fn lse<T: WithDType>(z: &[T]) -> f64 {
+    let max = z
+        .iter()
+        .map(|v| v.to_f64())
+        .fold(f64::NEG_INFINITY, f64::max);
+    max + z.iter().map(|v| (v.to_f64() - max).exp()).sum::<f64>().ln()
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, n) = rows(l1);
+        fn go<T: WithDType>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            labels: &[u32],
+            n: usize,
+        ) -> Result<Vec<f64>> {
+            let z = cpu::<T>(s1, l1)?;
+            Ok(z.par_chunks(n)
+                .zip(labels.par_iter())
+                .map(|(z, &y)| lse(z) - z[y as usize].to_f64())
+                .collect())
+        }
+        let labels = cpu::<u32>(s2, l2)?;
+        let nll = by_float!(s1.dtype(), self.name(), go(s1, l1, labels, n))?;
+        let out = match loss_dtype(s1.dtype()) {
+            DType::F64 => CpuStorage::F64(nll),
+            _ => CpuStorage::F32(nll.into_iter().map(|v| v as f32).collect()),
+        };
+        Ok((out, Shape::from(m)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (m, _) = rows(l1);
+        Ok((cuda::cross_entropy(s1, l1, s2, l2)?, Shape::from(m)))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        labels: &Tensor,
+        _nll: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.to_dtype(loss_dtype(logits.dtype()))?.contiguous()?;
+        let g = logits.apply_op3_no_bwd(labels, &grad, &CrossEntropyGrad)?;
+        Ok((Some(g), None))
+    }
+}
+
+impl CustomOp3 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "cross-entropy-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, n) = rows(l1);
+        fn go<T: WithDType>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            labels: &[u32],
+            g: &[f64],
+            n: usize,
+        ) -> Result<CpuStorage> {
+            let z = cpu::<T>(s1, l1)?;
+            let mut out = vec![T::from_f64(0.0); z.len()];
+            out.par_chunks_mut(n)
+                .zip(z.par_chunks(n))
+                .zip(labels.par_iter().zip(g.par_iter()))
+                .for_each(|((dz, z), (&y, &g))| {
+                    let lse = lse(z);
+                    for (j, (dz, z)) in dz.iter_mut().zip(z).enumerate() {
+                        let onehot = if j == y as usize { 1.0 } else { 0.0 };
+                        *dz = T::from_f64(g * ((z.to_f64() - lse).exp() - onehot));
+                    }
+                });
+            Ok(T::to_cpu_storage_owned(out))
+        }
+        let labels = cpu::<u32>(s2, l2)?;
+        let g: Vec<f64> = match s3 {
+            CpuStorage::F64(_) => cpu::<f64>(s3, l3)?.to_vec(),
+            _ => cpu::<f32>(s3, l3)?.iter().map(|&v| f64::from(v)).collect(),
+        };
+        let out = by_float!(s1.dtype(), self.name(), go(s1, l1, labels, &g, n))?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            cuda::cross_entropy_grad(s1, l1, s2, l2, s3, l3)?,
+            l1.shape().clone(),
+        ))
+    }
+}
+
+/// The mutable f32 elements of an optimizer moment.
+fn moment_slice<'a>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]> {
+    let r = span(l)?;
+    match s {
+        CpuStorage::F32(v) => Ok(&mut v[r]),
+        other => bail!("AdamW moments are f32, not {:?}", other.dtype()),
+    }
+}
+
+impl InplaceOp2 for Moment {
+    fn name(&self) -> &'static str {
+        "adamw-moment"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        fn go<T: WithDType>(m: &mut [f32], g: &CpuStorage, l: &Layout, op: &Moment) -> Result<()> {
+            let g = cpu::<T>(g, l)?;
+            if g.len() != m.len() {
+                bail!(
+                    "adamw-moment: {} gradient elements for {}",
+                    g.len(),
+                    m.len()
+                );
+            }
+            m.par_iter_mut().zip(g.par_iter()).for_each(|(m, g)| {
+                let x = g.to_f64() as f32 * op.scale;
+                *m = op.beta * *m + (1.0 - op.beta) * if op.squared { x * x } else { x };
+            });
+            Ok(())
+        }
+        let m = moment_slice(s1, l1)?;
+        by_float!(s2.dtype(), self.name(), go(m, s2, l2, self))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        cuda::moment(s1, l1, s2, l2, self.beta, self.scale, self.squared)
+    }
+}
+
+impl InplaceOp3 for AdamStep {
+    fn name(&self) -> &'static str {
+        "adamw-apply"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<()> {
+        let (m, v) = (cpu::<f32>(s2, l2)?, cpu::<f32>(s3, l3)?);
+        let r = span(l1)?;
+        fn go<T: WithDType + Send + Sync>(p: &mut [T], m: &[f32], v: &[f32], s: &AdamStep) {
+            let (lr, decay) = (s.lr as f32, 1.0 - (s.lr * s.weight_decay) as f32);
+            let (c1, c2, eps) = (s.corrections.0 as f32, s.corrections.1 as f32, s.eps as f32);
+            p.par_iter_mut()
+                .zip(m.par_iter().zip(v.par_iter()))
+                .for_each(|(p, (m, v))| {
+                    let x = p.to_f64() as f32 * decay;
+                    *p = T::from_f64(f64::from(x - lr * (m / c1) / ((v / c2).sqrt() + eps)));
+                });
+        }
+        let n = r.len();
+        if m.len() != n || v.len() != n {
+            bail!(
+                "adamw-apply: moments of {} and {} elements for {n}",
+                m.len(),
+                v.len()
+            );
+        }
+        match s1 {
+            CpuStorage::F32(p) => go(&mut p[r], m, v, self),
+            CpuStorage::F64(p) => go(&mut p[r], m, v, self),
+            CpuStorage::BF16(p) => go(&mut p[r], m, v, self),
+            CpuStorage::F16(p) => go(&mut p[r], m, v, self),
+            other => bail!("adamw-apply: {:?} parameters", other.dtype()),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<()> {
+        cuda::adam_apply(s1, l1, s2, l2, s3, l3, self)
+    }
+}
+
+/// Launches of the kernels in `kernels.cu` (compiled to PTX by `build.rs`). A kernel launch is
+/// FFI, hence `unsafe`; each states what it reads and writes, all of it allocated or checked here.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaDevice, CudaStorage, DType, Layout, WithDType, bail};
+
+    use super::{AdamStep, Result, rows, span};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+
+    fn kernel(dev: &CudaDevice, name: &str, dtype: DType) -> Result<CudaFunction> {
+        let suffix = match dtype {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            d => bail!("{name}: no CUDA kernel for {d:?} (f32 and bf16 have one)"),
+        };
+        Ok(dev
+            .get_or_load_custom_func(&format!("{name}_{suffix}"), "dflash_fused", PTX)?
+            .into_cuda_function())
+    }
+
+    /// One block per row, as many threads as the row has elements up to 1024.
+    fn per_row(rows: usize, n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (n.next_multiple_of(32).clamp(32, 1024) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// A grid-stride loop over `n` elements.
+    fn elementwise(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 1 << 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    macro_rules! by_type {
+        ($dtype:expr, $what:expr, $f:ident ( $($arg:expr),* )) => {
+            match $dtype {
+                DType::F32 => $f::<f32>($($arg),*),
+                DType::BF16 => $f::<half::bf16>($($arg),*),
+                d => bail!("{}: no CUDA kernel for {d:?} (f32 and bf16 have one)", $what),
+            }
+        };
+    }
+
+    pub fn masked_softmax(
+        s: &CudaStorage,
+        l: &Layout,
+        mask: &CudaStorage,
+        lm: &Layout,
+        scale: f32,
+    ) -> Result<CudaStorage> {
+        fn go<T: CudaDType + DeviceRepr + WithDType>(
+            s: &CudaStorage,
+            l: &Layout,
+            mask: &CudaStorage,
+            lm: &Layout,
+            scale: f32,
+        ) -> Result<CudaStorage> {
+            let dev = s.device();
+            let (count, n) = rows(l);
+            let x = s.as_cuda_slice::<T>()?.slice(span(l)?);
+            let m = mask.as_cuda_slice::<T>()?.slice(span(lm)?);
+            let out = unsafe { dev.alloc::<T>(count * n)? };
+            let (n32, nq) = (n as u32, lm.dims()[0] as u32);
+            let f = kernel(dev, "masked_softmax", T::DTYPE)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&x).arg(&m).arg(&out).arg(&n32).arg(&nq).arg(&scale);
+            // SAFETY: the kernel reads count*n and nq*n elements and writes count*n.
+            unsafe { b.launch(per_row(count, n)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        by_type!(s.dtype(), "masked-softmax", go(s, l, mask, lm, scale))
+    }
+
+    pub fn softmax_grad(
+        p: &CudaStorage,
+        lp: &Layout,
+        dp: &CudaStorage,
+        ldp: &Layout,
+        scale: f32,
+    ) -> Result<CudaStorage> {
+        fn go<T: CudaDType + DeviceRepr + WithDType>(
+            p: &CudaStorage,
+            lp: &Layout,
+            dp: &CudaStorage,
+            ldp: &Layout,
+            scale: f32,
+        ) -> Result<CudaStorage> {
+            let dev = p.device();
+            let (count, n) = rows(lp);
+            let ps = p.as_cuda_slice::<T>()?.slice(span(lp)?);
+            let dps = dp.as_cuda_slice::<T>()?.slice(span(ldp)?);
+            let out = unsafe { dev.alloc::<T>(count * n)? };
+            let n32 = n as u32;
+            let f = kernel(dev, "softmax_grad", T::DTYPE)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&ps).arg(&dps).arg(&out).arg(&n32).arg(&scale);
+            // SAFETY: reads and writes count*n elements of each.
+            unsafe { b.launch(per_row(count, n)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        by_type!(p.dtype(), "masked-softmax-grad", go(p, lp, dp, ldp, scale))
+    }
+
+    pub fn cross_entropy(
+        z: &CudaStorage,
+        lz: &Layout,
+        y: &CudaStorage,
+        ly: &Layout,
+    ) -> Result<CudaStorage> {
+        fn go<T: CudaDType + DeviceRepr + WithDType>(
+            z: &CudaStorage,
+            lz: &Layout,
+            y: &CudaStorage,
+            ly: &Layout,
+        ) -> Result<CudaStorage> {
+            let dev = z.device();
+            let (count, n) = rows(lz);
+            let zs = z.as_cuda_slice::<T>()?.slice(span(lz)?);
+            let ys = y.as_cuda_slice::<u32>()?.slice(span(ly)?);
+            let out = unsafe { dev.alloc::<f32>(count)? };
+            let n32 = n as u32;
+            let f = kernel(dev, "cross_entropy", T::DTYPE)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&zs).arg(&ys).arg(&out).arg(&n32);
+            // SAFETY: reads count*n logits and count labels (checked < n), writes count.
+            unsafe { b.launch(per_row(count, n)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        by_type!(z.dtype(), "cross-entropy", go(z, lz, y, ly))
+    }
+
+    pub fn cross_entropy_grad(
+        z: &CudaStorage,
+        lz: &Layout,
+        y: &CudaStorage,
+        ly: &Layout,
+        g: &CudaStorage,
+        lg: &Layout,
+    ) -> Result<CudaStorage> {
+        fn go<T: CudaDType + DeviceRepr + WithDType>(
+            z: &CudaStorage,
+            lz: &Layout,
+            y: &CudaStorage,
+            ly: &Layout,
+            g: &CudaStorage,
+            lg: &Layout,
+        ) -> Result<CudaStorage> {
+            let dev = z.device();
+            let (count, n) = rows(lz);
+            let zs = z.as_cuda_slice::<T>()?.slice(span(lz)?);
+            let ys = y.as_cuda_slice::<u32>()?.slice(span(ly)?);
+            let gs = g.as_cuda_slice::<f32>()?.slice(span(lg)?);
+            let out = unsafe { dev.alloc::<T>(count * n)? };
+            let n32 = n as u32;
+            let f = kernel(dev, "cross_entropy_grad", T::DTYPE)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&zs).arg(&ys).arg(&gs).arg(&out).arg(&n32);
+            // SAFETY: reads count*n logits, count labels and gradients; writes count*n.
+            unsafe { b.launch(per_row(count, n)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        by_type!(z.dtype(), "cross-entropy-grad", go(z, lz, y, ly, g, lg))
+    }
+
+    pub fn moment(
+        m: &mut CudaStorage,
+        lm: &Layout,
+        g: &CudaStorage,
+        lg: &Layout,
+        beta: f32,
+        scale: f32,
+        squared: bool,
+    ) -> Result<()> {
+        fn go<T: CudaDType + DeviceRepr + WithDType>(
+            m: &mut CudaStorage,
+            lm: &Layout,
+            g: &CudaStorage,
+            lg: &Layout,
+            beta: f32,
+            scale: f32,
+            squared: i32,
+        ) -> Result<()> {
+            let dev = g.device().clone();
+            let r = span(lm)?;
+            let n = r.len();
+            if span(lg)?.len() != n {
+                bail!("adamw-moment: gradient and moment sizes differ");
+            }
+            let gs = g.as_cuda_slice::<T>()?.slice(span(lg)?);
+            let mut ms = m.as_cuda_slice_mut::<f32>()?.slice_mut(r);
+            let f = kernel(&dev, "moment", T::DTYPE)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&mut ms)
+                .arg(&gs)
+                .arg(&n)
+                .arg(&beta)
+                .arg(&scale)
+                .arg(&squared);
+            // SAFETY: n elements of each.
+            unsafe { b.launch(elementwise(n)) }.w()?;
+            Ok(())
+        }
+        let squared = i32::from(squared);
+        by_type!(
+            g.dtype(),
+            "adamw-moment",
+            go(m, lm, g, lg, beta, scale, squared)
+        )
+    }
+
+    pub fn adam_apply(
+        p: &mut CudaStorage,
+        lp: &Layout,
+        m: &CudaStorage,
+        lm: &Layout,
+        v: &CudaStorage,
+        lv: &Layout,
+        s: &AdamStep,
+    ) -> Result<()> {
+        fn go<T: CudaDType + DeviceRepr + WithDType>(
+            p: &mut CudaStorage,
+            lp: &Layout,
+            m: &CudaStorage,
+            lm: &Layout,
+            v: &CudaStorage,
+            lv: &Layout,
+            s: &AdamStep,
+        ) -> Result<()> {
+            let dev = m.device().clone();
+            let r = span(lp)?;
+            let n = r.len();
+            if span(lm)?.len() != n || span(lv)?.len() != n {
+                bail!("adamw-apply: parameter and moment sizes differ");
+            }
+            let ms = m.as_cuda_slice::<f32>()?.slice(span(lm)?);
+            let vs = v.as_cuda_slice::<f32>()?.slice(span(lv)?);
+            let mut ps = p.as_cuda_slice_mut::<T>()?.slice_mut(r);
+            let (lr, decay) = (s.lr as f32, s.weight_decay as f32);
+            let (c1, c2, eps) = (s.corrections.0 as f32, s.corrections.1 as f32, s.eps as f32);
+            let f = kernel(&dev, "adam_apply", T::DTYPE)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&mut ps)
+                .arg(&ms)
+                .arg(&vs)
+                .arg(&n)
+                .arg(&lr)
+                .arg(&decay);
+            b.arg(&c1).arg(&c2).arg(&eps);
+            // SAFETY: n elements of each.
+            unsafe { b.launch(elementwise(n)) }.w()?;
+            Ok(())
+        }
+        by_type!(p.dtype(), "adamw-apply", go(p, lp, m, lm, v, lv, s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{D, Device, Var};
+
+    use super::*;
+    use crate::nn::ops;
+
+    fn randn(shape: &[usize], seed: u64) -> Tensor {
+        crate::nn::drafter::Init::new(seed)
+            .normal(shape, 1.0, DType::F64, &Device::Cpu)
+            .expect("cpu")
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    /// A mask with a fully masked row and a row that sees one key.
+    fn mask(nq: usize, nk: usize) -> Tensor {
+        let v: Vec<f64> = (0..nq * nk)
+            .map(|i| {
+                let (r, c) = (i / nk, i % nk);
+                let open = r != 1 && (r == 2 && c == 0 || r != 2 && (c + r) % 3 != 0);
+                if open { 0.0 } else { f64::NEG_INFINITY }
+            })
+            .collect();
+        Tensor::from_vec(v, (nq, nk), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn masked_softmax_and_its_gradient_match_the_composed_ops() {
+        let (nq, nk, scale) = (5, 7, 0.3);
+        let x = Var::from_tensor(&randn(&[2, nq, nk], 1)).unwrap();
+        let w = randn(&[2, nq, nk], 2);
+        let mask = mask(nq, nk);
+        let fused = masked_softmax(x.as_tensor(), &mask, scale).unwrap();
+        let fused_grads = (&fused * &w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+
+        let z = (x.as_tensor() * scale)
+            .unwrap()
+            .broadcast_add(&mask)
+            .unwrap();
+        let composed = ops::softmax_last(&z).unwrap();
+        // The composed softmax gives NaN on the fully masked row; the fused op gives zeros.
+        let row1 = |t: &Tensor| t.narrow(D::Minus2, 1, 1).unwrap();
+        assert_eq!(
+            max_diff(&row1(&fused), &row1(&fused).zeros_like().unwrap()),
+            0.0
+        );
+        let keep = |t: &Tensor| {
+            Tensor::cat(
+                &[
+                    t.narrow(D::Minus2, 0, 1).unwrap(),
+                    t.narrow(D::Minus2, 2, nq - 2).unwrap(),
+                ],
+                D::Minus2,
+            )
+            .unwrap()
+        };
+        let d = max_diff(&keep(&fused), &keep(&composed));
+        assert!(d < 1e-12, "{d}: {fused} vs {composed}");
+        let composed_grads = (&keep(&composed) * &keep(&w))
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (gf, gc) = (
+            fused_grads.get(x.as_tensor()).unwrap(),
+            composed_grads.get(x.as_tensor()).unwrap(),
+        );
+        assert!(max_diff(&keep(gf), &keep(gc)) < 1e-12, "{gf} vs {gc}");
+        assert_eq!(max_diff(&row1(gf), &row1(gf).zeros_like().unwrap()), 0.0);
+    }
+
+    #[test]
+    fn cross_entropy_and_its_gradient_match_the_composed_ops() {
+        let z = Var::from_tensor(&randn(&[4, 9], 3)).unwrap();
+        let labels = [0u32, 8, 3, 3];
+        let w = Tensor::new(&[1.0f64, 0.5, 0.0, 2.0], &Device::Cpu).unwrap();
+        let fused = cross_entropy(z.as_tensor(), &labels).unwrap();
+        let gf = (&fused * &w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let y = Tensor::new(&labels, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(1)
+            .unwrap();
+        let composed = ops::log_softmax_last(z.as_tensor())
+            .unwrap()
+            .gather(&y, 1)
+            .unwrap()
+            .squeeze(1)
+            .unwrap()
+            .neg()
+            .unwrap();
+        assert!(max_diff(&fused, &composed) < 1e-12);
+        let gc = (&composed * &w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (gf, gc) = (
+            gf.get(z.as_tensor()).unwrap(),
+            gc.get(z.as_tensor()).unwrap(),
+        );
+        assert!(max_diff(gf, gc) < 1e-12, "{gf} vs {gc}");
+        assert!(cross_entropy(z.as_tensor(), &[0, 9, 0, 0]).is_err());
+    }
+
+    #[test]
+    fn the_adamw_update_is_pytorchs() {
+        // One step by hand: m = 0.1 g, v = 0.001 g^2, p' = p (1 - lr wd) - lr m^ / (sqrt(v^) + eps).
+        let p = Tensor::new(&[1.0f32, -2.0, 0.5], &Device::Cpu).unwrap();
+        let g = Tensor::new(&[0.5f32, 0.25, -4.0], &Device::Cpu).unwrap();
+        let (m, v) = (p.zeros_like().unwrap(), p.zeros_like().unwrap());
+        let step = AdamStep {
+            lr: 0.1,
+            weight_decay: 0.01,
+            betas: (0.9, 0.999),
+            corrections: (0.1, 0.001),
+            eps: 1e-8,
+            clip_scale: 0.5,
+        };
+        adamw_update(&p, &g, &m, &v, &step).unwrap();
+        let got = p.to_vec1::<f32>().unwrap();
+        for (i, (&p0, &g0)) in [1.0f32, -2.0, 0.5]
+            .iter()
+            .zip(&[0.5f32, 0.25, -4.0])
+            .enumerate()
+        {
+            let g = f64::from(g0) * 0.5;
+            let (mh, vh) = (0.1 * g / 0.1, 0.001 * g * g / 0.001);
+            let want = f64::from(p0) * (1.0 - 0.1 * 0.01) - 0.1 * mh / (vh.sqrt() + 1e-8);
+            assert!(
+                (f64::from(got[i]) - want).abs() < 1e-6,
+                "{i}: {} vs {want}",
+                got[i]
+            );
+        }
+        assert!((m.to_vec1::<f32>().unwrap()[2] - 0.1 * -2.0).abs() < 1e-7);
+    }
+}

@@ -1,0 +1,160 @@
+// Fused CUDA kernels for training the drafter (stages/model/src/nn/fused.rs launches them).
+//
+// Each replaces a chain of candle ops whose intermediates candle would write out and keep for
+// the backward pass: attention's scale + mask + softmax and its gradient, the cross-entropy over
+// the vocabulary and its gradient, and the AdamW update. Rows are reduced by one thread block
+// each; arithmetic is in f32 whatever the storage type.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+__device__ __forceinline__ float load(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, size_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store(float* p, size_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, size_t i, float v) { p[i] = __float2bfloat16(v); }
+
+// Reduce over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+template <bool IsMax>
+__device__ float block_reduce(float v) {
+    __shared__ float partial[32];
+    __shared__ float result;
+    for (int o = 16; o > 0; o >>= 1) {
+        float w = __shfl_xor_sync(0xffffffff, v, o);
+        v = IsMax ? fmaxf(v, w) : v + w;
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        int warps = blockDim.x >> 5;
+        v = lane < warps ? partial[lane] : (IsMax ? -INFINITY : 0.0f);
+        for (int o = 16; o > 0; o >>= 1) {
+            float w = __shfl_xor_sync(0xffffffff, v, o);
+            v = IsMax ? fmaxf(v, w) : v + w;
+        }
+        if (lane == 0) result = v;
+    }
+    __syncthreads();
+    float out = result;
+    __syncthreads();  // `partial` and `result` are reused by the next call
+    return out;
+}
+
+// probs = softmax(scores * scale + mask[row % nq]) over rows of length n; a row masked
+// everywhere gives zeros.
+template <typename T>
+__device__ void masked_softmax(const T* scores, const T* mask, T* probs, uint32_t n, uint32_t nq, float scale) {
+    size_t row = blockIdx.x;
+    const T* x = scores + row * n;
+    const T* m = mask + (row % nq) * n;
+    T* y = probs + row * n;
+    float mx = -INFINITY;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, load(x, j) * scale + load(m, j));
+    mx = block_reduce<true>(mx);
+    if (mx == -INFINITY) {
+        for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) store(y, j, 0.0f);
+        return;
+    }
+    float sum = 0.0f;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) sum += __expf(load(x, j) * scale + load(m, j) - mx);
+    float inv = 1.0f / block_reduce<false>(sum);
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) store(y, j, __expf(load(x, j) * scale + load(m, j) - mx) * inv);
+}
+
+// d scores = scale * p * (dp - sum(dp * p)) per row.
+template <typename T>
+__device__ void softmax_grad(const T* probs, const T* dprobs, T* dscores, uint32_t n, float scale) {
+    size_t row = blockIdx.x;
+    const T* p = probs + row * n;
+    const T* dp = dprobs + row * n;
+    T* ds = dscores + row * n;
+    float dot = 0.0f;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) dot += load(p, j) * load(dp, j);
+    dot = block_reduce<false>(dot);
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) store(ds, j, scale * load(p, j) * (load(dp, j) - dot));
+}
+
+// The log-sum-exp of one row.
+template <typename T>
+__device__ float row_lse(const T* z, uint32_t n) {
+    float mx = -INFINITY;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, load(z, j));
+    mx = block_reduce<true>(mx);
+    float sum = 0.0f;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) sum += __expf(load(z, j) - mx);
+    return mx + __logf(block_reduce<false>(sum));
+}
+
+// nll[row] = logsumexp(z) - z[label] over rows of length n.
+template <typename T>
+__device__ void cross_entropy(const T* logits, const uint32_t* labels, float* nll, uint32_t n) {
+    size_t row = blockIdx.x;
+    const T* z = logits + row * n;
+    float lse = row_lse(z, n);
+    if (threadIdx.x == 0) nll[row] = lse - load(z, labels[row]);
+}
+
+// d logits = g[row] * (softmax(z) - onehot(label)).
+template <typename T>
+__device__ void cross_entropy_grad(const T* logits, const uint32_t* labels, const float* g, T* dlogits, uint32_t n) {
+    size_t row = blockIdx.x;
+    const T* z = logits + row * n;
+    T* dz = dlogits + row * n;
+    float lse = row_lse(z, n);
+    float gr = g[row];
+    uint32_t y = labels[row];
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x)
+        store(dz, j, gr * (__expf(load(z, j) - lse) - (j == y ? 1.0f : 0.0f)));
+}
+
+// m = beta * m + (1 - beta) * (scale * g), or with (scale * g)^2 when `squared`.
+template <typename T>
+__device__ void moment(float* m, const T* g, size_t n, float beta, float scale, int squared) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float x = load(g, i) * scale;
+        m[i] = beta * m[i] + (1.0f - beta) * (squared ? x * x : x);
+    }
+}
+
+// p = p * (1 - lr * decay) - lr * (m / c1) / (sqrt(v / c2) + eps).
+template <typename T>
+__device__ void adam_apply(T* p, const float* m, const float* v, size_t n, float lr, float decay, float c1, float c2, float eps) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float x = load(p, i) * (1.0f - lr * decay);
+        store(p, i, x - lr * (m[i] / c1) / (sqrtf(v[i] / c2) + eps));
+    }
+}
+
+}  // namespace
+
+#define FOR_TYPES(X) X(f32, float) X(bf16, __nv_bfloat16)
+
+#define KERNELS(NAME, T)                                                                               \
+    extern "C" __global__ void masked_softmax_##NAME(const T* s, const T* m, T* p, uint32_t n,          \
+                                                     uint32_t nq, float scale) {                       \
+        masked_softmax(s, m, p, n, nq, scale);                                                         \
+    }                                                                                                  \
+    extern "C" __global__ void softmax_grad_##NAME(const T* p, const T* dp, T* ds, uint32_t n,          \
+                                                   float scale) {                                      \
+        softmax_grad(p, dp, ds, n, scale);                                                             \
+    }                                                                                                  \
+    extern "C" __global__ void cross_entropy_##NAME(const T* z, const uint32_t* y, float* nll,          \
+                                                    uint32_t n) {                                      \
+        cross_entropy(z, y, nll, n);                                                                   \
+    }                                                                                                  \
+    extern "C" __global__ void cross_entropy_grad_##NAME(const T* z, const uint32_t* y, const float* g, \
+                                                         T* dz, uint32_t n) {                          \
+        cross_entropy_grad(z, y, g, dz, n);                                                            \
+    }                                                                                                  \
+    extern "C" __global__ void moment_##NAME(float* m, const T* g, size_t n, float beta, float scale,   \
+                                             int squared) {                                            \
+        moment(m, g, n, beta, scale, squared);                                                         \
+    }                                                                                                  \
+    extern "C" __global__ void adam_apply_##NAME(T* p, const float* m, const float* v, size_t n,        \
+                                                 float lr, float decay, float c1, float c2, float eps) { \
+        adam_apply(p, m, v, n, lr, decay, c1, c2, eps);                                                \
+    }
+
+FOR_TYPES(KERNELS)
