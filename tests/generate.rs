@@ -584,6 +584,82 @@ fn n_samples_per_prompt_get_their_own_rows_and_seeds() {
     assert_eq!(seeds.len(), 8, "every request has its own seed");
 }
 
+/// A Hugging Face folder (config.json, safetensors, tokenizer.json) is the same model as the GGUF
+/// it was converted from: the same logits position by position (the folder's query and key rows
+/// are in transformers' rotate-half layout, the GGUF's in llama.cpp's interleaved one, so a wrong
+/// layout or name mapping shows at once), and the candle backend generates with it, renders
+/// with its tokenizer_config.json's template and pins every file by content.
+#[test]
+fn a_hugging_face_folder_is_the_model_its_gguf_is() {
+    let env = Env::new();
+    let gguf = assets().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let folder = env.path().join("smollm2");
+    support::gguf_to_hf(&gguf, &folder, &[]);
+    let cpu = candle_core::Device::Cpu;
+    let from_gguf = dflash_model::nn::Target::from_gguf(&gguf, &cpu).unwrap();
+    let from_hf = dflash_model::nn::Target::load(&folder, &cpu).unwrap();
+    assert_eq!(from_gguf.config, from_hf.config);
+    let ids: Vec<u32> = (0..40u32).map(|i| (i * 977 + 13) % 49_152).collect();
+    let logits = |t: &dflash_model::nn::Target| {
+        let mut cache = dflash_model::nn::target::KvCache::default();
+        t.extend(&ids, &mut cache, &[3]).unwrap()
+    };
+    let ((a, ta), (b, tb)) = (logits(&from_gguf), logits(&from_hf));
+    let worst = |x: &candle_core::Tensor, y: &candle_core::Tensor| {
+        (x - y)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    let scale = worst(&a, &a.zeros_like().unwrap());
+    assert!(
+        worst(&a, &b) < 1e-3 * scale,
+        "logits differ by {} of {scale}",
+        worst(&a, &b)
+    );
+    let (ta, tb) = (ta.unwrap(), tb.unwrap());
+    assert!(worst(&ta, &tb) < 1e-3 * worst(&ta, &ta.zeros_like().unwrap()));
+
+    env.write(
+        "prompts.jsonl",
+        "{\"id\": \"fr\", \"prompt\": \"What is the capital of France?\"}\n",
+    );
+    env.write(
+        "gen.yaml",
+        &pipeline_with(
+            "{backend: candle, model: smollm2, max_tokens: 12}",
+            "  tokens:\n    kind: tokenize\n    inputs: [answers]\n    params: {tokenizer: smollm2}\n",
+        ),
+    );
+    let (st, _) = env.run("gen.yaml", 0);
+    assert_eq!(st["tokens"], "ran");
+    let fr = rows(&env)["fr"]["messages"][1]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(fr.contains("Paris"), "{fr}");
+    let o = env.dflash(&["show", "answers", "-p", "gen.yaml"]);
+    let pins =
+        serde_json::from_slice::<Value>(&o.stdout).unwrap()["fingerprint"]["pins"].to_string();
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(
+            pins.contains(&format!("model:smollm2/{file}")),
+            "{file} is not pinned: {pins}"
+        );
+    }
+}
+
 /// dflash's own model code (what the candle backend, `train` and `bench` run) against llama.cpp
 /// on the same GGUF file, teacher-forced over a real text: the next-token choice at each position
 /// and the logits. They are not bit-equal: llama.cpp quantizes activations to 8 bits for its

@@ -12,15 +12,33 @@ use std::time::{Duration, Instant};
 /// Write a tiny random Llama GGUF and a token file as `tokenize` writes them into `dir`
 /// (`tests/support/tiny_model.py`; `args`: model file, token file, rows, length, options).
 pub fn tiny_model(dir: &std::path::Path, args: &[&str]) {
+    python_helper("tiny_model.py", dir, args);
+}
+
+/// Write a GGUF model as a Hugging Face folder (`tests/support/gguf_to_hf.py`: config.json, f32
+/// safetensors, tokenizer.json and its chat template), for targets loaded from safetensors.
+pub fn gguf_to_hf(gguf: &std::path::Path, out: &std::path::Path, args: &[&str]) {
+    let (gguf, out) = (gguf.to_string_lossy(), out.to_string_lossy());
+    let mut all = vec![gguf.as_ref(), out.as_ref()];
+    all.extend_from_slice(args);
+    python_helper("gguf_to_hf.py", std::path::Path::new("."), &all);
+}
+
+/// Run one of the Python helpers in `tests/support` in `dir`, failing with its stderr.
+fn python_helper(script: &str, dir: &std::path::Path, args: &[&str]) {
     let out = Command::new("python3")
-        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/tiny_model.py"))
+        .arg(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/support")
+                .join(script),
+        )
         .args(args)
         .current_dir(dir)
         .output()
-        .expect("python3 with the `gguf` package, as .ci/run installs");
+        .expect("python3 with the packages .ci/run installs");
     assert!(
         out.status.success(),
-        "{}",
+        "{script}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
 }

@@ -38,21 +38,57 @@ pub trait Pinner: Sync {
     fn file_digest(&self, path: &Path) -> Result<Digest, StageError>;
 }
 
-/// The pin of a local model file (`model:<file name>` = its content digest), so another file
-/// under the same name reruns the stage; `help` says what the param should name when the file
-/// is missing.
-pub fn pin_model_file(path: &str, pinner: &dyn Pinner, help: &str) -> Result<Pin, StageError> {
+/// The pins of a local model (`model:<file name>` = its content digest; `model:<folder>/<file>`
+/// for a folder's files), so another model
+/// under the same name reruns the stage: one for a file (a GGUF), one per file that defines the
+/// model for a Hugging Face folder (configs, tokenizer, chat template, weights); `help` says
+/// what the param should name when nothing is there.
+pub fn pin_model(path: &str, pinner: &dyn Pinner, help: &str) -> Result<Vec<Pin>, StageError> {
     let p = Path::new(path);
-    if !p.is_file() {
-        return Err(StageError::new(format!("the model `{path}` does not exist")).with_help(help));
+    let pin = |file: &Path, name: String| -> Result<Pin, StageError> {
+        Ok(Pin {
+            name: format!("model:{name}"),
+            identity: pinner.file_digest(file)?.to_hex(),
+        })
+    };
+    if p.is_file() {
+        let name = p
+            .file_name()
+            .map_or_else(|| path.to_owned(), |n| n.to_string_lossy().into_owned());
+        return Ok(vec![pin(p, name)?]);
     }
-    let name = p
-        .file_name()
-        .map_or_else(|| path.to_owned(), |n| n.to_string_lossy().into_owned());
-    Ok(Pin {
-        name: format!("model:{name}"),
-        identity: pinner.file_digest(p)?.to_hex(),
-    })
+    if p.join("config.json").is_file() {
+        let mut files: Vec<String> = std::fs::read_dir(p)
+            .map_err(|e| StageError::new(format!("cannot list `{path}`: {e}")))?
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().is_file())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| defines_model(n))
+            .collect();
+        files.sort();
+        let folder = p
+            .file_name()
+            .map_or_else(|| path.to_owned(), |n| n.to_string_lossy().into_owned());
+        return files
+            .into_iter()
+            .map(|n| pin(&p.join(&n), format!("{folder}/{n}")))
+            .collect();
+    }
+    let what = if p.is_dir() {
+        format!("the folder `{path}` has no config.json")
+    } else {
+        format!("the model `{path}` does not exist")
+    };
+    Err(StageError::new(what).with_help(help))
+}
+
+/// Whether a file in a Hugging Face model folder is part of what the model computes (READMEs,
+/// licences and images are not).
+fn defines_model(name: &str) -> bool {
+    name.ends_with(".safetensors")
+        || name.ends_with(".json")
+        || name.ends_with(".jinja")
+        || name == "tokenizer.model"
 }
 
 /// Partial progress that survives a crash: each shard is committed to the store (create-only)

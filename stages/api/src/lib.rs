@@ -23,9 +23,7 @@ pub mod remote;
 pub mod tokens;
 
 pub use cancel::Cancel;
-pub use context::{
-    Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput, pin_model_file,
-};
+pub use context::{Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput, pin_model};
 pub use digest::{Digest, DigestParseError};
 pub use error::StageError;
 pub use log::StageLog;

@@ -68,7 +68,7 @@ impl StageKind for BenchKind {
     fn params(&self) -> Vec<Param> {
         let int = || ParamType::Int;
         vec![
-            Param::new("target", ParamType::Str, "the frozen target the drafters were trained against: a `.gguf` file (in-process mode)"),
+            Param::new("target", ParamType::Str, "the frozen target the drafters were trained against: a `.gguf` file or Hugging Face model folder (in-process mode)"),
             Param::new("endpoints", ParamType::Map(Box::new(ParamType::Str)), "endpoint mode: running OpenAI-compatible servers by name, e.g. {plain: 'http://127.0.0.1:30000/v1', dflash: 'http://127.0.0.1:30001/v1'}; the first is the speedup's reference").default(json!({})),
             Param::new("model", ParamType::Str, "endpoint mode: the model name sent (null: what the first endpoint lists)"),
             Param::new("prompts", int(), "prompts per set (the first ones)").default(80),
@@ -88,11 +88,11 @@ impl StageKind for BenchKind {
         let Some(target) = params["target"].as_str() else {
             return Ok(Vec::new());
         };
-        Ok(vec![dflash_stage_api::pin_model_file(
+        dflash_stage_api::pin_model(
             target,
             pinner,
-            "`target:` is the GGUF file the drafters were trained against",
-        )?])
+            "`target:` is the model the drafters were trained against: a .gguf file or a Hugging Face model folder",
+        )
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {

@@ -201,12 +201,12 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     }
     let Some(target_path) = &p.target else {
         return Err(StageError::new(
-            "bench needs `target:` (a GGUF file, decoded in process) or `endpoints:` (running servers)",
+            "bench needs `target:` (a GGUF file or model folder, decoded in process) or `endpoints:` (running servers)",
         ));
     };
     let device = Device::Cpu;
     let path = ctx.cwd.join(target_path);
-    let target = Target::from_gguf(&path, &device).map_err(nn("loading the target"))?;
+    let target = Target::load(&path, &device).map_err(nn("loading the target"))?;
     let mut log = StageLog::open(ctx.log_path).ok();
     let mut say = |line: &str| {
         if let Some(l) = log.as_mut() {

@@ -90,7 +90,7 @@ impl StageKind for GenerateKind {
                 "model",
                 ParamType::Str,
                 "the served model name, checked against each endpoint's /v1/models; with \
-                 `backend: candle`, a GGUF file",
+                 `backend: candle`, a GGUF file or a Hugging Face model folder",
             )
             .required(),
             Param::new(
@@ -197,11 +197,11 @@ impl StageKind for GenerateKind {
             return Ok(Vec::new());
         }
         let model = params["model"].as_str().unwrap_or_default();
-        Ok(vec![dflash_stage_api::pin_model_file(
+        dflash_stage_api::pin_model(
             model,
             pinner,
-            "with `backend: candle`, `model:` is a GGUF file",
-        )?])
+            "with `backend: candle`, `model:` is a GGUF file or a Hugging Face model folder",
+        )
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {

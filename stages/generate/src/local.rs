@@ -1,5 +1,6 @@
-//! The `candle` backend: generation in-process with candle, for a local GGUF model (Llama or
-//! Qwen3 architecture; the quickstart's SmolLM2-135M-Instruct on CPU). The prompt is rendered
+//! The `candle` backend: generation in-process with candle, for a local model (Llama or Qwen3
+//! architecture), a GGUF file or a Hugging Face folder (config.json, safetensors, tokenizer.json;
+//! the quickstart's SmolLM2-135M-Instruct GGUF on CPU). The prompt is rendered
 //! with the model's own chat template and tokenized exactly as `tokenize` does (the same crate),
 //! so what was generated is what will be trained on. Conversations are decoded in batches: each
 //! prompt is prefilled on its own, then every step feeds the batch's next tokens through one
@@ -43,6 +44,38 @@ fn err(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
     move |e| StageError::new(format!("{what}: {e}"))
 }
 
+/// The longest sequence the model was trained for: GGUF's `*.context_length`, config.json's
+/// `max_position_embeddings`; 2048 when neither says.
+fn context_length(path: &Path) -> Result<usize, StageError> {
+    let shown = path.display();
+    if path.is_dir() {
+        let config = path.join("config.json");
+        let doc: Json = std::fs::read(&config)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or_else(|| {
+                StageError::new(format!("`{shown}` has no readable config.json")).with_help(
+                    "a Hugging Face model folder holds config.json, safetensors and tokenizer.json",
+                )
+            })?;
+        let doc = doc
+            .get("text_config")
+            .filter(|v| v.is_object())
+            .unwrap_or(&doc);
+        return Ok(doc["max_position_embeddings"].as_u64().unwrap_or(2048) as usize);
+    }
+    let mut file = std::fs::File::open(path)
+        .map_err(|e| StageError::new(format!("cannot open `{shown}`: {e}")))?;
+    let gguf = gguf_file::Content::read(&mut file)
+        .map_err(|e| StageError::new(format!("`{shown}` is not a GGUF model: {e}")))?;
+    Ok(gguf
+        .metadata
+        .iter()
+        .find(|(k, _)| k.ends_with(".context_length"))
+        .and_then(|(_, v)| v.to_u32().ok())
+        .unwrap_or(2048) as usize)
+}
+
 /// One conversation being decoded.
 struct Decoding {
     cache: KvCache,
@@ -54,22 +87,15 @@ struct Decoding {
 }
 
 impl Local {
-    /// Load the GGUF model at `path`; `kwargs` go to its chat template.
+    /// Load the model at `path` (a GGUF file or a Hugging Face folder); `kwargs` go to its
+    /// chat template.
     pub fn load(path: &Path, kwargs: &Map<String, Json>) -> Result<Self, StageError> {
         let shown = path.display().to_string();
-        let mut file = std::fs::File::open(path)
-            .map_err(|e| StageError::new(format!("cannot open `{shown}`: {e}")))?;
-        let gguf = gguf_file::Content::read(&mut file)
-            .map_err(|e| StageError::new(format!("`{shown}` is not a GGUF model: {e}")))?;
-        let context = gguf
-            .metadata
-            .iter()
-            .find(|(k, _)| k.ends_with(".context_length"))
-            .and_then(|(_, v)| v.to_u32().ok())
-            .unwrap_or(2048) as usize;
-        let target = Target::from_gguf(path, &Device::Cpu).map_err(|e| {
-            StageError::new(format!("cannot load `{shown}`: {e}"))
-                .with_help("the candle backend runs Llama- and Qwen3-architecture GGUF models")
+        let context = context_length(path)?;
+        let target = Target::load(path, &Device::Cpu).map_err(|e| {
+            StageError::new(format!("cannot load `{shown}`: {e}")).with_help(
+                "the candle backend runs Llama- and Qwen3-architecture models, GGUF or Hugging Face folders",
+            )
         })?;
         let chat = Chat::load(path, kwargs)?;
         Ok(Self {

@@ -240,6 +240,13 @@ fn fused(_args: &[String]) -> Result<()> {
     let logits = (init.normal(&[37, 50_000], 1.0, DType::F64, &cpu)? * 3.0)?;
     let labels: Vec<u32> = (0..37u32).map(|i| i * 1_337 % 50_000).collect();
     let weights = init.normal(&[37], 1.0, DType::F64, &cpu)?;
+    let normed = init.normal(&[6, 700], 1.0, DType::F64, &cpu)?;
+    let normed_up = init.normal(&[6, 700], 1.0, DType::F64, &cpu)?;
+    let norm_weight = init.normal(&[700], 1.0, DType::F64, &cpu)?;
+    let rotated = init.normal(&[4, 33, 64], 1.0, DType::F64, &cpu)?;
+    let rotated_up = init.normal(&[4, 33, 64], 1.0, DType::F64, &cpu)?;
+    let positions: Vec<u32> = (0..33).map(|i| i * 7 + 3).collect();
+    let (cos, sin) = dflash_model::nn::ops::rope_tables(&positions, 64, 1e6, DType::F64, &cpu)?;
     // Softmax and cross-entropy: value and gradient of a weighted sum, on `dev` in `dtype`.
     let run = |dev: &Device, dtype: DType| -> Result<Vec<Tensor>> {
         let x = Var::from_tensor(&scores.to_dtype(dtype)?.to_device(dev)?)?;
@@ -251,6 +258,23 @@ fn fused(_args: &[String]) -> Result<()> {
         let nll = fused::cross_entropy(z.as_tensor(), &labels)?;
         let w = weights.to_dtype(nll.dtype())?.to_device(dev)?;
         let gz = (&nll * &w)?.sum_all()?.backward()?;
+        // RMSNorm (value, input and weight gradients), rope (value, gradient), sum of squares.
+        let xn = Var::from_tensor(&normed.to_dtype(dtype)?.to_device(dev)?)?;
+        let wn = Var::from_tensor(&norm_weight.to_dtype(dtype)?.to_device(dev)?)?;
+        let y = fused::rms_norm(xn.as_tensor(), wn.as_tensor(), 1e-6)?;
+        let gn = (&y * &normed_up.to_dtype(dtype)?.to_device(dev)?)?
+            .sum_all()?
+            .backward()?;
+        let xr = Var::from_tensor(&rotated.to_dtype(dtype)?.to_device(dev)?)?;
+        let (cos, sin) = (
+            cos.to_dtype(dtype)?.to_device(dev)?,
+            sin.to_dtype(dtype)?.to_device(dev)?,
+        );
+        let r = fused::rope(xr.as_tensor(), &cos, &sin)?;
+        let gr = (&r * &rotated_up.to_dtype(dtype)?.to_device(dev)?)?
+            .sum_all()?
+            .backward()?;
+        let ss = fused::sum_squares(&normed.to_dtype(dtype)?.to_device(dev)?)?;
         Ok(vec![
             p,
             g.get(x.as_tensor()).ok_or("no softmax gradient")?.clone(),
@@ -258,6 +282,14 @@ fn fused(_args: &[String]) -> Result<()> {
             gz.get(z.as_tensor())
                 .ok_or("no cross-entropy gradient")?
                 .clone(),
+            y,
+            gn.get(xn.as_tensor()).ok_or("no norm gradient")?.clone(),
+            gn.get(wn.as_tensor())
+                .ok_or("no norm weight gradient")?
+                .clone(),
+            r,
+            gr.get(xr.as_tensor()).ok_or("no rope gradient")?.clone(),
+            (ss / 1e4)?,
         ])
     };
     let want = run(&cpu, DType::F64)?;
@@ -296,6 +328,12 @@ fn fused(_args: &[String]) -> Result<()> {
             "softmax_grad",
             "cross_entropy",
             "cross_entropy_grad",
+            "rms_norm",
+            "rms_norm_grad_x",
+            "rms_norm_grad_w",
+            "rope",
+            "rope_grad",
+            "sum_squares_over_1e4",
         ]
         .iter()
         .zip(got.iter().zip(&want))

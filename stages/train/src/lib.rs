@@ -76,7 +76,7 @@ impl StageKind for TrainKind {
         let int = || ParamType::Int;
         let float = || ParamType::Float;
         vec![
-            Param::new("target", ParamType::Str, "the frozen target: a model folder (config.json + safetensors), a `.gguf` file, or a Hub id").required(),
+            Param::new("target", ParamType::Str, "the frozen target: a `.gguf` file or a Hugging Face model folder (config.json + safetensors)").required(),
             Param::new("draft_layers", int(), "decoder layers of the drafter").default(5),
             Param::new("block_size", int(), "block size B: the anchor token and B-1 masked positions").default(16),
             Param::new("target_layers", ParamType::List(Box::new(int())), "target decoder layers (0-based) whose outputs feed the drafter; empty: `taps` layers spread from 1 to L-3").default(json!([])),
@@ -101,17 +101,17 @@ impl StageKind for TrainKind {
     }
 
     fn pin(&self, params: &serde_json::Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
-        // The frozen target enters the key by content: another file under the same name retrains.
-        // (A folder or Hub id is refused when the stage runs, with the reason.)
+        // The frozen target enters the key by content: another model under the same name
+        // retrains. (A path that is not there is refused when the stage runs, with the reason.)
         let target = params["target"].as_str().unwrap_or_default();
-        if !std::path::Path::new(target).is_file() {
+        if !std::path::Path::new(target).exists() {
             return Ok(Vec::new());
         }
-        Ok(vec![dflash_stage_api::pin_model_file(
+        dflash_stage_api::pin_model(
             target,
             pinner,
-            "`target:` is the frozen target's .gguf file",
-        )?])
+            "`target:` is the frozen target: a .gguf file or a Hugging Face model folder",
+        )
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {

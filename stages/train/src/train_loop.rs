@@ -77,19 +77,11 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     let raw = ctx.params;
     let device = device(raw["device"].as_str().unwrap_or("auto"))?;
     let path = ctx.cwd.join(&p.target);
-    if !path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-    {
-        return Err(StageError::new(format!(
-            "target `{}`: this build trains against GGUF targets",
-            p.target
-        ))
-        .with_help(
-            "point `target:` at a .gguf file (Hugging Face safetensors targets are not built yet)",
-        ));
+    if !path.exists() {
+        return Err(StageError::new(format!("the target `{}` does not exist", p.target))
+            .with_help("point `target:` at a .gguf file or a Hugging Face model folder (config.json + safetensors)"));
     }
-    let target = Target::from_gguf(&path, &device).map_err(nn("loading the target"))?;
+    let target = Target::load(&path, &device).map_err(nn("loading the target"))?;
     let tc = &target.config;
     let taps: Vec<usize> = if p.target_layers.is_empty() {
         dflash_model::drafter::spread_target_layers(tc.layers as u64, p.taps)

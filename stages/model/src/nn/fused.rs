@@ -49,6 +49,41 @@ pub fn cross_entropy(logits: &Tensor, labels: &[u32]) -> Result<Tensor> {
     logits.contiguous()?.apply_op2(&labels, CrossEntropy)
 }
 
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension (`weight`: `[n]`).
+/// Differentiable in both.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let n = x.dim(candle_core::D::Minus1)?;
+    if weight.dims() != [n] {
+        bail!("rms_norm: weight {:?} for rows of {n}", weight.dims());
+    }
+    let weight = weight.to_dtype(x.dtype())?.contiguous()?;
+    x.contiguous()?.apply_op2(&weight, RmsNorm { eps })
+}
+
+/// The rotate-half ("neox", Hugging Face) rotary embedding of `x` `[.., n, d]` by `cos`, `sin`
+/// `[n, d / 2]`. Differentiable in `x`: the gradient is the inverse rotation.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let dims = x.dims();
+    let (n, half) = cos.dims2()?;
+    if dims.len() < 2 || dims[dims.len() - 2..] != [n, 2 * half] || sin.dims() != [n, half] {
+        bail!(
+            "rope: x {dims:?} with tables {:?} / {:?}",
+            cos.dims(),
+            sin.dims()
+        );
+    }
+    let (cos, sin) = (
+        cos.to_dtype(x.dtype())?.contiguous()?,
+        sin.to_dtype(x.dtype())?.contiguous()?,
+    );
+    x.contiguous()?.apply_op3(&cos, &sin, Rope { sign: 1.0 })
+}
+
+/// `sum(x^2)` as a one-element f32 tensor, reduced on the device (no sync).
+pub fn sum_squares(x: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&SumSquares)
+}
+
 /// The AdamW update of one parameter in place: `m` and `v` (f32, the parameter's shape) take
 /// the clipped gradient `grad * clip_scale`, then `param` moves by the bias-corrected step and
 /// decays by `lr * weight_decay` (PyTorch's order).
@@ -113,6 +148,20 @@ struct Moment {
     scale: f32,
     squared: bool,
 }
+
+struct RmsNorm {
+    eps: f64,
+}
+
+struct RmsNormGrad {
+    eps: f64,
+}
+
+struct Rope {
+    sign: f64,
+}
+
+struct SumSquares;
 
 /// The contiguous elements of a CPU tensor.
 fn cpu<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
@@ -421,6 +470,253 @@ impl CustomOp3 for CrossEntropyGrad {
     }
 }
 
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, n) = rows(l1);
+        fn go<T: WithDType>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+            n: usize,
+            eps: f64,
+        ) -> Result<CpuStorage> {
+            let (x, w) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
+            let mut out = vec![T::from_f64(0.0); x.len()];
+            out.par_chunks_mut(n)
+                .zip(x.par_chunks(n))
+                .for_each(|(y, x)| {
+                    let r = rstd(x, eps);
+                    for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                        *y = T::from_f64(x.to_f64() * r * w.to_f64());
+                    }
+                });
+            Ok(T::to_cpu_storage_owned(out))
+        }
+        let out = by_float!(s1.dtype(), self.name(), go(s1, l1, s2, l2, n, self.eps))?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            cuda::rms_norm(s1, l1, s2, l2, self.eps as f32)?,
+            l1.shape().clone(),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let dx = x.apply_op3_no_bwd(w, &dy, &RmsNormGrad { eps: self.eps })?;
+        // dw = sum over rows of dy * x * rstd: composed, it is one [n] reduction.
+        let n = w.dim(0)?;
+        let wide = super::ops::wide(x.dtype());
+        let x = x.to_dtype(wide)?.reshape(((), n))?;
+        let r = (x.sqr()?.mean_keepdim(1)? + self.eps)?.sqrt()?.recip()?;
+        let dw = (dy.to_dtype(wide)?.reshape(((), n))? * x.broadcast_mul(&r)?)?
+            .sum(0)?
+            .to_dtype(w.dtype())?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// `1 / sqrt(mean(x^2) + eps)` of a row, in f64.
+fn rstd<T: WithDType>(x: &[T], eps: f64) -> f64 {
+    let ms = x.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / x.len() as f64;
+    1.0 / (ms + eps).sqrt()
+}
+
+impl CustomOp3 for RmsNormGrad {
+    fn name(&self) -> &'static str {
+        "rms-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, n) = rows(l1);
+        fn go<T: WithDType>(
+            (s1, l1): (&CpuStorage, &Layout),
+            (s2, l2): (&CpuStorage, &Layout),
+            (s3, l3): (&CpuStorage, &Layout),
+            n: usize,
+            eps: f64,
+        ) -> Result<CpuStorage> {
+            let (x, w, dy) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
+            let mut out = vec![T::from_f64(0.0); x.len()];
+            out.par_chunks_mut(n)
+                .zip(x.par_chunks(n).zip(dy.par_chunks(n)))
+                .for_each(|(dx, (x, dy))| {
+                    let r = rstd(x, eps);
+                    let dot: f64 = (0..n)
+                        .map(|j| dy[j].to_f64() * w[j].to_f64() * x[j].to_f64())
+                        .sum();
+                    let c = dot / n as f64 * r * r * r;
+                    for (j, dx) in dx.iter_mut().enumerate() {
+                        *dx = T::from_f64(r * dy[j].to_f64() * w[j].to_f64() - x[j].to_f64() * c);
+                    }
+                });
+            Ok(T::to_cpu_storage_owned(out))
+        }
+        let out = by_float!(
+            s1.dtype(),
+            self.name(),
+            go((s1, l1), (s2, l2), (s3, l3), n, self.eps)
+        )?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            cuda::rms_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps as f32)?,
+            l1.shape().clone(),
+        ))
+    }
+}
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = l1.dims();
+        let (n, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        fn go<T: WithDType>(
+            (s1, l1): (&CpuStorage, &Layout),
+            (s2, l2): (&CpuStorage, &Layout),
+            (s3, l3): (&CpuStorage, &Layout),
+            n: usize,
+            d: usize,
+            sign: f64,
+        ) -> Result<CpuStorage> {
+            let (x, cos, sin) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
+            let half = d / 2;
+            let mut out = vec![T::from_f64(0.0); x.len()];
+            out.par_chunks_mut(d)
+                .zip(x.par_chunks(d))
+                .enumerate()
+                .for_each(|(row, (y, x))| {
+                    let t = row % n;
+                    for k in 0..half {
+                        let c = cos[t * half + k].to_f64();
+                        let s = sign * sin[t * half + k].to_f64();
+                        let (a, b) = (x[k].to_f64(), x[k + half].to_f64());
+                        y[k] = T::from_f64(a * c - b * s);
+                        y[k + half] = T::from_f64(b * c + a * s);
+                    }
+                });
+            Ok(T::to_cpu_storage_owned(out))
+        }
+        let out = by_float!(
+            s1.dtype(),
+            self.name(),
+            go((s1, l1), (s2, l2), (s3, l3), n, d, self.sign)
+        )?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            cuda::rope((s1, l1), (s2, l2), (s3, l3), self.sign as f32)?,
+            l1.shape().clone(),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let back = Rope { sign: -self.sign };
+        Ok((
+            Some(dy.contiguous()?.apply_op3_no_bwd(cos, sin, &back)?),
+            None,
+            None,
+        ))
+    }
+}
+
+impl candle_core::CustomOp1 for SumSquares {
+    fn name(&self) -> &'static str {
+        "sum-squares"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn go<T: WithDType>(s: &CpuStorage, l: &Layout) -> Result<f64> {
+            Ok(cpu::<T>(s, l)?.par_iter().map(|v| v.to_f64().powi(2)).sum())
+        }
+        let total = by_float!(s.dtype(), self.name(), go(s, l))?;
+        Ok((CpuStorage::F32(vec![total as f32]), Shape::from(1)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((cuda::sum_squares(s, l)?, Shape::from(1)))
+    }
+}
+
 /// The mutable f32 elements of an optimizer moment.
 fn moment_slice<'a>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]> {
     let r = span(l)?;
@@ -576,6 +872,15 @@ mod cuda {
         }
     }
 
+    /// A grid-stride reduction: few enough blocks that their atomic adds are cheap.
+    fn reducing(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
     macro_rules! by_type {
         ($dtype:expr, $what:expr, $f:ident ( $($arg:expr),* )) => {
             match $dtype {
@@ -709,6 +1014,117 @@ mod cuda {
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }
         by_type!(z.dtype(), "cross-entropy-grad", go(z, lz, y, ly, g, lg))
+    }
+
+    pub fn rms_norm(
+        x: &CudaStorage,
+        lx: &Layout,
+        w: &CudaStorage,
+        lw: &Layout,
+        eps: f32,
+    ) -> Result<CudaStorage> {
+        fn go<T: CudaDType + DeviceRepr + WithDType>(
+            x: &CudaStorage,
+            lx: &Layout,
+            w: &CudaStorage,
+            lw: &Layout,
+            eps: f32,
+        ) -> Result<CudaStorage> {
+            let dev = x.device();
+            let (count, n) = rows(lx);
+            let xs = x.as_cuda_slice::<T>()?.slice(span(lx)?);
+            let ws = w.as_cuda_slice::<T>()?.slice(span(lw)?);
+            let out = unsafe { dev.alloc::<T>(count * n)? };
+            let n32 = n as u32;
+            let f = kernel(dev, "rms_norm", T::DTYPE)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xs).arg(&ws).arg(&out).arg(&n32).arg(&eps);
+            // SAFETY: reads count*n and n elements, writes count*n.
+            unsafe { b.launch(per_row(count, n)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        by_type!(x.dtype(), "rms-norm", go(x, lx, w, lw, eps))
+    }
+
+    type Arg<'a> = (&'a CudaStorage, &'a Layout);
+
+    pub fn rms_norm_grad(x: Arg<'_>, w: Arg<'_>, dy: Arg<'_>, eps: f32) -> Result<CudaStorage> {
+        fn go<T: CudaDType + DeviceRepr + WithDType>(
+            (x, lx): Arg<'_>,
+            (w, lw): Arg<'_>,
+            (dy, ldy): Arg<'_>,
+            eps: f32,
+        ) -> Result<CudaStorage> {
+            let dev = x.device();
+            let (count, n) = rows(lx);
+            let xs = x.as_cuda_slice::<T>()?.slice(span(lx)?);
+            let ws = w.as_cuda_slice::<T>()?.slice(span(lw)?);
+            let dys = dy.as_cuda_slice::<T>()?.slice(span(ldy)?);
+            let out = unsafe { dev.alloc::<T>(count * n)? };
+            let n32 = n as u32;
+            let f = kernel(dev, "rms_norm_grad", T::DTYPE)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xs).arg(&ws).arg(&dys).arg(&out).arg(&n32).arg(&eps);
+            // SAFETY: reads count*n, n and count*n elements, writes count*n.
+            unsafe { b.launch(per_row(count, n)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        by_type!(x.0.dtype(), "rms-norm-grad", go(x, w, dy, eps))
+    }
+
+    pub fn rope(x: Arg<'_>, cos: Arg<'_>, sin: Arg<'_>, sign: f32) -> Result<CudaStorage> {
+        fn go<T: CudaDType + DeviceRepr + WithDType>(
+            (x, lx): Arg<'_>,
+            (c, lc): Arg<'_>,
+            (s, ls): Arg<'_>,
+            sign: f32,
+        ) -> Result<CudaStorage> {
+            let dev = x.device();
+            let dims = lx.dims();
+            let (n, d) = (dims[dims.len() - 2] as u32, dims[dims.len() - 1] as u32);
+            let total = lx.shape().elem_count();
+            let xs = x.as_cuda_slice::<T>()?.slice(span(lx)?);
+            let cs = c.as_cuda_slice::<T>()?.slice(span(lc)?);
+            let ss = s.as_cuda_slice::<T>()?.slice(span(ls)?);
+            let out = unsafe { dev.alloc::<T>(total)? };
+            let f = kernel(dev, "rope", T::DTYPE)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xs)
+                .arg(&cs)
+                .arg(&ss)
+                .arg(&out)
+                .arg(&total)
+                .arg(&n)
+                .arg(&d)
+                .arg(&sign);
+            // SAFETY: reads `total` elements and two n*d/2 tables, writes `total`.
+            unsafe { b.launch(elementwise(total)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        by_type!(x.0.dtype(), "rope", go(x, cos, sin, sign))
+    }
+
+    pub fn sum_squares(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
+        fn go<T: CudaDType + DeviceRepr + WithDType>(
+            x: &CudaStorage,
+            lx: &Layout,
+        ) -> Result<CudaStorage> {
+            let dev = x.device();
+            let n = lx.shape().elem_count();
+            let xs = x.as_cuda_slice::<T>()?.slice(span(lx)?);
+            let out = dev.alloc_zeros::<f32>(1)?;
+            let f = kernel(dev, "sum_squares", T::DTYPE)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xs).arg(&n).arg(&out);
+            // SAFETY: reads n elements, adds into one.
+            unsafe { b.launch(reducing(n)) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        by_type!(x.dtype(), "sum-squares", go(x, lx))
     }
 
     pub fn moment(
@@ -964,5 +1380,67 @@ mod tests {
             );
         }
         assert!((m.to_vec1::<f32>().unwrap()[2] - 0.1 * -2.0).abs() < 1e-7);
+    }
+
+    /// Value and gradients of `sum(f(x, w) * up)` with `x` and `w` as variables.
+    fn grads_of(
+        f: &dyn Fn(&Tensor, &Tensor) -> Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        up: &Tensor,
+    ) -> (Tensor, Tensor, Tensor) {
+        let (xv, wv) = (Var::from_tensor(x).unwrap(), Var::from_tensor(w).unwrap());
+        let y = f(xv.as_tensor(), wv.as_tensor());
+        let g = (&y * up).unwrap().sum_all().unwrap().backward().unwrap();
+        let gx = g.get(xv.as_tensor()).unwrap().clone();
+        let gw = g
+            .get(wv.as_tensor())
+            .map_or_else(|| w.zeros_like().unwrap(), Clone::clone);
+        (y, gx, gw)
+    }
+
+    #[test]
+    fn rms_norm_and_rope_and_their_gradients_match_the_composed_ops() {
+        let x = randn(&[3, 5, 8], 4);
+        let up = randn(&[3, 5, 8], 5);
+        let w = randn(&[8], 6);
+        let composed_norm = |x: &Tensor, w: &Tensor| {
+            let r = (x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + 1e-6)
+                .unwrap()
+                .sqrt()
+                .unwrap()
+                .recip()
+                .unwrap();
+            x.broadcast_mul(&r).unwrap().broadcast_mul(w).unwrap()
+        };
+        let a = grads_of(&|x, w| rms_norm(x, w, 1e-6).unwrap(), &x, &w, &up);
+        let b = grads_of(&composed_norm, &x, &w, &up);
+        for (p, q) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+            assert!(max_diff(p, q) < 1e-12, "{p} vs {q}");
+        }
+        let (cos, sin) =
+            ops::rope_tables(&[3, 9, 1, 0, 7], 8, 10_000.0, DType::F64, &Device::Cpu).unwrap();
+        let composed_rope = |x: &Tensor, _: &Tensor| {
+            let (x1, x2) = (
+                x.narrow(D::Minus1, 0, 4).unwrap(),
+                x.narrow(D::Minus1, 4, 4).unwrap(),
+            );
+            let c = Tensor::cat(&[&cos, &cos], D::Minus1).unwrap();
+            let s = Tensor::cat(&[&sin, &sin], D::Minus1).unwrap();
+            let rotated = Tensor::cat(&[&x2.neg().unwrap(), &x1], D::Minus1).unwrap();
+            (x.broadcast_mul(&c).unwrap() + rotated.broadcast_mul(&s).unwrap()).unwrap()
+        };
+        let a = grads_of(&|x, _| rope(x, &cos, &sin).unwrap(), &x, &w, &up);
+        let b = grads_of(&composed_rope, &x, &w, &up);
+        assert!(max_diff(&a.0, &b.0) < 1e-12 && max_diff(&a.1, &b.1) < 1e-12);
+        let total = sum_squares(&x).unwrap().to_vec1::<f32>().unwrap()[0];
+        let want = x
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        assert!((f64::from(total) - want).abs() < 1e-4 * want);
     }
 }

@@ -2,7 +2,8 @@
 //
 // Each replaces a chain of candle ops whose intermediates candle would write out and keep for
 // the backward pass: attention's scale + mask + softmax and its gradient, the cross-entropy over
-// the vocabulary and its gradient, and the AdamW update. Rows are reduced by one thread block
+// the vocabulary and its gradient, RMSNorm and its input gradient, the rotary embedding (its
+// gradient is the inverse rotation), the AdamW update and the gradients' squared norm. Rows are reduced by one thread block
 // each; arithmetic is in f32 whatever the storage type.
 
 #include <cuda_bf16.h>
@@ -127,6 +128,64 @@ __device__ void adam_apply(T* p, const float* m, const float* v, size_t n, float
     }
 }
 
+// y = x * rsqrt(mean(x^2) + eps) * w per row of length n.
+template <typename T>
+__device__ void rms_norm(const T* x, const T* w, T* y, uint32_t n, float eps) {
+    size_t row = blockIdx.x;
+    const T* xr = x + row * n;
+    T* yr = y + row * n;
+    float sq = 0.0f;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) { float v = load(xr, j); sq += v * v; }
+    float r = rsqrtf(block_reduce<false>(sq) / n + eps);
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) store(yr, j, load(xr, j) * r * load(w, j));
+}
+
+// dx = r * (dy * w) - x * r^3 * mean(dy * w * x) per row, r = rsqrt(mean(x^2) + eps).
+template <typename T>
+__device__ void rms_norm_grad(const T* x, const T* w, const T* dy, T* dx, uint32_t n, float eps) {
+    size_t row = blockIdx.x;
+    const T* xr = x + row * n;
+    const T* dyr = dy + row * n;
+    T* dxr = dx + row * n;
+    float sq = 0.0f, dot = 0.0f;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+        float v = load(xr, j);
+        sq += v * v;
+        dot += load(dyr, j) * load(w, j) * v;
+    }
+    float r = rsqrtf(block_reduce<false>(sq) / n + eps);
+    float c = block_reduce<false>(dot) / n * r * r * r;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x)
+        store(dxr, j, r * load(dyr, j) * load(w, j) - load(xr, j) * c);
+}
+
+// Rotate-half rotary embedding of x [.., n, d] by cos/sin [n, d/2]; `sign` -1 rotates back.
+template <typename T>
+__device__ void rope(const T* x, const T* cos, const T* sin, T* y, size_t total, uint32_t n, uint32_t d, float sign) {
+    uint32_t half = d / 2;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t j = i % d;
+        size_t t = (i / d) % n;
+        uint32_t k = j < half ? j : j - half;
+        float c = load(cos, t * half + k), s = sign * load(sin, t * half + k);
+        float v = load(x, i);
+        float other = j < half ? -load(x, i + half) : load(x, i - half);
+        store(y, i, v * c + other * s);
+    }
+}
+
+// *out += sum(x^2) over n elements (out zeroed by the caller).
+template <typename T>
+__device__ void sum_squares(const T* x, size_t n, float* out) {
+    float acc = 0.0f;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float v = load(x, i);
+        acc += v * v;
+    }
+    acc = block_reduce<false>(acc);
+    if (threadIdx.x == 0) atomicAdd(out, acc);
+}
+
 }  // namespace
 
 #define FOR_TYPES(X) X(f32, float) X(bf16, __nv_bfloat16)
@@ -155,6 +214,20 @@ __device__ void adam_apply(T* p, const float* m, const float* v, size_t n, float
     extern "C" __global__ void adam_apply_##NAME(T* p, const float* m, const float* v, size_t n,        \
                                                  float lr, float decay, float c1, float c2, float eps) { \
         adam_apply(p, m, v, n, lr, decay, c1, c2, eps);                                                \
+    }                                                                                                  \
+    extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, uint32_t n, float eps) {  \
+        rms_norm(x, w, y, n, eps);                                                                     \
+    }                                                                                                  \
+    extern "C" __global__ void rms_norm_grad_##NAME(const T* x, const T* w, const T* dy, T* dx,        \
+                                                    uint32_t n, float eps) {                           \
+        rms_norm_grad(x, w, dy, dx, n, eps);                                                           \
+    }                                                                                                  \
+    extern "C" __global__ void rope_##NAME(const T* x, const T* c, const T* s, T* y, size_t total,     \
+                                           uint32_t n, uint32_t d, float sign) {                       \
+        rope(x, c, s, y, total, n, d, sign);                                                           \
+    }                                                                                                  \
+    extern "C" __global__ void sum_squares_##NAME(const T* x, size_t n, float* out) {                  \
+        sum_squares(x, n, out);                                                                        \
     }
 
 FOR_TYPES(KERNELS)

@@ -15,14 +15,10 @@ pub fn wide(dtype: DType) -> DType {
     }
 }
 
-/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension.
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension: one fused op with its own
+/// backward ([`super::fused::rms_norm`]).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let x = x.to_dtype(wide(dtype))?;
-    let scale = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    x.broadcast_mul(&scale)?
-        .to_dtype(dtype)?
-        .broadcast_mul(weight)
+    super::fused::rms_norm(x, weight, eps)
 }
 
 /// Cos and sin tables of the rotary embedding for each position: `[n, head_dim / 2]` each.
@@ -51,17 +47,10 @@ pub fn rope_tables(
     ))
 }
 
-/// The rotary embedding in the Hugging Face ("neox", rotate-half) layout, differentiable.
-/// `x`: `[heads, n, head_dim]`; `cos`, `sin`: `[n, head_dim / 2]`.
+/// The rotary embedding in the Hugging Face ("neox", rotate-half) layout, differentiable
+/// ([`super::fused::rope`]). `x`: `[heads, n, head_dim]`; `cos`, `sin`: `[n, head_dim / 2]`.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let half = d / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let cos = Tensor::cat(&[cos, cos], D::Minus1)?;
-    let sin = Tensor::cat(&[sin, sin], D::Minus1)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+    super::fused::rope(x, cos, sin)
 }
 
 /// `down(silu(gate(x)) * up(x))`.

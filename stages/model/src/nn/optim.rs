@@ -87,13 +87,13 @@ impl AdamW {
                 Some(g) => g.clone(),
                 None => var.as_tensor().zeros_like()?,
             };
-            squares.push(g.to_dtype(DType::F32)?.sqr()?.sum_all()?);
+            squares.push(fused::sum_squares(&g)?);
             gs.push((name, var, g));
         }
         let norm = if squares.is_empty() {
             0.0
         } else {
-            f64::from(Tensor::stack(&squares, 0)?.sum_all()?.to_scalar::<f32>()?).sqrt()
+            f64::from(Tensor::cat(&squares, 0)?.sum_all()?.to_scalar::<f32>()?).sqrt()
         };
         let clip_scale = if clip > 0.0 && norm > clip {
             clip / (norm + 1e-6)

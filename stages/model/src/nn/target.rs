@@ -1,8 +1,9 @@
 //! The frozen target: a Llama- or Qwen3-family decoder that returns the outputs of chosen layers
 //! (the drafter's context) and lends the drafter its embedding table and LM head. Loaded from
-//! GGUF (quantized weights stay quantized) or built with random weights at a real shape (for
-//! benchmarks and tests). Training calls [`Target::tapped`], a fresh causal forward over one
-//! sequence; decoding calls [`Target::extend`] with a [`KvCache`] the caller owns and crops.
+//! GGUF (quantized weights stay quantized) or a Hugging Face folder (safetensors), or built
+//! with random weights at a real shape (for benchmarks and tests). Training calls
+//! [`Target::tapped`], a fresh causal forward over one sequence; decoding calls
+//! [`Target::extend`] with a [`KvCache`] the caller owns and crops.
 
 use std::path::Path;
 
@@ -190,6 +191,108 @@ impl Target {
             layers,
             rope_interleaved: arch == "llama",
             dtype: DType::F32,
+        })
+    }
+
+    /// Load a target from `path`: a `.gguf` file ([`Self::from_gguf`]) or a Hugging Face model
+    /// folder, `config.json` with `model.safetensors` or sharded `model-*.safetensors`
+    /// ([`Self::from_hf`]).
+    pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        if path.is_dir() {
+            Self::from_hf(path, device)
+        } else {
+            Self::from_gguf(path, device)
+        }
+    }
+
+    /// Load a Hugging Face model folder (`model_type` `llama` or `qwen3`): weights in f32 on
+    /// CPU, bf16 on a GPU (the dtype they are published in).
+    pub fn from_hf(dir: &Path, device: &Device) -> Result<Self> {
+        let config_path = dir.join("config.json");
+        let msg = |m: String| candle_core::Error::Msg(format!("{}: {m}", config_path.display()));
+        let shape = crate::shape::ModelShape::from_config_json(&config_path)
+            .map_err(|e| msg(e.to_string()))?;
+        if shape.family != "llama" && shape.family != "qwen3" {
+            return Err(msg(format!(
+                "model_type `{}`; targets are `llama` and `qwen3` models",
+                shape.family
+            )));
+        }
+        let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path)?)
+            .map_err(|e| msg(e.to_string()))?;
+        let doc = doc
+            .get("text_config")
+            .filter(|v| v.is_object())
+            .unwrap_or(&doc);
+        let float = |k: &str| doc.get(k).and_then(serde_json::Value::as_f64);
+        let config = TargetConfig {
+            family: shape.family.clone(),
+            hidden: shape.hidden as usize,
+            layers: shape.layers as usize,
+            heads: shape.heads as usize,
+            kv_heads: shape.kv_heads as usize,
+            head_dim: shape.head_dim as usize,
+            ffn: shape.ffn as usize,
+            vocab: shape.vocab as usize,
+            eps: float("rms_norm_eps").unwrap_or(1e-6),
+            rope_theta: float("rope_theta").unwrap_or(10_000.0),
+            qk_norm: shape.family == "qwen3",
+        };
+        let dtype = if device.is_cuda() {
+            DType::BF16
+        } else {
+            DType::F32
+        };
+        let mut weights = std::collections::HashMap::new();
+        for file in safetensors_files(dir)? {
+            let loaded = candle_core::safetensors::load(&file, device)
+                .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", file.display())))?;
+            weights.extend(loaded);
+        }
+        let mut take = |name: &str| -> Result<Tensor> {
+            weights
+                .remove(name)
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "{}: no tensor `{name}` in its safetensors files",
+                        dir.display()
+                    ))
+                })?
+                .to_dtype(dtype)
+        };
+        let embed = take("model.embed_tokens.weight")?;
+        let norm = take("model.norm.weight")?;
+        let mut layers = Vec::with_capacity(config.layers);
+        for i in 0..config.layers {
+            let mut w = |n: &str| take(&format!("model.layers.{i}.{n}.weight"));
+            let mut lin = |n: &str| w(n).map(Linear::Dense);
+            layers.push(Layer {
+                q: lin("self_attn.q_proj")?,
+                k: lin("self_attn.k_proj")?,
+                v: lin("self_attn.v_proj")?,
+                o: lin("self_attn.o_proj")?,
+                gate: lin("mlp.gate_proj")?,
+                up: lin("mlp.up_proj")?,
+                down: lin("mlp.down_proj")?,
+                attn_norm: w("input_layernorm")?,
+                ffn_norm: w("post_attention_layernorm")?,
+                q_norm: config.qk_norm.then(|| w("self_attn.q_norm")).transpose()?,
+                k_norm: config.qk_norm.then(|| w("self_attn.k_norm")).transpose()?,
+            });
+        }
+        // Tied models publish no `lm_head.weight`; some untied ones still omit it when equal.
+        let lm_head = match take("lm_head.weight") {
+            Ok(t) if !shape.tied_embeddings => t,
+            _ => embed.clone(),
+        };
+        Ok(Self {
+            config,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            rope_interleaved: false,
+            dtype,
         })
     }
 
@@ -494,6 +597,32 @@ impl Target {
     }
 }
 
+/// A model folder's safetensors files: those its `model.safetensors.index.json` names, else
+/// `model.safetensors`.
+fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index)?)
+            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", index.display())))?;
+        let mut files: Vec<&str> = doc
+            .get("weight_map")
+            .and_then(serde_json::Value::as_object)
+            .map(|m| m.values().filter_map(serde_json::Value::as_str).collect())
+            .unwrap_or_default();
+        files.sort_unstable();
+        files.dedup();
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    candle_core::bail!(
+        "{}: neither model.safetensors nor model.safetensors.index.json",
+        dir.display()
+    )
+}
+
 /// One sequence of a forward pass: its new tokens and, when decoding, its cache.
 struct Seq<'a> {
     ids: &'a [u32],
@@ -535,17 +664,13 @@ impl KvCache {
 
 /// `[n, past + n]`: row i (at position past + i) sees keys 0..=past + i.
 fn causal_mask_after(past: usize, n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    // Built where it is used: a 3,072-token training sequence's mask is 9.4M entries, which
+    // would otherwise be filled on the host and copied over every step.
     let w = past + n;
-    let v: Vec<f32> = (0..n)
-        .flat_map(|i| {
-            (0..w).map(move |j| {
-                if j <= past + i {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    Tensor::from_vec(v, (n, w), device)?.to_dtype(dtype)
+    let rows = Tensor::arange(past as u32, w as u32, device)?.reshape((n, 1))?;
+    let cols = Tensor::arange(0u32, w as u32, device)?.reshape((1, w))?;
+    let open = cols.broadcast_le(&rows)?;
+    let zeros = Tensor::zeros((n, w), dtype, device)?;
+    let closed = Tensor::full(f32::NEG_INFINITY, (n, w), device)?.to_dtype(dtype)?;
+    open.where_cond(&zeros, &closed)
 }
