@@ -6,6 +6,10 @@
 //! forward, the drafter's forward + backward and the AdamW update timed apart (the device is
 //! synchronised between them), then a summary line.
 //!
+//! `train_probe parts [--anchors 128]`: where the drafter's step goes at the Qwen3-8B shape:
+//! its forward alone, forward + backward, and each building block's forward + backward at the
+//! step's sizes, one JSON line each (milliseconds, device synchronised around each).
+//!
 //! `train_probe fused`: the fused ops of `nn::fused` on the device in f32 and bf16 against their
 //! CPU implementation in f64 (forward and gradient), one JSON line per check with the largest
 //! absolute difference.
@@ -356,6 +360,134 @@ fn fused(_args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Mean milliseconds of `f` over 3 runs after one warm-up, the device synchronised around each.
+fn timed(device: &Device, label: &str, f: &dyn Fn() -> Result<()>) -> Result<()> {
+    f()?;
+    device.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..3 {
+        f()?;
+    }
+    device.synchronize()?;
+    let ms = t.elapsed().as_secs_f64() * 1e3 / 3.0;
+    println!(
+        "{}",
+        serde_json::json!({"phase": "part", "part": label, "ms": ms})
+    );
+    Ok(())
+}
+
+fn parts(args: &[String]) -> Result<()> {
+    use candle_core::Var;
+    use dflash_model::nn::{fused, ops};
+    let device = device()?;
+    let dtype = DType::BF16;
+    let tc = preset(&arg(args, "--preset", "qwen3-8b".to_owned()));
+    let (seq, anchors, block) = (
+        arg(args, "--seq", 3072usize),
+        arg(args, "--anchors", 128usize),
+        arg(args, "--block", 16usize),
+    );
+    let target = Target::random(tc.clone(), 0, dtype, &device)?;
+    let taps: Vec<usize> = dflash_model::drafter::spread_target_layers(tc.layers as u64, 5)
+        .into_iter()
+        .map(|l| l as usize)
+        .collect();
+    let config = DrafterConfig::for_target(&tc, 5, taps.clone(), block, tc.vocab as u32 - 1);
+    let drafter = Drafter::init(config.clone(), 0, dtype, &device)?;
+    let (ids, mask) = sequence(seq, tc.vocab, 0);
+    let batch = Batch::sample(&ids, &mask, anchors, block, tc.vocab as u32 - 1, 7.0, 0)
+        .ok_or("no anchors")?;
+    let context = target.tapped(&ids, &taps)?;
+    let embed = |t: &Tensor| target.embed(t);
+    let step = |backward: bool| -> Result<()> {
+        let (l, _) = loss(
+            &drafter,
+            &embed,
+            &target.lm_head,
+            &context,
+            &batch,
+            batch.weight(),
+        )?;
+        if backward {
+            l.backward()?;
+        }
+        Ok(())
+    };
+    timed(&device, "target_forward", &|| {
+        target.tapped(&ids, &taps)?;
+        Ok(())
+    })?;
+    timed(&device, "drafter_forward", &|| step(false))?;
+    timed(&device, "drafter_forward_backward", &|| step(true))?;
+    let m = anchors * block;
+    let (h, f) = (tc.hidden, tc.ffn);
+    let randn = |shape: &[usize]| -> Result<Var> {
+        Ok(Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(dtype)?,
+        )?)
+    };
+    // Reduce without candle's one-block sum over everything: rows first.
+    let reduce =
+        |y: &Tensor| -> Result<Tensor> { Ok(y.flatten_to(y.rank() - 2)?.sum(1)?.sum_all()?) };
+    let (x, w) = (randn(&[m, h])?, randn(&[f, h])?);
+    timed(&device, "linear_m_x_4096_to_12288", &|| {
+        reduce(&ops::Linear::Dense(w.as_tensor().clone()).forward(x.as_tensor())?)?.backward()?;
+        Ok(())
+    })?;
+    let nw = randn(&[h])?;
+    timed(&device, "rms_norm_m_x_4096", &|| {
+        reduce(&fused::rms_norm(x.as_tensor(), nw.as_tensor(), 1e-6)?)?.backward()?;
+        Ok(())
+    })?;
+    let qx = randn(&[tc.heads, m, tc.head_dim])?;
+    let positions: Vec<u32> = (0..m as u32).collect();
+    let (cos, sin) = ops::rope_tables(&positions, tc.head_dim, 1e6, dtype, &device)?;
+    timed(&device, "rope_q", &|| {
+        reduce(&fused::rope(qx.as_tensor(), &cos, &sin)?)?.backward()?;
+        Ok(())
+    })?;
+    let (ck, cv) = (
+        randn(&[tc.kv_heads, seq, tc.head_dim])?,
+        randn(&[tc.kv_heads, seq, tc.head_dim])?,
+    );
+    let (bk, bv) = (
+        randn(&[tc.kv_heads, m, tc.head_dim])?,
+        randn(&[tc.kv_heads, m, tc.head_dim])?,
+    );
+    let amask = batch.mask(dtype, &device)?;
+    timed(&device, "block_attention", &|| {
+        let a = ops::block_attention(
+            qx.as_tensor(),
+            (ck.as_tensor(), cv.as_tensor()),
+            (bk.as_tensor(), bv.as_tensor()),
+            block,
+            &amask,
+        )?;
+        reduce(&a)?.backward()?;
+        Ok(())
+    })?;
+    let hid = randn(&[anchors * (block - 1), h])?;
+    timed(&device, "lm_head_cross_entropy", &|| {
+        let logits = hid.as_tensor().matmul(&target.lm_head.t()?)?;
+        fused::cross_entropy(&logits, &batch.labels)?
+            .sum_all()?
+            .backward()?;
+        Ok(())
+    })?;
+    let (g, u) = (randn(&[m, f])?, randn(&[m, f])?);
+    timed(&device, "silu_mul_m_x_12288", &|| {
+        reduce(&(g.as_tensor().silu()? * u.as_tensor())?)?.backward()?;
+        Ok(())
+    })?;
+    timed(&device, "context_kv", &|| {
+        let positions: Vec<u32> = (0..seq as u32).collect();
+        drafter.context_kv(&context, &positions)?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
 fn parity(args: &[String]) -> Result<()> {
     let out = args.get(2).ok_or("parity OUT.safetensors")?;
     let device = device()?;
@@ -425,6 +557,9 @@ fn main() -> Result<()> {
         Some("speed") => speed(&args),
         Some("parity") => parity(&args),
         Some("fused") => fused(&args),
-        _ => Err("usage: train_probe speed [...] | fused | parity OUT.safetensors".into()),
+        Some("parts") => parts(&args),
+        _ => Err(
+            "usage: train_probe speed [...] | parts [...] | fused | parity OUT.safetensors".into(),
+        ),
     }
 }

@@ -286,7 +286,8 @@ impl Drafter {
     /// The drafter's final hidden states for the block tokens: `[m, H]`.
     ///
     /// `context`: the tapped target layers `[s, n*H]` at positions `context_pos`; `block`: the
-    /// block tokens' embeddings `[m, H]` at positions `block_pos`; `mask`: additive `[m, s+m]`.
+    /// block tokens' embeddings `[m, H]` at positions `block_pos`; `mask`: additive `[m, s + B]`
+    /// (see [`Self::forward_block`]).
     pub fn forward(
         &self,
         context: &Tensor,
@@ -346,8 +347,9 @@ impl Drafter {
         Ok((ops::rope(&k, cos, sin)?, v))
     }
 
-    /// The block's final hidden states `[m, H]` given the context's keys and values; `mask`:
-    /// additive `[m, s+m]`.
+    /// The blocks' final hidden states `[m, H]` (m a multiple of the block size B) given the
+    /// context's keys and values; `mask`: additive `[m, s + B]`, each row's view of the context
+    /// and of its own block.
     pub fn forward_block(
         &self,
         ctx: &ContextKv,
@@ -372,9 +374,8 @@ impl Drafter {
             .transpose(0, 1)?;
             let q = ops::rope(&q, &cos, &sin)?;
             let (bk, bv) = self.kv(&h, m, &p, &cos, &sin)?;
-            let k = Tensor::cat(&[ck, &bk], 1)?;
-            let v = Tensor::cat(&[cv, &bv], 1)?;
-            let a = ops::attention(&q.contiguous()?, &k.contiguous()?, &v, mask)?;
+            let a =
+                ops::block_attention(&q.contiguous()?, (ck, cv), (&bk, &bv), c.block_size, mask)?;
             let a = a.transpose(0, 1)?.reshape((m, c.heads * c.head_dim))?;
             x = (x + self.lin(&p("self_attn.o_proj.weight")).forward(&a)?)?;
             let h = ops::rms_norm(&x, self.w(&p("post_attention_layernorm.weight")), c.eps)?;
@@ -528,13 +529,53 @@ pub(crate) mod tests {
                 for c in 0..s {
                     assert_eq!(m[r][c] == 0.0, c < a, "row {r} col {c} anchor {a}");
                 }
-                for c in 0..8 {
-                    assert_eq!(m[r][s + c] == 0.0, c / 4 == j);
-                }
+                // Its own block, all of it; other blocks are not among its keys at all.
+                assert_eq!(m[r].len(), s + 4);
+                assert!(m[r][s..].iter().all(|&x| x == 0.0));
             }
         }
         // Labels are the next tokens; weights decay with k and vanish where not trained.
         assert_eq!(b.labels[0], ids[b.anchors[0] + 1]);
         assert!(b.weights[0] > b.weights[1] || b.weights[1] == 0.0);
+    }
+
+    #[test]
+    fn block_attention_is_dense_attention_under_the_block_mask() {
+        let mut init = Init::new(3);
+        let cpu = Device::Cpu;
+        let (heads, kv, d, s, b, blocks) = (4, 2, 8, 6, 4, 3);
+        let m = b * blocks;
+        let q = init.normal(&[heads, m, d], 1.0, DType::F64, &cpu).unwrap();
+        let (ck, cv) = (
+            init.normal(&[kv, s, d], 1.0, DType::F64, &cpu).unwrap(),
+            init.normal(&[kv, s, d], 1.0, DType::F64, &cpu).unwrap(),
+        );
+        let (bk, bv) = (
+            init.normal(&[kv, m, d], 1.0, DType::F64, &cpu).unwrap(),
+            init.normal(&[kv, m, d], 1.0, DType::F64, &cpu).unwrap(),
+        );
+        let anchors = [0usize, 2, 5];
+        let open = |ok: bool| if ok { 0.0 } else { f64::NEG_INFINITY };
+        let (mut local, mut dense) = (Vec::new(), Vec::new());
+        for r in 0..m {
+            let a = anchors[r / b];
+            local.extend((0..s + b).map(|c| open(c < a || c >= s)));
+            dense.extend((0..s + m).map(|c| open(c < a || (c >= s && (c - s) / b == r / b))));
+        }
+        let local = Tensor::from_vec(local, (m, s + b), &cpu).unwrap();
+        let dense = Tensor::from_vec(dense, (m, s + m), &cpu).unwrap();
+        let got = ops::block_attention(&q, (&ck, &cv), (&bk, &bv), b, &local).unwrap();
+        let k = Tensor::cat(&[&ck, &bk], 1).unwrap();
+        let v = Tensor::cat(&[&cv, &bv], 1).unwrap();
+        let want = ops::attention(&q, &k, &v, &dense).unwrap();
+        let diff = (got - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap();
+        assert!(diff.to_scalar::<f64>().unwrap() < 1e-12);
     }
 }

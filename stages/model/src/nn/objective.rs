@@ -108,20 +108,21 @@ impl Batch {
         self.weights.iter().map(|&w| f64::from(w)).sum()
     }
 
-    /// The additive attention mask `[m, s + m]`: block j sees context positions before its
-    /// anchor and its own block.
+    /// The additive attention mask `[m, s + B]`: block j's rows see the context positions
+    /// before its anchor (the first `s` columns) and all of their own block (the last `B`);
+    /// other blocks are never in a block's keys ([`Drafter::forward_block`]).
     pub fn mask(&self, dtype: DType, device: &Device) -> Result<Tensor> {
         let (s, bs) = (self.context_len, self.block_size);
         let m = self.anchors.len() * bs;
-        let mut v = vec![f32::NEG_INFINITY; m * (s + m)];
+        let mut v = vec![f32::NEG_INFINITY; m * (s + bs)];
         for (j, &a) in self.anchors.iter().enumerate() {
             for r in j * bs..(j + 1) * bs {
-                let row = &mut v[r * (s + m)..(r + 1) * (s + m)];
+                let row = &mut v[r * (s + bs)..(r + 1) * (s + bs)];
                 row[..a].fill(0.0);
-                row[s + j * bs..s + (j + 1) * bs].fill(0.0);
+                row[s..].fill(0.0);
             }
         }
-        Tensor::from_vec(v, (m, s + m), device)?.to_dtype(dtype)
+        Tensor::from_vec(v, (m, s + bs), device)?.to_dtype(dtype)
     }
 }
 
