@@ -564,18 +564,36 @@ pub(crate) mod tests {
         }
         let local = Tensor::from_vec(local, (m, s + b), &cpu).unwrap();
         let dense = Tensor::from_vec(dense, (m, s + m), &cpu).unwrap();
-        let got = ops::block_attention(&q, (&ck, &cv), (&bk, &bv), b, &local).unwrap();
-        let k = Tensor::cat(&[&ck, &bk], 1).unwrap();
-        let v = Tensor::cat(&[&cv, &bv], 1).unwrap();
-        let want = ops::attention(&q, &k, &v, &dense).unwrap();
-        let diff = (got - want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap();
-        assert!(diff.to_scalar::<f64>().unwrap() < 1e-12);
+        // Values and the gradients of all five inputs, against dense attention's.
+        let up = init.normal(&[heads, m, d], 1.0, DType::F64, &cpu).unwrap();
+        let run = |block_local: bool| {
+            let vars: Vec<Var> = [&q, &ck, &cv, &bk, &bv]
+                .iter()
+                .map(|t| Var::from_tensor(t).unwrap())
+                .collect();
+            let t: Vec<&Tensor> = vars.iter().map(Var::as_tensor).collect();
+            let out = if block_local {
+                ops::block_attention(t[0], (t[1], t[2]), (t[3], t[4]), b, &local).unwrap()
+            } else {
+                let k = Tensor::cat(&[t[1], t[3]], 1).unwrap();
+                let v = Tensor::cat(&[t[2], t[4]], 1).unwrap();
+                ops::attention(t[0], &k, &v, &dense).unwrap()
+            };
+            let grads = (&out * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut all = vec![out];
+            all.extend(t.iter().map(|x| grads.get(x).unwrap().clone()));
+            all
+        };
+        for (i, (a, b)) in run(true).iter().zip(run(false)).enumerate() {
+            let diff = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap();
+            assert!(diff.to_scalar::<f64>().unwrap() < 1e-12, "tensor {i}");
+        }
     }
 }

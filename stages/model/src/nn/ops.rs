@@ -84,6 +84,10 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Te
 /// over 3,072 tokens, 11,264 columns of which at most 3,088 are open). `q`: `[heads, m, d]`;
 /// context `k`, `v`: `[kv_heads, s, d]`; block `k`, `v`: `[kv_heads, m, d]`; `mask`: additive
 /// `[m, s + block]`. The scores of each row against context and own block share one softmax.
+///
+/// Differentiable through one graph node ([`super::fused::attention_node`]) whose backward is
+/// written out (the probabilities kept, nothing else): composed from candle ops, the backward
+/// of the score-sized reshapes, concatenations and narrows cost more than the matmuls.
 pub fn block_attention(
     q: &Tensor,
     (ck, cv): (&Tensor, &Tensor),
@@ -91,45 +95,158 @@ pub fn block_attention(
     block: usize,
     mask: &Tensor,
 ) -> Result<Tensor> {
-    let (heads, m, d) = q.dims3()?;
-    let (kv_heads, s) = (ck.dim(0)?, ck.dim(1)?);
-    let (group, blocks) = (heads / kv_heads, m / block);
-    if blocks * block != m {
-        candle_core::bail!("block attention: {m} rows are not whole blocks of {block}");
+    let geometry = BlockGeometry::of(q, ck, block)?;
+    let (out, probs) = geometry.forward(
+        &q.detach(),
+        (&ck.detach(), &cv.detach()),
+        (&bk.detach(), &bv.detach()),
+        mask,
+    )?;
+    if ![q, ck, cv, bk, bv].iter().any(|t| t.track_op()) {
+        return Ok(out);
     }
-    let scale = 1.0 / (d as f64).sqrt();
-    // Against the context: [kv, group * m, s].
-    let qg = q.reshape((kv_heads, group * m, d))?;
-    let ctx_scores = qg.matmul(&ck.t()?)?.reshape((kv_heads, group, m, s))?;
-    // Within each block: queries [kv * blocks, group * B, d] against keys [kv * blocks, B, d].
-    let qb = q
-        .reshape((kv_heads, group, blocks, block, d))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((kv_heads * blocks, group * block, d))?;
-    let kb = bk.reshape((kv_heads * blocks, block, d))?;
-    let own_scores = qb
-        .matmul(&kb.t()?)?
-        .reshape((kv_heads, blocks, group, block, block))?
-        .transpose(1, 2)?
-        .reshape((kv_heads, group, m, block))?;
-    let scores = Tensor::cat(&[&ctx_scores, &own_scores], 3)?;
-    let probs = super::fused::masked_softmax(&scores, mask, scale)?;
-    let ctx_out = probs
-        .narrow(3, 0, s)?
-        .reshape((kv_heads, group * m, s))?
-        .matmul(&cv.contiguous()?)?;
-    let own_out = probs
-        .narrow(3, s, block)?
-        .reshape((kv_heads, group, blocks, block, block))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((kv_heads * blocks, group * block, block))?
-        .matmul(&bv.contiguous()?.reshape((kv_heads * blocks, block, d))?)?
-        .reshape((kv_heads, blocks, group, block, d))?
-        .transpose(1, 2)?
-        .reshape((kv_heads, group * m, d))?;
-    (ctx_out + own_out)?.reshape((heads, m, d))
+    super::fused::attention_node(q, (ck, cv), (bk, bv), out, probs, geometry)
+}
+
+/// The shapes of a block attention, and its passes as plain (untracked) tensor ops.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockGeometry {
+    heads: usize,
+    kv_heads: usize,
+    group: usize,
+    m: usize,
+    s: usize,
+    d: usize,
+    block: usize,
+    blocks: usize,
+    scale: f64,
+}
+
+impl BlockGeometry {
+    fn of(q: &Tensor, ck: &Tensor, block: usize) -> Result<Self> {
+        let (heads, m, d) = q.dims3()?;
+        let (kv_heads, s) = (ck.dim(0)?, ck.dim(1)?);
+        let blocks = m / block.max(1);
+        if block == 0 || blocks * block != m {
+            candle_core::bail!("block attention: {m} rows are not whole blocks of {block}");
+        }
+        Ok(Self {
+            heads,
+            kv_heads,
+            group: heads / kv_heads,
+            m,
+            s,
+            d,
+            block,
+            blocks,
+            scale: 1.0 / (d as f64).sqrt(),
+        })
+    }
+
+    /// `[heads, m, x]` rows to `[kv * blocks, group * B, x]`: each block's query rows together.
+    fn per_block(&self, t: &Tensor) -> Result<Tensor> {
+        let x = t.dim(2)?;
+        t.reshape((self.kv_heads, self.group, self.blocks, self.block, x))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((self.kv_heads * self.blocks, self.group * self.block, x))
+    }
+
+    /// The inverse of [`Self::per_block`]: `[kv * blocks, group * B, x]` to `[heads, m, x]`.
+    fn from_blocks(&self, t: &Tensor) -> Result<Tensor> {
+        let x = t.dim(2)?;
+        t.reshape((self.kv_heads, self.blocks, self.group, self.block, x))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((self.heads, self.m, x))
+    }
+
+    /// Keys or values `[kv, m, d]` as `[kv * blocks, B, d]`.
+    fn block_rows(&self, t: &Tensor) -> Result<Tensor> {
+        t.contiguous()?
+            .reshape((self.kv_heads * self.blocks, self.block, self.d))
+    }
+
+    /// `[kv, group, m, s + B]` probabilities (or their gradients) split into the context part
+    /// `[kv, group * m, s]` and the own-block part `[kv * blocks, group * B, B]`.
+    fn split(&self, p: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (kv, g) = (self.kv_heads, self.group);
+        let ctx = p
+            .narrow(3, 0, self.s)?
+            .contiguous()?
+            .reshape((kv, g * self.m, self.s))?;
+        let own = p
+            .narrow(3, self.s, self.block)?
+            .reshape((kv, g, self.blocks, self.block, self.block))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((kv * self.blocks, g * self.block, self.block))?;
+        Ok((ctx, own))
+    }
+
+    /// The inverse of [`Self::split`].
+    fn join(&self, ctx: &Tensor, own: &Tensor) -> Result<Tensor> {
+        let (kv, g) = (self.kv_heads, self.group);
+        let ctx = ctx.reshape((kv, g, self.m, self.s))?;
+        let own = own
+            .reshape((kv, self.blocks, g, self.block, self.block))?
+            .transpose(1, 2)?
+            .reshape((kv, g, self.m, self.block))?;
+        Tensor::cat(&[&ctx, &own], 3)
+    }
+
+    /// The output `[heads, m, d]` and the probabilities `[kv, group, m, s + B]`.
+    fn forward(
+        &self,
+        q: &Tensor,
+        (ck, cv): (&Tensor, &Tensor),
+        (bk, bv): (&Tensor, &Tensor),
+        mask: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (kv, g) = (self.kv_heads, self.group);
+        let qg = q.reshape((kv, g * self.m, self.d))?;
+        let qb = self.per_block(q)?;
+        let ctx_scores = qg.matmul(&ck.t()?)?;
+        let own_scores = qb.matmul(&self.block_rows(bk)?.t()?)?;
+        let scores = self.join(&ctx_scores, &own_scores)?;
+        let probs = super::fused::masked_softmax(&scores, mask, self.scale)?;
+        let (p_ctx, p_own) = self.split(&probs)?;
+        let ctx_out = p_ctx
+            .matmul(&cv.contiguous()?)?
+            .reshape((self.heads, self.m, self.d))?;
+        let own_out = self.from_blocks(&p_own.matmul(&self.block_rows(bv)?)?)?;
+        Ok(((ctx_out + own_out)?, probs))
+    }
+
+    /// Gradients of q, the context's k and v and the blocks' k and v, from the output's.
+    #[allow(clippy::similar_names)]
+    pub(crate) fn backward(
+        &self,
+        q: &Tensor,
+        (ck, cv): (&Tensor, &Tensor),
+        (bk, bv): (&Tensor, &Tensor),
+        probs: &Tensor,
+        d_out: &Tensor,
+    ) -> Result<[Tensor; 5]> {
+        let (kv, g) = (self.kv_heads, self.group);
+        let (p_ctx, p_own) = self.split(probs)?;
+        let d_out = d_out.contiguous()?;
+        let dog = d_out.reshape((kv, g * self.m, self.d))?;
+        let dob = self.per_block(&d_out)?;
+        let (kb, vb) = (self.block_rows(bk)?, self.block_rows(bv)?);
+        let d_cv = p_ctx.t()?.matmul(&dog)?;
+        let d_bv = p_own.t()?.matmul(&dob)?.reshape((kv, self.m, self.d))?;
+        let dp = self.join(&dog.matmul(&cv.t()?)?, &dob.matmul(&vb.t()?)?)?;
+        let ds = super::fused::softmax_grad(probs, &dp, self.scale)?;
+        let (ds_ctx, ds_own) = self.split(&ds)?;
+        let qg = q.reshape((kv, g * self.m, self.d))?;
+        let qb = self.per_block(q)?;
+        let dq = (ds_ctx.matmul(ck)?.reshape((self.heads, self.m, self.d))?
+            + self.from_blocks(&ds_own.matmul(&kb)?)?)?;
+        let d_ck = ds_ctx.t()?.matmul(&qg)?;
+        let d_bk = ds_own.t()?.matmul(&qb)?.reshape((kv, self.m, self.d))?;
+        Ok([dq, d_ck, d_cv, d_bk, d_bv])
+    }
 }
 
 /// Softmax over the last dimension from differentiable ops.
@@ -166,7 +283,7 @@ impl Linear {
             // has the matmul pack all of the transposed weights first.
             Self::Dense(w) => match x.dims() {
                 [n, _] if *n <= FEW_ROWS => w.matmul(&x.t()?)?.t()?.contiguous(),
-                [_, _] => x.matmul(&w.t()?),
+                [_, _] => super::fused::linear(x, w),
                 _ => x.broadcast_matmul(&w.t()?),
             },
             Self::Quantized(q) => candle_core::Module::forward(q, x),
