@@ -1,12 +1,12 @@
-//! With the `cuda` feature, compiles `src/nn/kernels.cu` to PTX for the fused training ops
-//! (`src/nn/fused.rs` loads it at run time). CPU builds compile nothing, so no CUDA toolkit is
+//! With the `cuda` feature, compiles `src/nn/fused/kernels.cu` to PTX for the fused training ops
+//! (`src/nn/fused/cuda.rs` loads it at run time). CPU builds compile nothing, so no CUDA toolkit is
 //! needed there; ../shared/cuda/README.md says how to get `nvcc` for a GPU build.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    println!("cargo:rerun-if-changed=src/nn/kernels.cu");
+    println!("cargo:rerun-if-changed=src/nn/fused/kernels.cu");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
@@ -19,7 +19,7 @@ fn main() {
             "--ptx",
             "-O3",
             &format!("-arch=sm_{cap}"),
-            "src/nn/kernels.cu",
+            "src/nn/fused/kernels.cu",
             "-o",
         ])
         .arg(&out)
@@ -27,5 +27,5 @@ fn main() {
         .unwrap_or_else(|e| {
             panic!("running nvcc for the fused kernels: {e} (is the CUDA toolkit on PATH?)")
         });
-    assert!(status.success(), "nvcc failed on src/nn/kernels.cu");
+    assert!(status.success(), "nvcc failed on src/nn/fused/kernels.cu");
 }

@@ -1,4 +1,4 @@
-// Fused CUDA kernels for training the drafter (stages/model/src/nn/fused.rs launches them).
+// Fused CUDA kernels for training the drafter (launched by stages/model/src/nn/fused/cuda.rs).
 //
 // Each replaces a chain of candle ops whose intermediates candle would write out and keep for
 // the backward pass: attention's scale + mask + softmax and its gradient, the cross-entropy over

@@ -1,0 +1,275 @@
+//! RMSNorm and the rotate-half rotary embedding, with their gradients.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, WithDType, bail,
+};
+use rayon::prelude::*;
+
+use super::{Result, cpu, rows};
+
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension (`weight`: `[n]`).
+/// Differentiable in both.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let n = x.dim(candle_core::D::Minus1)?;
+    if weight.dims() != [n] {
+        bail!("rms_norm: weight {:?} for rows of {n}", weight.dims());
+    }
+    let weight = weight.to_dtype(x.dtype())?.contiguous()?;
+    x.contiguous()?.apply_op2(&weight, RmsNorm { eps })
+}
+
+/// The rotate-half ("neox", Hugging Face) rotary embedding of `x` `[.., n, d]` by `cos`, `sin`
+/// `[n, d / 2]`. Differentiable in `x`: the gradient is the inverse rotation.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let dims = x.dims();
+    let (n, half) = cos.dims2()?;
+    if dims.len() < 2 || dims[dims.len() - 2..] != [n, 2 * half] || sin.dims() != [n, half] {
+        bail!(
+            "rope: x {dims:?} with tables {:?} / {:?}",
+            cos.dims(),
+            sin.dims()
+        );
+    }
+    let (cos, sin) = (
+        cos.to_dtype(x.dtype())?.contiguous()?,
+        sin.to_dtype(x.dtype())?.contiguous()?,
+    );
+    x.contiguous()?.apply_op3(&cos, &sin, Rope { sign: 1.0 })
+}
+
+struct RmsNorm {
+    eps: f64,
+}
+
+struct RmsNormGrad {
+    eps: f64,
+}
+
+struct Rope {
+    sign: f64,
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, n) = rows(l1);
+        fn go<T: WithDType>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+            n: usize,
+            eps: f64,
+        ) -> Result<CpuStorage> {
+            let (x, w) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
+            let mut out = vec![T::from_f64(0.0); x.len()];
+            out.par_chunks_mut(n)
+                .zip(x.par_chunks(n))
+                .for_each(|(y, x)| {
+                    let r = rstd(x, eps);
+                    for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                        *y = T::from_f64(x.to_f64() * r * w.to_f64());
+                    }
+                });
+            Ok(T::to_cpu_storage_owned(out))
+        }
+        let out = by_float!(s1.dtype(), self.name(), go(s1, l1, s2, l2, n, self.eps))?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            super::cuda::rms_norm(s1, l1, s2, l2, self.eps as f32)?,
+            l1.shape().clone(),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let dx = x.apply_op3_no_bwd(w, &dy, &RmsNormGrad { eps: self.eps })?;
+        // dw = sum over rows of dy * x * rstd: composed, it is one [n] reduction.
+        let n = w.dim(0)?;
+        let wide = crate::nn::ops::wide(x.dtype());
+        let x = x.to_dtype(wide)?.reshape(((), n))?;
+        let r = (x.sqr()?.mean_keepdim(1)? + self.eps)?.sqrt()?.recip()?;
+        let dw = (dy.to_dtype(wide)?.reshape(((), n))? * x.broadcast_mul(&r)?)?
+            .sum(0)?
+            .to_dtype(w.dtype())?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// `1 / sqrt(mean(x^2) + eps)` of a row, in f64.
+fn rstd<T: WithDType>(x: &[T], eps: f64) -> f64 {
+    let ms = x.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / x.len() as f64;
+    1.0 / (ms + eps).sqrt()
+}
+
+impl CustomOp3 for RmsNormGrad {
+    fn name(&self) -> &'static str {
+        "rms-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, n) = rows(l1);
+        fn go<T: WithDType>(
+            (s1, l1): (&CpuStorage, &Layout),
+            (s2, l2): (&CpuStorage, &Layout),
+            (s3, l3): (&CpuStorage, &Layout),
+            n: usize,
+            eps: f64,
+        ) -> Result<CpuStorage> {
+            let (x, w, dy) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
+            let mut out = vec![T::from_f64(0.0); x.len()];
+            out.par_chunks_mut(n)
+                .zip(x.par_chunks(n).zip(dy.par_chunks(n)))
+                .for_each(|(dx, (x, dy))| {
+                    let r = rstd(x, eps);
+                    let dot: f64 = (0..n)
+                        .map(|j| dy[j].to_f64() * w[j].to_f64() * x[j].to_f64())
+                        .sum();
+                    let c = dot / n as f64 * r * r * r;
+                    for (j, dx) in dx.iter_mut().enumerate() {
+                        *dx = T::from_f64(r * dy[j].to_f64() * w[j].to_f64() - x[j].to_f64() * c);
+                    }
+                });
+            Ok(T::to_cpu_storage_owned(out))
+        }
+        let out = by_float!(
+            s1.dtype(),
+            self.name(),
+            go((s1, l1), (s2, l2), (s3, l3), n, self.eps)
+        )?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            super::cuda::rms_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps as f32)?,
+            l1.shape().clone(),
+        ))
+    }
+}
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = l1.dims();
+        let (n, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        fn go<T: WithDType>(
+            (s1, l1): (&CpuStorage, &Layout),
+            (s2, l2): (&CpuStorage, &Layout),
+            (s3, l3): (&CpuStorage, &Layout),
+            n: usize,
+            d: usize,
+            sign: f64,
+        ) -> Result<CpuStorage> {
+            let (x, cos, sin) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
+            let half = d / 2;
+            let mut out = vec![T::from_f64(0.0); x.len()];
+            out.par_chunks_mut(d)
+                .zip(x.par_chunks(d))
+                .enumerate()
+                .for_each(|(row, (y, x))| {
+                    let t = row % n;
+                    for k in 0..half {
+                        let c = cos[t * half + k].to_f64();
+                        let s = sign * sin[t * half + k].to_f64();
+                        let (a, b) = (x[k].to_f64(), x[k + half].to_f64());
+                        y[k] = T::from_f64(a * c - b * s);
+                        y[k + half] = T::from_f64(b * c + a * s);
+                    }
+                });
+            Ok(T::to_cpu_storage_owned(out))
+        }
+        let out = by_float!(
+            s1.dtype(),
+            self.name(),
+            go((s1, l1), (s2, l2), (s3, l3), n, d, self.sign)
+        )?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            super::cuda::rope((s1, l1), (s2, l2), (s3, l3), self.sign as f32)?,
+            l1.shape().clone(),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let back = Rope { sign: -self.sign };
+        Ok((
+            Some(dy.contiguous()?.apply_op3_no_bwd(cos, sin, &back)?),
+            None,
+            None,
+        ))
+    }
+}

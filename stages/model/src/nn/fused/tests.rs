@@ -1,0 +1,224 @@
+//! The fused ops against the composed candle ops they replace, values and gradients, in f64.
+
+use candle_core::{D, Device, Var};
+
+use candle_core::{DType, Tensor};
+
+use super::*;
+use crate::nn::ops;
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    crate::nn::drafter::Init::new(seed)
+        .normal(shape, 1.0, DType::F64, &Device::Cpu)
+        .expect("cpu")
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+/// A mask with a fully masked row and a row that sees one key.
+fn mask(nq: usize, nk: usize) -> Tensor {
+    let v: Vec<f64> = (0..nq * nk)
+        .map(|i| {
+            let (r, c) = (i / nk, i % nk);
+            let open = r != 1 && (r == 2 && c == 0 || r != 2 && (c + r) % 3 != 0);
+            if open { 0.0 } else { f64::NEG_INFINITY }
+        })
+        .collect();
+    Tensor::from_vec(v, (nq, nk), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn masked_softmax_and_its_gradient_match_the_composed_ops() {
+    let (nq, nk, scale) = (5, 7, 0.3);
+    let x = Var::from_tensor(&randn(&[2, nq, nk], 1)).unwrap();
+    let w = randn(&[2, nq, nk], 2);
+    let mask = mask(nq, nk);
+    let fused = masked_softmax(x.as_tensor(), &mask, scale).unwrap();
+    let fused_grads = (&fused * &w)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+
+    let z = (x.as_tensor() * scale)
+        .unwrap()
+        .broadcast_add(&mask)
+        .unwrap();
+    let composed = ops::softmax_last(&z).unwrap();
+    // The composed softmax gives NaN on the fully masked row; the fused op gives zeros.
+    let row1 = |t: &Tensor| t.narrow(D::Minus2, 1, 1).unwrap();
+    assert_eq!(
+        max_diff(&row1(&fused), &row1(&fused).zeros_like().unwrap()),
+        0.0
+    );
+    let keep = |t: &Tensor| {
+        Tensor::cat(
+            &[
+                t.narrow(D::Minus2, 0, 1).unwrap(),
+                t.narrow(D::Minus2, 2, nq - 2).unwrap(),
+            ],
+            D::Minus2,
+        )
+        .unwrap()
+    };
+    let d = max_diff(&keep(&fused), &keep(&composed));
+    assert!(d < 1e-12, "{d}: {fused} vs {composed}");
+    let composed_grads = (&keep(&composed) * &keep(&w))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let (gf, gc) = (
+        fused_grads.get(x.as_tensor()).unwrap(),
+        composed_grads.get(x.as_tensor()).unwrap(),
+    );
+    assert!(max_diff(&keep(gf), &keep(gc)) < 1e-12, "{gf} vs {gc}");
+    assert_eq!(max_diff(&row1(gf), &row1(gf).zeros_like().unwrap()), 0.0);
+}
+
+#[test]
+fn cross_entropy_and_its_gradient_match_the_composed_ops() {
+    let z = Var::from_tensor(&randn(&[4, 9], 3)).unwrap();
+    let labels = [0u32, 8, 3, 3];
+    let w = Tensor::new(&[1.0f64, 0.5, 0.0, 2.0], &Device::Cpu).unwrap();
+    let fused = cross_entropy(z.as_tensor(), &labels).unwrap();
+    let gf = (&fused * &w)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let y = Tensor::new(&labels, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(1)
+        .unwrap();
+    let composed = ops::log_softmax_last(z.as_tensor())
+        .unwrap()
+        .gather(&y, 1)
+        .unwrap()
+        .squeeze(1)
+        .unwrap()
+        .neg()
+        .unwrap();
+    assert!(max_diff(&fused, &composed) < 1e-12);
+    let gc = (&composed * &w)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let (gf, gc) = (
+        gf.get(z.as_tensor()).unwrap(),
+        gc.get(z.as_tensor()).unwrap(),
+    );
+    assert!(max_diff(gf, gc) < 1e-12, "{gf} vs {gc}");
+    assert!(cross_entropy(z.as_tensor(), &[0, 9, 0, 0]).is_err());
+}
+
+#[test]
+fn the_adamw_update_is_pytorchs() {
+    // One step by hand: m = 0.1 g, v = 0.001 g^2, p' = p (1 - lr wd) - lr m^ / (sqrt(v^) + eps).
+    let p = Tensor::new(&[1.0f32, -2.0, 0.5], &Device::Cpu).unwrap();
+    let g = Tensor::new(&[0.5f32, 0.25, -4.0], &Device::Cpu).unwrap();
+    let (m, v) = (p.zeros_like().unwrap(), p.zeros_like().unwrap());
+    let step = AdamStep {
+        lr: 0.1,
+        weight_decay: 0.01,
+        betas: (0.9, 0.999),
+        corrections: (0.1, 0.001),
+        eps: 1e-8,
+        clip_scale: 0.5,
+    };
+    adamw_update(&p, &g, &m, &v, &step).unwrap();
+    let got = p.to_vec1::<f32>().unwrap();
+    for (i, (&p0, &g0)) in [1.0f32, -2.0, 0.5]
+        .iter()
+        .zip(&[0.5f32, 0.25, -4.0])
+        .enumerate()
+    {
+        let g = f64::from(g0) * 0.5;
+        let (mh, vh) = (0.1 * g / 0.1, 0.001 * g * g / 0.001);
+        let want = f64::from(p0) * (1.0 - 0.1 * 0.01) - 0.1 * mh / (vh.sqrt() + 1e-8);
+        assert!(
+            (f64::from(got[i]) - want).abs() < 1e-6,
+            "{i}: {} vs {want}",
+            got[i]
+        );
+    }
+    assert!((m.to_vec1::<f32>().unwrap()[2] - 0.1 * -2.0).abs() < 1e-7);
+}
+
+/// Value and gradients of `sum(f(x, w) * up)` with `x` and `w` as variables.
+fn grads_of(
+    f: &dyn Fn(&Tensor, &Tensor) -> Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    up: &Tensor,
+) -> (Tensor, Tensor, Tensor) {
+    let (xv, wv) = (Var::from_tensor(x).unwrap(), Var::from_tensor(w).unwrap());
+    let y = f(xv.as_tensor(), wv.as_tensor());
+    let g = (&y * up).unwrap().sum_all().unwrap().backward().unwrap();
+    let gx = g.get(xv.as_tensor()).unwrap().clone();
+    let gw = g
+        .get(wv.as_tensor())
+        .map_or_else(|| w.zeros_like().unwrap(), Clone::clone);
+    (y, gx, gw)
+}
+
+#[test]
+fn rms_norm_and_rope_and_their_gradients_match_the_composed_ops() {
+    let x = randn(&[3, 5, 8], 4);
+    let up = randn(&[3, 5, 8], 5);
+    let w = randn(&[8], 6);
+    let composed_norm = |x: &Tensor, w: &Tensor| {
+        let r = (x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + 1e-6)
+            .unwrap()
+            .sqrt()
+            .unwrap()
+            .recip()
+            .unwrap();
+        x.broadcast_mul(&r).unwrap().broadcast_mul(w).unwrap()
+    };
+    let a = grads_of(&|x, w| rms_norm(x, w, 1e-6).unwrap(), &x, &w, &up);
+    let b = grads_of(&composed_norm, &x, &w, &up);
+    for (p, q) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+        assert!(max_diff(p, q) < 1e-12, "{p} vs {q}");
+    }
+    let (cos, sin) =
+        ops::rope_tables(&[3, 9, 1, 0, 7], 8, 10_000.0, DType::F64, &Device::Cpu).unwrap();
+    let composed_rope = |x: &Tensor, _: &Tensor| {
+        let (x1, x2) = (
+            x.narrow(D::Minus1, 0, 4).unwrap(),
+            x.narrow(D::Minus1, 4, 4).unwrap(),
+        );
+        let c = Tensor::cat(&[&cos, &cos], D::Minus1).unwrap();
+        let s = Tensor::cat(&[&sin, &sin], D::Minus1).unwrap();
+        let rotated = Tensor::cat(&[&x2.neg().unwrap(), &x1], D::Minus1).unwrap();
+        (x.broadcast_mul(&c).unwrap() + rotated.broadcast_mul(&s).unwrap()).unwrap()
+    };
+    let a = grads_of(&|x, _| rope(x, &cos, &sin).unwrap(), &x, &w, &up);
+    let b = grads_of(&composed_rope, &x, &w, &up);
+    assert!(max_diff(&a.0, &b.0) < 1e-12 && max_diff(&a.1, &b.1) < 1e-12);
+    let total = sum_squares(&x).unwrap().to_vec1::<f32>().unwrap()[0];
+    let want = x
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    assert!((f64::from(total) - want).abs() < 1e-4 * want);
+}
