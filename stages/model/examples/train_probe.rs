@@ -67,7 +67,11 @@ fn preset(name: &str) -> TargetConfig {
 }
 
 fn device() -> Result<Device> {
-    Ok(Device::cuda_if_available(0)?)
+    let device = Device::cuda_if_available(0)?;
+    if std::env::var_os("DFLASH_PLAIN_DEVICE").is_none() {
+        dflash_model::nn::fused::prepare_device(&device)?;
+    }
+    Ok(device)
 }
 
 /// A random sequence (a prompt of 64 untrained tokens, the rest trained).

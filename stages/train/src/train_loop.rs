@@ -76,6 +76,7 @@ const CKPT: &str = "ckpt-";
 pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError> {
     let raw = ctx.params;
     let device = device(raw["device"].as_str().unwrap_or("auto"))?;
+    dflash_model::nn::fused::prepare_device(&device).map_err(nn("preparing the GPU"))?;
     let path = ctx.cwd.join(&p.target);
     if !path.exists() {
         return Err(StageError::new(format!("the target `{}` does not exist", p.target))

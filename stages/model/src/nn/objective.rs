@@ -203,7 +203,8 @@ pub fn loss(
         .collect();
     let hidden = hidden.index_select(&Tensor::new(rows.as_slice(), device)?, 0)?;
     // The logits stay in the activations' dtype: the fused cross-entropy widens per element.
-    let logits = hidden.matmul(&lm_head.to_dtype(dtype)?.t()?)?;
+    // `linear` gives the frozen LM head no gradient (a plain matmul's backward would).
+    let logits = super::fused::linear(&hidden, &lm_head.to_dtype(dtype)?)?;
     let nll = super::fused::cross_entropy(&logits, &batch.labels)?;
     let weights = Tensor::new(batch.weights.as_slice(), device)?.to_dtype(nll.dtype())?;
     let total = (nll.mul(&weights)?.sum_all()? / normalizer)?;

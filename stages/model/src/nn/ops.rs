@@ -96,10 +96,12 @@ pub fn block_attention(
     mask: &Tensor,
 ) -> Result<Tensor> {
     let geometry = BlockGeometry::of(q, ck, block)?;
+    // Contiguous operands: cuBLAS takes no other batched layout (candle's CPU matmul does).
+    let plain = |t: &Tensor| t.detach().contiguous();
     let (out, probs) = geometry.forward(
-        &q.detach(),
-        (&ck.detach(), &cv.detach()),
-        (&bk.detach(), &bv.detach()),
+        &plain(q)?,
+        (&plain(ck)?, &plain(cv)?),
+        (&plain(bk)?, &plain(bv)?),
         mask,
     )?;
     if ![q, ck, cv, bk, bv].iter().any(|t| t.track_op()) {

@@ -388,3 +388,31 @@ pub fn adam_apply(
     }
     by_type!(p.dtype(), "adamw-apply", go(p, lp, m, lm, v, lv, s))
 }
+
+/// Let the device's memory pool keep what is freed (its release threshold at the maximum, as
+/// PyTorch's caching allocator does) and stop candle tracking each buffer with two CUDA events:
+/// a step allocates thousands of buffers, and by default the pool returns freed memory to the
+/// driver at every synchronisation, so each step mapped its memory again.
+pub fn prepare(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let cu_device = dev.cuda_stream().context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: FFI on the device's own default pool; `threshold` outlives the call.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&raw mut pool, cu_device)
+            .result()
+            .w()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&raw mut threshold).cast(),
+        )
+        .result()
+        .w()?;
+        // SAFETY: dflash runs every op on the device's one stream, so no buffer is used on
+        // another stream before it is ready or freed while one still reads it.
+        dev.disable_event_tracking();
+    }
+    Ok(())
+}

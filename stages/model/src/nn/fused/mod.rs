@@ -62,6 +62,18 @@ mod softmax;
 mod tests;
 
 pub use adamw::{AdamStep, adamw_update, sum_squares};
+
+/// Set a device up for training and decoding before anything is allocated on it: on a GPU, the
+/// memory pool keeps freed memory for reuse and buffers are not tracked with events (one
+/// stream); nothing on CPU.
+pub fn prepare_device(device: &candle_core::Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = device {
+        return cuda::prepare(dev);
+    }
+    let _ = device;
+    Ok(())
+}
 pub use loss::cross_entropy;
 pub(crate) use nodes::attention_node;
 pub use nodes::linear;

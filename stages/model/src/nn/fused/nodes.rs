@@ -80,11 +80,13 @@ impl CustomOp3 for AttentionNode {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let s = self.context;
         let m = k.dim(1)? - s;
-        let (q, k, v) = (q.detach(), k.detach(), v.detach());
+        let (q, k, v) = (q.detach().contiguous()?, k.detach(), v.detach());
+        // Contiguous parts: cuBLAS takes no other batched layout.
+        let part = |t: &Tensor, at: usize, n: usize| t.narrow(1, at, n)?.contiguous();
         let [dq, d_ck, d_cv, d_bk, d_bv] = self.geometry.backward(
             &q,
-            (&k.narrow(1, 0, s)?, &v.narrow(1, 0, s)?),
-            (&k.narrow(1, s, m)?, &v.narrow(1, s, m)?),
+            (&part(&k, 0, s)?, &part(&v, 0, s)?),
+            (&part(&k, s, m)?, &part(&v, s, m)?),
             &self.probs,
             d_out,
         )?;
@@ -171,7 +173,13 @@ impl CustomOp2 for LinearNode {
         _: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (x, w) = (x.detach(), w.detach());
-        Ok((Some(dy.matmul(&w)?), Some(dy.t()?.matmul(&x)?)))
+        // Only the operands on a path to a variable get a gradient: the frozen LM head is one of
+        // these layers, and its [vocab, H] gradient would cost as much as the step's logits.
+        let dx = x.track_op().then(|| dy.matmul(&w.detach())).transpose()?;
+        let dw = w
+            .track_op()
+            .then(|| dy.t()?.matmul(&x.detach()))
+            .transpose()?;
+        Ok((dx, dw))
     }
 }
