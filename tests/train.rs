@@ -121,3 +121,52 @@ fn kill_9_after_a_checkpoint_then_rerun_ends_exactly_as_an_unstopped_run() {
         );
     }
 }
+
+/// A Hugging Face folder converted from the tiny GGUF (`tests/support/gguf_to_hf.py`: the query
+/// and key rows back in the rotate-half layout) trains the same drafter: the same losses step
+/// by step, and the folder's files are pinned.
+#[test]
+fn a_hugging_face_folder_target_trains_as_its_gguf_does() {
+    let env = Env::new();
+    tiny(&env);
+    support::gguf_to_hf(
+        &env.path().join("tiny.gguf"),
+        &env.path().join("tiny-hf"),
+        &["--no-tokenizer"],
+    );
+    let short = PIPELINE.replace("epochs: 6", "epochs: 6, max_steps: 12");
+    env.write("p.yaml", &short);
+    env.write(
+        "hf.yaml",
+        &short.replace("target: tiny.gguf", "target: tiny-hf"),
+    );
+    let losses = |pipeline: &str| -> Vec<f64> {
+        let (st, _) = env.run(pipeline, 0);
+        assert_eq!(st["drafter"], "ran");
+        let dir = env.path().join(format!("out-{pipeline}"));
+        let o = env.dflash(&["export", "drafter", "-p", pipeline, dir.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let (gguf, hf) = (losses("p.yaml"), losses("hf.yaml"));
+    assert_eq!(gguf.len(), 12);
+    for (a, b) in gguf.iter().zip(&hf) {
+        assert!((a - b).abs() < 1e-4 * a.abs(), "{gguf:?} vs {hf:?}");
+    }
+    let o = env.dflash(&["show", "drafter", "-p", "hf.yaml"]);
+    let pins =
+        serde_json::from_slice::<Value>(&o.stdout).unwrap()["fingerprint"]["pins"].to_string();
+    assert!(
+        pins.contains("model:tiny-hf/model.safetensors")
+            && pins.contains("model:tiny-hf/config.json"),
+        "{pins}"
+    );
+}

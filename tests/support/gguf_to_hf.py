@@ -3,7 +3,7 @@ safetensors (`safetensors`), and its byte-level BPE tokenizer built from the GGU
 and merges with the `tokenizers` package (tokenizer.json, and tokenizer_config.json with the
 chat template), for the tests of targets loaded from safetensors.
 
-    python3 gguf_to_hf.py MODEL.gguf OUT_DIR
+    python3 gguf_to_hf.py MODEL.gguf OUT_DIR [--no-tokenizer]
 
 llama.cpp's converter permutes the query and key rows of Llama models for its interleaved
 rotary embedding; this undoes it, so the folder is in the layout transformers uses."""
@@ -77,6 +77,9 @@ config = {
 with open(os.path.join(out, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
 
+
+if "--no-tokenizer" in sys.argv:
+    sys.exit(0)
 
 
 def strings(key):
