@@ -60,7 +60,7 @@ pub fn pin_model(path: &str, pinner: &dyn Pinner, help: &str) -> Result<Vec<Pin>
     if p.join("config.json").is_file() {
         let mut files: Vec<String> = std::fs::read_dir(p)
             .map_err(|e| StageError::new(format!("cannot list `{path}`: {e}")))?
-            .filter_map(|e| e.ok())
+            .filter_map(Result::ok)
             .filter(|e| e.path().is_file())
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|n| defines_model(n))
@@ -85,10 +85,10 @@ pub fn pin_model(path: &str, pinner: &dyn Pinner, help: &str) -> Result<Vec<Pin>
 /// Whether a file in a Hugging Face model folder is part of what the model computes (READMEs,
 /// licences and images are not).
 fn defines_model(name: &str) -> bool {
-    name.ends_with(".safetensors")
-        || name.ends_with(".json")
-        || name.ends_with(".jinja")
-        || name == "tokenizer.model"
+    let ext = Path::new(name)
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase());
+    matches!(ext.as_deref(), Some("safetensors" | "json" | "jinja")) || name == "tokenizer.model"
 }
 
 /// Partial progress that survives a crash: each shard is committed to the store (create-only)

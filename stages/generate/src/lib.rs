@@ -389,14 +389,21 @@ fn tasks(ctx: &StageContext<'_>, p: &Params) -> Result<Vec<Task>, StageError> {
         for (split, files) in dataset::files(&input.dir)? {
             for f in files {
                 for row in dataset::read_rows(&f)? {
-                    for sample in 0..p.n as u32 {
-                        out.push(Task {
-                            key: format!("{}\u{1f}{}\u{1f}{sample}", row.source, row.id),
-                            split: split.clone(),
-                            sample,
-                            row: row.clone(),
-                        });
+                    let samples = p.n as u32;
+                    if samples == 0 {
+                        continue;
                     }
+                    let task = |row: dataset::Conversation, sample: u32| Task {
+                        key: format!("{}\u{1f}{}\u{1f}{sample}", row.source, row.id),
+                        split: split.clone(),
+                        sample,
+                        row,
+                    };
+                    // Every sample but the last holds a copy; the last takes the row itself.
+                    for sample in 0..samples - 1 {
+                        out.push(task(row.clone(), sample));
+                    }
+                    out.push(task(row, samples - 1));
                 }
             }
         }
