@@ -1,9 +1,9 @@
 //! Differentiable building blocks: RMSNorm, rotary embeddings at arbitrary positions, SwiGLU,
-//! and attention with an additive mask. Each has a backward pass (composed candle ops, or the
-//! fused softmax of [`super::fused`]), so the drafter trains through them; the
-//! finite-difference test in `drafter` checks it.
+//! dense and block-local attention with an additive mask, and linear layers. Each has a backward
+//! pass (composed candle ops, or the fused ops and graph nodes of [`super::fused`]), so the
+//! drafter trains through them; the finite-difference test in `drafter` checks it.
 
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::Result;
 
@@ -155,7 +155,7 @@ impl BlockGeometry {
     }
 
     /// The inverse of [`Self::per_block`]: `[kv * blocks, group * B, x]` to `[heads, m, x]`.
-    fn from_blocks(&self, t: &Tensor) -> Result<Tensor> {
+    fn unblock(&self, t: &Tensor) -> Result<Tensor> {
         let x = t.dim(2)?;
         t.reshape((self.kv_heads, self.blocks, self.group, self.block, x))?
             .transpose(1, 2)?
@@ -216,7 +216,7 @@ impl BlockGeometry {
         let ctx_out = p_ctx
             .matmul(&cv.contiguous()?)?
             .reshape((self.heads, self.m, self.d))?;
-        let own_out = self.from_blocks(&p_own.matmul(&self.block_rows(bv)?)?)?;
+        let own_out = self.unblock(&p_own.matmul(&self.block_rows(bv)?)?)?;
         Ok(((ctx_out + own_out)?, probs))
     }
 
@@ -244,25 +244,11 @@ impl BlockGeometry {
         let qg = q.reshape((kv, g * self.m, self.d))?;
         let qb = self.per_block(q)?;
         let dq = (ds_ctx.matmul(ck)?.reshape((self.heads, self.m, self.d))?
-            + self.from_blocks(&ds_own.matmul(&kb)?)?)?;
+            + self.unblock(&ds_own.matmul(&kb)?)?)?;
         let d_ck = ds_ctx.t()?.matmul(&qg)?;
         let d_bk = ds_own.t()?.matmul(&qb)?.reshape((kv, self.m, self.d))?;
         Ok([dq, d_ck, d_cv, d_bk, d_bv])
     }
-}
-
-/// Softmax over the last dimension from differentiable ops.
-pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&max)?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
-}
-
-/// `log(softmax(x))` over the last dimension from differentiable ops.
-pub fn log_softmax_last(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let shifted = x.broadcast_sub(&max)?;
-    shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)
 }
 
 /// Inputs with at most this many rows take the weights-first product.
