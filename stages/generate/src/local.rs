@@ -10,7 +10,6 @@
 use std::path::Path;
 
 use candle_core::Device;
-use candle_core::quantized::gguf_file;
 use candle_transformers::generation::LogitsProcessor;
 use dflash_model::nn::Target;
 use dflash_model::nn::target::KvCache;
@@ -44,38 +43,6 @@ fn err(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
     move |e| StageError::new(format!("{what}: {e}"))
 }
 
-/// The longest sequence the model was trained for: GGUF's `*.context_length`, config.json's
-/// `max_position_embeddings`; 2048 when neither says.
-fn context_length(path: &Path) -> Result<usize, StageError> {
-    let shown = path.display();
-    if path.is_dir() {
-        let config = path.join("config.json");
-        let doc: Json = std::fs::read(&config)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .ok_or_else(|| {
-                StageError::new(format!("`{shown}` has no readable config.json")).with_help(
-                    "a Hugging Face model folder holds config.json, safetensors and tokenizer.json",
-                )
-            })?;
-        let doc = doc
-            .get("text_config")
-            .filter(|v| v.is_object())
-            .unwrap_or(&doc);
-        return Ok(doc["max_position_embeddings"].as_u64().unwrap_or(2048) as usize);
-    }
-    let mut file = std::fs::File::open(path)
-        .map_err(|e| StageError::new(format!("cannot open `{shown}`: {e}")))?;
-    let gguf = gguf_file::Content::read(&mut file)
-        .map_err(|e| StageError::new(format!("`{shown}` is not a GGUF model: {e}")))?;
-    Ok(gguf
-        .metadata
-        .iter()
-        .find(|(k, _)| k.ends_with(".context_length"))
-        .and_then(|(_, v)| v.to_u32().ok())
-        .unwrap_or(2048) as usize)
-}
-
 /// One conversation being decoded.
 struct Decoding {
     cache: KvCache,
@@ -91,13 +58,13 @@ impl Local {
     /// chat template.
     pub fn load(path: &Path, kwargs: &Map<String, Json>) -> Result<Self, StageError> {
         let shown = path.display().to_string();
-        let context = context_length(path)?;
         let target = Target::load(path, &Device::Cpu).map_err(|e| {
             StageError::new(format!("cannot load `{shown}`: {e}")).with_help(
                 "the candle backend runs Llama- and Qwen3-architecture models, GGUF or Hugging Face folders",
             )
         })?;
         let chat = Chat::load(path, kwargs)?;
+        let context = target.config.context;
         Ok(Self {
             target,
             chat,

@@ -49,6 +49,7 @@ fn preset(name: &str) -> TargetConfig {
             eps: 1e-6,
             rope_theta: 1_000_000.0,
             qk_norm: true,
+            context: 4096,
         },
         _ => TargetConfig {
             family: "qwen3".into(),
@@ -62,6 +63,7 @@ fn preset(name: &str) -> TargetConfig {
             eps: 1e-6,
             rope_theta: 1_000_000.0,
             qk_norm: true,
+            context: 4096,
         },
     }
 }

@@ -426,6 +426,7 @@ pub(crate) mod tests {
             eps: 1e-6,
             rope_theta: 10_000.0,
             qk_norm: true,
+            context: 4096,
         };
         Target::random(config, 1, dtype, &Device::Cpu).unwrap()
     }

@@ -145,6 +145,11 @@ impl BlockGeometry {
         })
     }
 
+    /// The context's rows `s` and the blocks' rows `m`.
+    pub(crate) fn rows(&self) -> (usize, usize) {
+        (self.s, self.m)
+    }
+
     /// `[heads, m, x]` rows to `[kv * blocks, group * B, x]`: each block's query rows together.
     fn per_block(&self, t: &Tensor) -> Result<Tensor> {
         let x = t.dim(2)?;

@@ -41,6 +41,9 @@ pub struct TargetConfig {
     pub rope_theta: f64,
     /// Qwen3's per-head RMSNorm on queries and keys.
     pub qk_norm: bool,
+    /// The longest sequence it was trained for (GGUF `*.context_length`, config.json
+    /// `max_position_embeddings`; 2048 when the file does not say).
+    pub context: usize,
 }
 
 struct Layer {
@@ -126,6 +129,8 @@ impl Target {
                 .and_then(|v| v.to_f32())
                 .map_or(10_000.0, f64::from),
             qk_norm: arch == "qwen3",
+            context: get("context_length")
+                .map_or(2048, |v| v.to_u32().map_or(2048, |c| c as usize)),
         };
         // Small targets run faster as dense f32 (gemm) than through candle's quantized dot
         // products on CPU; large ones stay quantized.
@@ -237,6 +242,10 @@ impl Target {
             eps: float("rms_norm_eps").unwrap_or(1e-6),
             rope_theta: float("rope_theta").unwrap_or(10_000.0),
             qk_norm: shape.family == "qwen3",
+            context: doc
+                .get("max_position_embeddings")
+                .and_then(serde_json::Value::as_u64)
+                .map_or(2048, |c| c as usize),
         };
         let dtype = if device.is_cuda() {
             DType::BF16

@@ -28,7 +28,6 @@ pub(crate) fn attention_node(
             out,
             probs,
             geometry,
-            context: ck.dim(1)?,
         },
     )
 }
@@ -37,7 +36,6 @@ struct AttentionNode {
     out: Tensor,
     probs: Tensor,
     geometry: BlockGeometry,
-    context: usize,
 }
 
 impl CustomOp3 for AttentionNode {
@@ -78,8 +76,7 @@ impl CustomOp3 for AttentionNode {
         _out: &Tensor,
         d_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let s = self.context;
-        let m = k.dim(1)? - s;
+        let (s, m) = self.geometry.rows();
         let (q, k, v) = (q.detach().contiguous()?, k.detach(), v.detach());
         // Contiguous parts: cuBLAS takes no other batched layout.
         let part = |t: &Tensor, at: usize, n: usize| t.narrow(1, at, n)?.contiguous();
