@@ -14,6 +14,10 @@
 //! CPU implementation in f64 (forward and gradient), one JSON line per check with the largest
 //! absolute difference.
 //!
+//! `train_probe flash`: flash attention through the model's entry points (block attention's
+//! value and the gradients of its five inputs, the target's causal attention after a cache) in
+//! bf16 on the device against the composed path in f64 on CPU, one JSON line per tensor.
+//!
 //! `train_probe parity OUT.safetensors`: a small target and drafter (f32, weights drawn on CPU),
 //! one sequence, one loss; writes every weight, the batch, the loss, the taps and every
 //! gradient, for `bench/train_reference.py` to recompute in PyTorch and compare.
@@ -366,6 +370,93 @@ fn fused(_args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Flash attention through the model's own entry points (block attention's value and five
+/// gradients, the target's causal attention) on the device in bf16, against the composed path on
+/// CPU in f64: the largest difference relative to the reference's largest magnitude.
+fn flash(_args: &[String]) -> Result<()> {
+    use candle_core::Var;
+    use dflash_model::nn::drafter::Init;
+    use dflash_model::nn::ops::{self, BlockMask};
+    let device = device()?;
+    let cpu = Device::Cpu;
+    let mut init = Init::new(5);
+    let (heads, kv, d, s, blocks, block) = (8, 2, 128, 300, 7, 16);
+    let m = blocks * block;
+    let shapes = [
+        [heads, m, d],
+        [kv, s, d],
+        [kv, s, d],
+        [kv, m, d],
+        [kv, m, d],
+    ];
+    let inputs: Vec<Tensor> = shapes
+        .iter()
+        .map(|sh| init.normal(sh, 1.0, DType::F64, &cpu))
+        .collect::<candle_core::Result<_>>()?;
+    let up = init.normal(&[heads, m, d], 1.0, DType::F64, &cpu)?;
+    let mask = BlockMask {
+        seen: vec![0, 1, 17, 64, 65, 200, 300],
+        context: s,
+        block,
+    };
+    let run = |dev: &Device, dtype: DType| -> Result<Vec<Tensor>> {
+        let vars: Vec<Var> = inputs
+            .iter()
+            .map(|t| Var::from_tensor(&t.to_dtype(dtype)?.to_device(dev)?))
+            .collect::<candle_core::Result<_>>()?;
+        let t: Vec<&Tensor> = vars.iter().map(Var::as_tensor).collect();
+        let out = ops::block_attention(t[0], (t[1], t[2]), (t[3], t[4]), block, &mask)?;
+        let grads = (&out * &up.to_dtype(dtype)?.to_device(dev)?)?
+            .sum_all()?
+            .backward()?;
+        let mut all = vec![out];
+        for x in &t {
+            all.push(grads.get(x).ok_or("a missing gradient")?.clone());
+        }
+        // The target's attention: 37 new rows after 20 cached ones.
+        let (n, past) = (37, 20);
+        let q = inputs[0].narrow(1, 0, n)?.to_dtype(dtype)?.to_device(dev)?;
+        let k = inputs[1]
+            .narrow(1, 0, past + n)?
+            .to_dtype(dtype)?
+            .to_device(dev)?;
+        let v = inputs[2]
+            .narrow(1, 0, past + n)?
+            .to_dtype(dtype)?
+            .to_device(dev)?;
+        let rows = Tensor::arange(past as u32, (past + n) as u32, dev)?.reshape((n, 1))?;
+        let cols = Tensor::arange(0u32, (past + n) as u32, dev)?.reshape((1, past + n))?;
+        let causal = cols.broadcast_le(&rows)?.where_cond(
+            &Tensor::zeros((n, past + n), dtype, dev)?,
+            &Tensor::full(f32::NEG_INFINITY, (n, past + n), dev)?.to_dtype(dtype)?,
+        )?;
+        let flash_ok = dflash_model::nn::fused::flash::supports(dev, dtype, d, heads, kv);
+        all.push(ops::causal_attention(
+            &q,
+            &k,
+            &v,
+            past,
+            (!flash_ok).then_some(&causal),
+        )?);
+        Ok(all)
+    };
+    let want = run(&cpu, DType::F64)?;
+    let got = run(&device, DType::BF16)?;
+    for (name, (g, w)) in ["out", "dq", "d_ck", "d_cv", "d_bk", "d_bv", "causal_out"]
+        .iter()
+        .zip(got.iter().zip(&want))
+    {
+        let scale = worst(w, &w.zeros_like()?)?;
+        println!(
+            "{}",
+            serde_json::json!({"phase": "flash", "check": name, "device": format!("{device:?}"),
+                "flash": dflash_model::nn::fused::flash::supports(&device, DType::BF16, d, heads, kv),
+                "max_abs_diff": worst(g, w)?, "max_abs": scale, "relative": worst(g, w)? / scale})
+        );
+    }
+    Ok(())
+}
+
 /// Mean milliseconds of `f` over 3 runs after one warm-up, the device synchronised around each.
 fn timed(device: &Device, label: &str, f: &dyn Fn() -> Result<()>) -> Result<()> {
     f()?;
@@ -461,7 +552,7 @@ fn parts(args: &[String]) -> Result<()> {
         randn(&[tc.kv_heads, m, tc.head_dim])?,
         randn(&[tc.kv_heads, m, tc.head_dim])?,
     );
-    let amask = batch.mask(dtype, &device)?;
+    let amask = batch.mask();
     timed(&device, "block_attention", &|| {
         let a = ops::block_attention(
             qx.as_tensor(),
@@ -564,8 +655,10 @@ fn main() -> Result<()> {
         Some("parity") => parity(&args),
         Some("fused") => fused(&args),
         Some("parts") => parts(&args),
+        Some("flash") => flash(&args),
         _ => Err(
-            "usage: train_probe speed [...] | parts [...] | fused | parity OUT.safetensors".into(),
+            "usage: train_probe speed [...] | parts [...] | fused | flash | parity OUT.safetensors"
+                .into(),
         ),
     }
 }

@@ -12,7 +12,7 @@ use rand::SeedableRng;
 use rand_distr::Distribution;
 
 use super::Result;
-use super::ops::{self, Linear};
+use super::ops::{self, BlockMask, Linear};
 use super::target::TargetConfig;
 
 /// Seeded initialisation, the same on every machine.
@@ -286,7 +286,7 @@ impl Drafter {
     /// The drafter's final hidden states for the block tokens: `[m, H]`.
     ///
     /// `context`: the tapped target layers `[s, n*H]` at positions `context_pos`; `block`: the
-    /// block tokens' embeddings `[m, H]` at positions `block_pos`; `mask`: additive `[m, s + B]`
+    /// block tokens' embeddings `[m, H]` at positions `block_pos`; `mask`: what each block sees
     /// (see [`Self::forward_block`]).
     pub fn forward(
         &self,
@@ -294,7 +294,7 @@ impl Drafter {
         context_pos: &[u32],
         block: &Tensor,
         block_pos: &[u32],
-        mask: &Tensor,
+        mask: &BlockMask,
     ) -> Result<Tensor> {
         let ctx = self.context_kv(context, context_pos)?;
         self.forward_block(&ctx, block, block_pos, mask)
@@ -348,14 +348,14 @@ impl Drafter {
     }
 
     /// The blocks' final hidden states `[m, H]` (m a multiple of the block size B) given the
-    /// context's keys and values; `mask`: additive `[m, s + B]`, each row's view of the context
-    /// and of its own block.
+    /// context's keys and values; `mask`: what each block sees of the context (all of its own
+    /// block, always).
     pub fn forward_block(
         &self,
         ctx: &ContextKv,
         block: &Tensor,
         block_pos: &[u32],
-        mask: &Tensor,
+        mask: &BlockMask,
     ) -> Result<Tensor> {
         let c = &self.config;
         let m = block.dim(0)?;
@@ -522,7 +522,12 @@ pub(crate) mod tests {
     fn blocks_see_only_their_context_and_themselves() {
         let (ids, mask) = sequence();
         let b = Batch::sample(&ids, &mask, 2, 4, 39, 2.0, 1).unwrap();
-        let m: Vec<Vec<f32>> = b.mask(DType::F32, &Device::Cpu).unwrap().to_vec2().unwrap();
+        let m: Vec<Vec<f32>> = b
+            .mask()
+            .additive(DType::F32, &Device::Cpu)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
         let s = ids.len();
         for (j, &a) in b.anchors.iter().enumerate() {
             assert!(mask[a] == 1 && mask[a + 1] == 1);
@@ -557,13 +562,16 @@ pub(crate) mod tests {
         );
         let anchors = [0usize, 2, 5];
         let open = |ok: bool| if ok { 0.0 } else { f64::NEG_INFINITY };
-        let (mut local, mut dense) = (Vec::new(), Vec::new());
+        let mut dense = Vec::new();
         for r in 0..m {
             let a = anchors[r / b];
-            local.extend((0..s + b).map(|c| open(c < a || c >= s)));
             dense.extend((0..s + m).map(|c| open(c < a || (c >= s && (c - s) / b == r / b))));
         }
-        let local = Tensor::from_vec(local, (m, s + b), &cpu).unwrap();
+        let local = BlockMask {
+            seen: anchors.iter().map(|&a| a as u32).collect(),
+            context: s,
+            block: b,
+        };
         let dense = Tensor::from_vec(dense, (m, s + m), &cpu).unwrap();
         // Values and the gradients of all five inputs, against dense attention's.
         let up = init.normal(&[heads, m, d], 1.0, DType::F64, &cpu).unwrap();

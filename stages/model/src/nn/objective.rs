@@ -4,12 +4,13 @@
 //! the context strictly before its anchor and its own block, never other blocks; cross-entropy
 //! at k = 1..B-1 weighted by exp(-(k-1)/gamma) and the label's loss mask.
 
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{D, DType, Tensor};
 use rand::SeedableRng;
 use rand::seq::index;
 
 use super::Result;
 use super::drafter::Drafter;
+use super::ops::BlockMask;
 
 /// One sequence's blocks, ready for the drafter.
 #[derive(Clone, Debug)]
@@ -108,21 +109,14 @@ impl Batch {
         self.weights.iter().map(|&w| f64::from(w)).sum()
     }
 
-    /// The additive attention mask `[m, s + B]`: block j's rows see the context positions
-    /// before its anchor (the first `s` columns) and all of their own block (the last `B`);
-    /// other blocks are never in a block's keys ([`Drafter::forward_block`]).
-    pub fn mask(&self, dtype: DType, device: &Device) -> Result<Tensor> {
-        let (s, bs) = (self.context_len, self.block_size);
-        let m = self.anchors.len() * bs;
-        let mut v = vec![f32::NEG_INFINITY; m * (s + bs)];
-        for (j, &a) in self.anchors.iter().enumerate() {
-            for r in j * bs..(j + 1) * bs {
-                let row = &mut v[r * (s + bs)..(r + 1) * (s + bs)];
-                row[..a].fill(0.0);
-                row[s..].fill(0.0);
-            }
+    /// What each block sees: the context positions before its anchor and all of its own
+    /// block; other blocks are never in a block's keys ([`Drafter::forward_block`]).
+    pub fn mask(&self) -> BlockMask {
+        BlockMask {
+            seen: self.anchors.iter().map(|&a| a as u32).collect(),
+            context: self.context_len,
+            block: self.block_size,
         }
-        Tensor::from_vec(v, (m, s + bs), device)?.to_dtype(dtype)
     }
 }
 
@@ -195,7 +189,7 @@ pub fn loss(
     let ids = Tensor::new(batch.block_ids.as_slice(), device)?;
     let block = embed(&ids)?.to_dtype(dtype)?;
     let context_pos: Vec<u32> = (0..batch.context_len as u32).collect();
-    let mask = batch.mask(dtype, device)?;
+    let mask = batch.mask();
     let hidden = drafter.forward(context, &context_pos, &block, &batch.block_pos, &mask)?;
     // Rows k >= 1 of every block predict; row 0 (the anchor) is excluded.
     let rows: Vec<u32> = (0..blocks)

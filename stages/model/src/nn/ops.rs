@@ -78,36 +78,123 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Te
     probs.matmul(&v.contiguous()?)?.reshape((heads, nq, d))
 }
 
+/// What each block of a block attention sees: the first `seen[j]` rows of the context (the
+/// positions before its anchor when training, all of it when decoding) and all of its own block,
+/// never another block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockMask {
+    /// Per block, the count of context rows it sees (a prefix of the context).
+    pub seen: Vec<u32>,
+    /// The context's rows.
+    pub context: usize,
+    /// Rows per block.
+    pub block: usize,
+}
+
+impl BlockMask {
+    /// The mask as an additive `[blocks * block, context + block]` tensor (0 where a row sees,
+    /// -inf where it does not), for the composed path.
+    pub fn additive(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        let (s, b) = (self.context, self.block);
+        let m = self.seen.len() * b;
+        let mut v = vec![f32::NEG_INFINITY; m * (s + b)];
+        for (j, &seen) in self.seen.iter().enumerate() {
+            for r in j * b..(j + 1) * b {
+                let row = &mut v[r * (s + b)..(r + 1) * (s + b)];
+                row[..seen as usize].fill(0.0);
+                row[s..].fill(0.0);
+            }
+        }
+        Tensor::from_vec(v, (m, s + b), device)?.to_dtype(dtype)
+    }
+}
+
 /// The drafter's attention: every block of `block` query rows attends to the shared context
 /// and to its own block only, so the keys are the context's and the block's own, never the
 /// other blocks' (a dense `[m, s + m]` score matrix would be mostly masked: at 512 anchors of 16
 /// over 3,072 tokens, 11,264 columns of which at most 3,088 are open). `q`: `[heads, m, d]`;
-/// context `k`, `v`: `[kv_heads, s, d]`; block `k`, `v`: `[kv_heads, m, d]`; `mask`: additive
-/// `[m, s + block]`. The scores of each row against context and own block share one softmax.
+/// context `k`, `v`: `[kv_heads, s, d]`; block `k`, `v`: `[kv_heads, m, d]`; `mask`: what each
+/// block sees. The scores of each row against context and own block share one softmax.
 ///
-/// Differentiable through one graph node ([`super::fused::attention_node`]) whose backward is
-/// written out (the probabilities kept, nothing else): composed from candle ops, the backward
-/// of the score-sized reshapes, concatenations and narrows cost more than the matmuls.
+/// On a GPU in bf16 it is flash attention ([`super::fused::flash`]): no score is written, the
+/// context tiles past a block's anchor are skipped, and the backward pass recomputes the
+/// probabilities from each row's log-sum-exp. Elsewhere it is composed: one graph node
+/// ([`super::fused::attention_node`]) whose backward is written out (the probabilities kept,
+/// nothing else): composed from candle ops, the backward of the score-sized reshapes,
+/// concatenations and narrows cost more than the matmuls.
 pub fn block_attention(
     q: &Tensor,
     (ck, cv): (&Tensor, &Tensor),
     (bk, bv): (&Tensor, &Tensor),
     block: usize,
-    mask: &Tensor,
+    mask: &BlockMask,
 ) -> Result<Tensor> {
     let geometry = BlockGeometry::of(q, ck, block)?;
+    if mask.block != block
+        || mask.context != geometry.s
+        || mask.seen.len() != geometry.blocks
+        || mask.seen.iter().any(|&n| n as usize > geometry.s)
+    {
+        candle_core::bail!(
+            "block attention: a mask for {} blocks of {} over {} context rows, given {} blocks of {block} over {}",
+            mask.seen.len(),
+            mask.block,
+            mask.context,
+            geometry.blocks,
+            geometry.s
+        );
+    }
+    let tracked = [q, ck, cv, bk, bv].iter().any(|t| t.track_op());
+    let (heads, d) = (geometry.heads, geometry.d);
+    if block == super::fused::flash::ROWS
+        && super::fused::flash::supports(q.device(), q.dtype(), d, heads, geometry.kv_heads)
+    {
+        let seen = Tensor::new(mask.seen.as_slice(), q.device())?;
+        let plain: Vec<Tensor> = [q, ck, cv, bk, bv].iter().map(|t| t.detach()).collect();
+        let operands = super::fused::flash::BlockOperands {
+            q: &plain[0],
+            ck: &plain[1],
+            cv: &plain[2],
+            bk: &plain[3],
+            bv: &plain[4],
+            seen: &seen,
+        };
+        let (out, lse) = super::fused::flash::block_forward(&operands)?;
+        if !tracked {
+            return Ok(out);
+        }
+        return super::fused::flash_attention_node(q, (ck, cv), (bk, bv), out, lse, seen);
+    }
     // Contiguous operands: cuBLAS takes no other batched layout (candle's CPU matmul does).
     let plain = |t: &Tensor| t.detach().contiguous();
+    let additive = mask.additive(q.dtype(), q.device())?;
     let (out, probs) = geometry.forward(
         &plain(q)?,
         (&plain(ck)?, &plain(cv)?),
         (&plain(bk)?, &plain(bv)?),
-        mask,
+        &additive,
     )?;
-    if ![q, ck, cv, bk, bv].iter().any(|t| t.track_op()) {
+    if !tracked {
         return Ok(out);
     }
     super::fused::attention_node(q, (ck, cv), (bk, bv), out, probs, geometry)
+}
+
+/// Causal attention for the frozen target: `q` `[heads, n, d]` at positions `past..past + n`,
+/// `k`, `v` `[kv_heads, past + n, d]`; row i sees keys `0..=past + i`. Flash attention on a GPU
+/// in bf16 ([`super::fused::flash::causal`]), else [`attention`] under `mask` (built by the
+/// caller once for all layers; `None` only where flash attention applies).
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    match mask {
+        Some(mask) => attention(q, k, v, mask),
+        None => super::fused::flash::causal(q, k, v, past),
+    }
 }
 
 /// The shapes of a block attention, and its passes as plain (untracked) tensor ops.

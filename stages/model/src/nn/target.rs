@@ -514,7 +514,9 @@ impl Target {
         if let Some(bad) = taps.iter().find(|&&t| t >= c.layers) {
             candle_core::bail!("tap {bad} is past the target's {} layers", c.layers);
         }
-        // Per sequence: its rows' offset and count, its position tables and mask.
+        let flash =
+            super::fused::flash::supports(device, self.dtype, c.head_dim, c.heads, c.kv_heads);
+        // Per sequence: its rows' offset, count and past, its position tables and mask.
         let mut rows = Vec::with_capacity(seqs.len());
         let mut all_ids = Vec::new();
         for s in seqs.iter_mut() {
@@ -525,8 +527,13 @@ impl Target {
             let positions: Vec<u32> = (past as u32..(past + n) as u32).collect();
             let (cos, sin) =
                 super::ops::rope_tables(&positions, c.head_dim, c.rope_theta, self.dtype, device)?;
-            let mask = causal_mask_after(past, n, self.dtype, device)?;
-            rows.push((all_ids.len(), n, cos, sin, mask));
+            // Flash attention needs no mask; the composed path shares one across layers.
+            let mask = if flash {
+                None
+            } else {
+                Some(causal_mask_after(past, n, self.dtype, device)?)
+            };
+            rows.push((all_ids.len(), n, past, cos, sin, mask));
             all_ids.extend_from_slice(s.ids);
         }
         let mut x = self.embed(&Tensor::new(all_ids.as_slice(), device)?)?;
@@ -539,7 +546,7 @@ impl Target {
                 layer.v.forward(&h)?,
             );
             let mut attended = Vec::with_capacity(seqs.len());
-            for (s, (at, n, cos, sin, mask)) in seqs.iter_mut().zip(&rows) {
+            for (s, (at, n, past, cos, sin, mask)) in seqs.iter_mut().zip(&rows) {
                 let (at, n) = (*at, *n);
                 let heads = |t: &Tensor, count: usize| -> Result<Tensor> {
                     t.narrow(0, at, n)?
@@ -575,7 +582,7 @@ impl Target {
                     }
                     *slot = Some((k.clone(), v.clone()));
                 }
-                let a = super::ops::attention(&q, &k, &v, mask)?;
+                let a = super::ops::causal_attention(&q, &k, &v, *past, mask.as_ref())?;
                 attended.push(a.transpose(0, 1)?.reshape((n, c.heads * c.head_dim))?);
             }
             let a = if attended.len() == 1 {

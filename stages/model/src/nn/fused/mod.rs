@@ -54,6 +54,7 @@ mod adamw;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 mod cuda;
+pub mod flash;
 mod loss;
 mod nodes;
 mod norm;
@@ -75,7 +76,7 @@ pub fn prepare_device(device: &candle_core::Device) -> Result<()> {
     Ok(())
 }
 pub use loss::cross_entropy;
-pub(crate) use nodes::attention_node;
 pub use nodes::linear;
+pub(crate) use nodes::{attention_node, flash_attention_node};
 pub use norm::{rms_norm, rope};
 pub use softmax::{masked_softmax, softmax_grad};

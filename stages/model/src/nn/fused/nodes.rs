@@ -1,5 +1,5 @@
 //! Graph nodes computed untracked whose backward passes are written out: the drafter's block
-//! attention and its linear layers.
+//! attention (composed, or flash attention on a GPU) and its linear layers.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
@@ -87,6 +87,106 @@ impl CustomOp3 for AttentionNode {
             &self.probs,
             d_out,
         )?;
+        Ok((
+            Some(dq),
+            Some(Tensor::cat(&[&d_ck, &d_bk], 1)?),
+            Some(Tensor::cat(&[&d_cv, &d_bv], 1)?),
+        ))
+    }
+}
+
+/// The graph node of a block attention computed by the flash kernels
+/// ([`super::flash::block_forward`]): its forward hands over `out`, its backward is
+/// [`super::flash::block_backward`] with the kept log-sum-exp. As in [`attention_node`], the
+/// context's and blocks' keys and values enter as one `[kv, s + m, d]` tensor each.
+pub(crate) fn flash_attention_node(
+    q: &Tensor,
+    (ck, cv): (&Tensor, &Tensor),
+    (bk, bv): (&Tensor, &Tensor),
+    out: Tensor,
+    lse: Tensor,
+    seen: Tensor,
+) -> Result<Tensor> {
+    let k = Tensor::cat(&[ck, bk], 1)?;
+    let v = Tensor::cat(&[cv, bv], 1)?;
+    q.apply_op3(
+        &k,
+        &v,
+        FlashAttentionNode {
+            out,
+            lse,
+            seen,
+            context: ck.dim(1)?,
+        },
+    )
+}
+
+struct FlashAttentionNode {
+    out: Tensor,
+    lse: Tensor,
+    seen: Tensor,
+    context: usize,
+}
+
+impl CustomOp3 for FlashAttentionNode {
+    fn name(&self) -> &'static str {
+        "flash-block-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        handed_over(&self.out, on_cpu)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        handed_over(&self.out, on_cuda)
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _out: &Tensor,
+        d_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let s = self.context;
+        let m = k.dim(1)? - s;
+        let (k, v) = (k.detach(), v.detach());
+        let part = |t: &Tensor, at: usize, n: usize| t.narrow(1, at, n)?.contiguous();
+        let (ck, bk, cv, bv) = (
+            part(&k, 0, s)?,
+            part(&k, s, m)?,
+            part(&v, 0, s)?,
+            part(&v, s, m)?,
+        );
+        let q = q.detach();
+        let operands = super::flash::BlockOperands {
+            q: &q,
+            ck: &ck,
+            cv: &cv,
+            bk: &bk,
+            bv: &bv,
+            seen: &self.seen,
+        };
+        let [dq, d_ck, d_cv, d_bk, d_bv] =
+            super::flash::block_backward(&operands, &self.out, &self.lse, d_out)?;
         Ok((
             Some(dq),
             Some(Tensor::cat(&[&d_ck, &d_bk], 1)?),

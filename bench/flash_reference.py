@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""dflash's flash-attention kernels (stages/model/src/nn/fused/flash.cu) checked and timed
+against PyTorch on the GPU machine, without the Rust build: the PTX that `nvcc` makes of
+flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors.
+
+    nvcc --ptx -O3 -arch=sm_90 stages/model/src/nn/fused/flash.cu -o flash.ptx   (CPU machine)
+    python3 bench/flash_reference.py check flash.ptx
+        Small and odd shapes, block mode (forward, dQ, dK, dV) and causal mode (forward),
+        against autograd on float64 copies of the same bf16 inputs: the largest error of each,
+        relative to the reference's largest magnitude (JSON lines).
+    python3 bench/flash_reference.py speed flash.ptx [--anchors 512] [--seq 3072]
+        The Qwen3-8B attention shapes of one training step (32 heads, 8 KV heads, d 128): the
+        drafter's block attention forward + backward against SDPA under the dense block mask
+        (what bench/train_reference.py runs), and the target's causal forward against SDPA with
+        an additive causal mask (train_reference.py) and with is_causal (PyTorch's flash
+        kernel). Milliseconds, TFLOP/s and the ratios (JSON lines).
+"""
+import argparse, ctypes, json, math, time
+
+import torch
+import torch.nn.functional as F
+
+ROWS = 16
+
+
+class Kernels:
+    """The PTX module, launched on PyTorch's current stream."""
+
+    def __init__(self, ptx_path):
+        torch.zeros(1, device="cuda")  # PyTorch makes the primary context current
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        self.mod = ctypes.c_void_p()
+        with open(ptx_path, "rb") as f:
+            image = f.read() + b"\0"
+        self._ok(self.cu.cuModuleLoadData(ctypes.byref(self.mod), image), "cuModuleLoadData")
+        self.funcs = {}
+
+    def _ok(self, rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+    def launch(self, name, grid, block, args):
+        if name not in self.funcs:
+            f = ctypes.c_void_p()
+            self._ok(self.cu.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
+            self.funcs[name] = f
+        holders = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                holders.append(ctypes.c_uint64(a.data_ptr()))
+            elif isinstance(a, ctypes._SimpleCData):
+                holders.append(a)
+            elif isinstance(a, float):
+                holders.append(ctypes.c_float(a))
+            else:
+                holders.append(ctypes.c_int(a))
+        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        self._ok(self.cu.cuLaunchKernel(self.funcs[name], *grid, *block, 0, stream, params, None), name)
+
+
+def scales(d):
+    scale = 1.0 / math.sqrt(d)
+    return scale, scale * math.log2(math.e)
+
+
+def forward(K, q, k1, v1, k2, v2, hi, past):
+    heads, m, d = q.shape
+    kv, s1 = k1.shape[0], k1.shape[1]
+    group = heads // kv
+    out = torch.empty_like(q)
+    lse = torch.empty(heads, m, device=q.device, dtype=torch.float32)
+    scale, scale2 = scales(d)
+    z = q  # an unused pointer in causal mode
+    K.launch(f"flash_forward_d{d}", ((m + ROWS - 1) // ROWS, kv, 1), (32 * group, 1, 1),
+             [q, k1, v1, k2 if k2 is not None else z, v2 if v2 is not None else z, hi if hi is not None else z,
+              out, lse, m, s1, group, past, scale2])
+    return out, lse
+
+
+def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False):
+    heads, m, d = q.shape
+    kv, s1 = k1.shape[0], k1.shape[1]
+    group = heads // kv
+    scale, scale2 = scales(d)
+    delta = torch.empty(heads, m, device=q.device, dtype=torch.float32)
+    dq = torch.empty_like(q)
+    K.launch(f"flash_dq_d{d}", (m // ROWS, kv, 1), (32 * group, 1, 1),
+             [q, k1, v1, k2, v2, hi, out, dout, lse, delta, dq, m, s1, group, scale2, scale])
+    if dq_only:
+        return dq
+    dk1, dv1, dk2, dv2 = (torch.empty_like(t) for t in (k1, v1, k2, v2))
+    tiles = (s1 + 63) // 64 + (m + 63) // 64
+    chunks = min(max((m // ROWS + 63) // 64, 1), 8)
+    part_k = torch.empty(chunks, *k1.shape, device=q.device, dtype=torch.float32)
+    part_v = torch.empty_like(part_k)
+    K.launch(f"flash_dkv_d{d}", (tiles, kv, chunks), (128, 1, 1),
+             [q, k1, v1, k2, v2, hi, dout, lse, delta, part_k, part_v, dk2, dv2, m, s1, group, scale2, scale])
+    n = k1.numel()
+    K.launch("flash_dkv_sum", (min((n + 255) // 256, 1 << 16), 1, 1), (256, 1, 1),
+             [part_k, part_v, dk1, dv1, ctypes.c_uint64(n), chunks])
+    return dq, dk1, dv1, dk2, dv2
+
+
+def dense_block_mask(anchors, s, m, dev):
+    """[m, s + m] bool, True where open: block j sees context [0, a_j) and its own block."""
+    rows = torch.arange(m, device=dev)
+    blk = rows // ROWS
+    a = anchors[blk]
+    cols = torch.arange(s + m, device=dev)
+    ctx = (cols[None, :] < s) & (cols[None, :] < a[:, None])
+    own = (cols[None, :] >= s) & (((cols[None, :] - s) // ROWS) == blk[:, None])
+    return ctx | own
+
+
+def reference_block(q, k1, v1, k2, v2, anchors):
+    heads, m, d = q.shape
+    group = heads // k1.shape[0]
+    k = torch.cat([k1, k2], 1).repeat_interleave(group, 0)
+    v = torch.cat([v1, v2], 1).repeat_interleave(group, 0)
+    mask = dense_block_mask(anchors, k1.shape[1], m, q.device)
+    s = (q @ k.transpose(1, 2)) / math.sqrt(d)
+    s = s.masked_fill(~mask[None], float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def reference_causal(q, k, v, past):
+    heads, n, d = q.shape
+    group = heads // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    rows = torch.arange(n, device=q.device)[:, None] + past
+    open_ = torch.arange(k.shape[1], device=q.device)[None, :] <= rows
+    s = (q @ k.transpose(1, 2)) / math.sqrt(d)
+    s = s.masked_fill(~open_[None], float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def randn(*shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+
+def check(K, args):
+    torch.manual_seed(0)
+    worst = 0.0
+    for heads, kv, d, s, blocks in [(4, 2, 64, 40, 3), (8, 2, 128, 200, 9), (32, 8, 128, 300, 12), (2, 2, 64, 64, 4)]:
+        m = blocks * ROWS
+        q, dout = randn(heads, m, d), randn(heads, m, d)
+        k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
+        anchors = torch.sort(torch.randint(0, s, (blocks,), device="cuda")).values
+        anchors[0] = 0  # a block that sees no context at all
+        hi = anchors.to(torch.int32).contiguous()
+        out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
+        ref = [t.double().requires_grad_() for t in (q, k1, v1, k2, v2)]
+        ro, rl = reference_block(*ref, anchors)
+        ro.backward(dout.double())
+        grads = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout)
+        errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
+        for name, g, r in zip(["dq", "dk1", "dv1", "dk2", "dv2"], grads, ref):
+            errs[name] = rel(g, r.grad)
+        worst = max(worst, *errs.values())
+        print(json.dumps({"mode": "block", "heads": heads, "kv": kv, "d": d, "s": s, "blocks": blocks, **errs}))
+    for heads, kv, d, n, past in [(4, 2, 64, 37, 0), (32, 8, 128, 300, 0), (8, 8, 128, 5, 20), (4, 1, 64, 1, 33)]:
+        q = randn(heads, n, d)
+        k, v = randn(kv, past + n, d), randn(kv, past + n, d)
+        out, lse = forward(K, q, k, v, None, None, None, past)
+        ro, rl = reference_causal(q.double(), k.double(), v.double(), past)
+        errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
+        worst = max(worst, *errs.values())
+        print(json.dumps({"mode": "causal", "heads": heads, "kv": kv, "d": d, "n": n, "past": past, **errs}))
+    print(json.dumps({"worst": worst, "pass": worst < 2e-2}))
+
+
+def timed(f, reps=5):
+    f()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3 / reps
+
+
+def speed(K, args):
+    torch.manual_seed(0)
+    heads, kv, d, s, anchors_n = 32, 8, 128, args.seq, args.anchors
+    m = anchors_n * ROWS
+    q, dout = randn(heads, m, d), randn(heads, m, d)
+    k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
+    anchors = torch.sort(torch.randperm(s - ROWS, device="cuda")[:anchors_n]).values
+    hi = anchors.to(torch.int32).contiguous()
+    seen = anchors.double().mean().item()
+    # Useful FLOPs: what each row sees (its context prefix and its own block).
+    fwd_flops = 4.0 * heads * m * d * (seen + ROWS)
+    res = {}
+    fw = lambda: forward(K, q, k1, v1, k2, v2, hi, -1)
+    res["dflash_block_fwd_ms"] = timed(fw)
+    out, lse = fw()
+    res["dflash_block_bwd_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout))
+    res["dflash_block_bwd_dq_only_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True))
+    # SDPA under the dense block mask, as the PyTorch reference step runs it.
+    mask = dense_block_mask(anchors, s, m, q.device)
+    additive = torch.zeros(m, s + m, device="cuda", dtype=torch.bfloat16).masked_fill(~mask, float("-inf"))
+    group = heads // kv
+    kk = torch.cat([k1, k2], 1).repeat_interleave(group, 0)
+    vv = torch.cat([v1, v2], 1).repeat_interleave(group, 0)
+    qg = q.clone().requires_grad_()
+    kg, vg = kk.clone().requires_grad_(), vv.clone().requires_grad_()
+    sd = lambda: F.scaled_dot_product_attention(qg[None], kg[None], vg[None], attn_mask=additive[None, None])
+    res["torch_block_fwd_ms"] = timed(lambda: sd())
+
+    def fb():
+        o = sd()
+        o.backward(dout[None])
+
+    res["torch_block_fwd_bwd_ms"] = timed(fb)
+    total = res["dflash_block_fwd_ms"] + res["dflash_block_bwd_ms"]
+    res["block_ratio_torch_over_dflash"] = res["torch_block_fwd_bwd_ms"] / total
+    res["dflash_block_fwd_tflops"] = fwd_flops / res["dflash_block_fwd_ms"] / 1e9
+    res["dflash_block_bwd_tflops"] = 2.5 * fwd_flops / res["dflash_block_bwd_ms"] / 1e9
+    # Agreement at this shape (bf16 SDPA against the kernels).
+    with torch.no_grad():
+        ro = sd()[0]
+    res["block_out_rel_err_vs_sdpa"] = rel(out, ro)
+    # The target's causal forward.
+    n = s
+    q, k, v = randn(heads, n, d), randn(kv, n, d), randn(kv, n, d)
+    res["dflash_causal_fwd_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0))
+    causal = torch.full((n, n), float("-inf"), device="cuda", dtype=torch.bfloat16).triu(1)
+    kr, vr = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    with torch.no_grad():
+        res["torch_causal_masked_fwd_ms"] = timed(
+            lambda: F.scaled_dot_product_attention(q[None], kr[None], vr[None], attn_mask=causal[None, None]))
+        res["torch_causal_flash_fwd_ms"] = timed(
+            lambda: F.scaled_dot_product_attention(q[None], kr[None], vr[None], is_causal=True))
+        ro = F.scaled_dot_product_attention(q[None], kr[None], vr[None], is_causal=True)[0]
+    res["causal_out_rel_err_vs_sdpa"] = rel(forward(K, q, k, v, None, None, None, 0)[0], ro)
+    res["dflash_causal_fwd_tflops"] = 4.0 * heads * n * n / 2 * d / res["dflash_causal_fwd_ms"] / 1e9
+    for key, value in res.items():
+        print(json.dumps({"metric": key, "value": value}))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["check", "speed"])
+    p.add_argument("ptx")
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--seq", type=int, default=3072)
+    args = p.parse_args()
+    K = Kernels(args.ptx)
+    (check if args.mode == "check" else speed)(K, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,522 @@
+// Flash attention on tensor cores (bf16 in, f32 accumulation) for the frozen target's causal
+// attention and the drafter's block attention (launched by stages/model/src/nn/fused/flash.rs).
+//
+// No score matrix is ever written: each warp owns 16 query rows of one head, walks the keys it
+// may see tile by tile (keys and values staged in shared memory, shared by the warps of one
+// key/value head's query group), and keeps a running max and sum (the online softmax). The
+// backward pass recomputes the probabilities from the saved log-sum-exp: one kernel gives dQ
+// (walking keys, as the forward does), another dK and dV (walking the query rows that see a
+// key tile), so nothing is summed with atomics and the result is deterministic.
+//
+// What a row sees. Queries are [heads, M, D], row tiles of 16 rows. Keys and values come in two
+// arrays per key/value head: k1/v1 [kv_heads, S1, D] and, in block mode, k2/v2 [kv_heads, M, D].
+// - causal mode (past >= 0): row r sees k1 rows 0..=past + r (the target; no k2);
+// - block mode (past < 0): row tile t sees k1 rows [0, hi[t]) and k2 rows [16t, 16t + 16) (the
+//   drafter: a block of 16 sees the context before its anchor and all of its own block).
+// Softmax statistics are kept in base 2 (scores times scale * log2(e)); `lse` holds them so.
+//
+// Fragment layouts are those of PTX's mma.m16n8k16 (row.col, bf16 -> f32): with g = lane / 4 and
+// c = lane % 4, an accumulator holds rows g and g + 8 at columns 2c and 2c + 1; the A operand
+// holds rows g, g + 8 at columns 2c, 2c + 1 and 2c + 8, 2c + 9; the B operand holds columns g at
+// rows 2c, 2c + 1 and 2c + 8, 2c + 9. An accumulator pair of n-tiles is therefore already the
+// A operand of the next product (the probabilities never leave registers).
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+typedef __nv_bfloat16 bf16;
+
+constexpr int ROWS = 16;  // query rows per warp, and the block size of block mode
+constexpr int PAD = 8;    // shared rows padded by 16 bytes: fragment loads hit distinct banks
+
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Two neighbouring bf16 of one row.
+__device__ __forceinline__ uint32_t ld32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// p[0] and p[stride] (one column, two rows) as a pair.
+__device__ __forceinline__ uint32_t ld_pair(const bf16* p, int stride) {
+    uint32_t lo = *reinterpret_cast<const uint16_t*>(p);
+    uint32_t hi = *reinterpret_cast<const uint16_t*>(p + stride);
+    return lo | (hi << 16);
+}
+
+// The A fragment of rows [0, 16) x columns [k, k + 16) of a row-major bf16 matrix with row
+// stride `ld` whose rows at or past `valid` read as zero.
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* x, int ld, int k, int valid) {
+    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    a[0] = g < valid ? ld32(x + g * ld + k + 2 * c) : 0u;
+    a[1] = g + 8 < valid ? ld32(x + (g + 8) * ld + k + 2 * c) : 0u;
+    a[2] = g < valid ? ld32(x + g * ld + k + 2 * c + 8) : 0u;
+    a[3] = g + 8 < valid ? ld32(x + (g + 8) * ld + k + 2 * c + 8) : 0u;
+}
+
+// B fragment where B[k][n] = Y[n][k] (Y row-major, rows n): keys for scores, queries for dK.
+__device__ __forceinline__ void load_b_rows(uint32_t& b0, uint32_t& b1, const bf16* y, int ld, int n0, int k0) {
+    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const bf16* p = y + (n0 + g) * ld + k0 + 2 * c;
+    b0 = ld32(p);
+    b1 = ld32(p + 8);
+}
+
+// B fragment where B[k][n] = Y[k][n] (Y row-major, rows k): values for the output.
+__device__ __forceinline__ void load_b_cols(uint32_t& b0, uint32_t& b1, const bf16* y, int ld, int k0, int n0) {
+    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const bf16* p = y + (k0 + 2 * c) * ld + n0 + g;
+    b0 = ld_pair(p, ld);
+    b1 = ld_pair(p + 8 * ld, ld);
+}
+
+// Copy rows [r0, r0 + n) of a [rows, D] bf16 matrix into shared memory (row stride D + PAD),
+// rows at or past `limit` as zeros; every thread of the block takes part.
+template <int D>
+__device__ __forceinline__ void stage(bf16* dst, const bf16* src, int r0, int n, int limit) {
+    constexpr int V = D / 8;  // 16-byte vectors per row
+    for (int i = threadIdx.x; i < n * V; i += blockDim.x) {
+        int r = i / V, v = i % V;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (r0 + r < limit) x = reinterpret_cast<const uint4*>(src + (size_t)(r0 + r) * D)[v];
+        *reinterpret_cast<uint4*>(dst + r * (D + PAD) + v * 8) = x;
+    }
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffff, v, 1);
+    return v + __shfl_xor_sync(0xffffffff, v, 2);
+}
+
+// What the rows of one warp see: keys [0, hi) of k1 (and at most past + row in causal mode).
+struct View {
+    int hi;
+    int past;  // < 0: block mode
+    int row0;  // the warp's first query row
+    __device__ bool sees(int key, int row) const { return key < hi && (past < 0 || key <= past + row); }
+};
+
+// The scores of the warp's 16 rows against NT * 8 keys staged at `ks` (row stride D + PAD),
+// scaled into base 2, masked to -inf where `view` (if any) closes them; `key0` is the first
+// staged key's index in k1.
+template <int D, int NT>
+__device__ __forceinline__ void scores(float (&s)[NT][4], const uint32_t (&qa)[D / 16][4], const bf16* ks,
+                                       float scale2, const View* view, int key0) {
+    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int n = 0; n < NT; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < D / 16; k++)
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            uint32_t b0, b1;
+            load_b_rows(b0, b1, ks, D + PAD, n * 8, k * 16);
+            mma(s[n], qa[k], b0, b1);
+        }
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int key = key0 + n * 8 + 2 * c + (e & 1), row = (view ? view->row0 : 0) + g + (e >= 2 ? 8 : 0);
+            bool open = !view || view->sees(key, row);
+            s[n][e] = open ? s[n][e] * scale2 : -INFINITY;
+        }
+}
+
+// out[16 x D] += P[16 x NT*8] . V[NT*8 x D], P from score accumulators (bf16-rounded).
+template <int D, int NT>
+__device__ __forceinline__ void times_values(float (&out)[D / 8][4], const float (&p)[NT][4], const bf16* vs) {
+#pragma unroll
+    for (int j = 0; j < NT / 2; j++) {
+        uint32_t a[4] = {pack(p[2 * j][0], p[2 * j][1]), pack(p[2 * j][2], p[2 * j][3]),
+                         pack(p[2 * j + 1][0], p[2 * j + 1][1]), pack(p[2 * j + 1][2], p[2 * j + 1][3])};
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            uint32_t b0, b1;
+            load_b_cols(b0, b1, vs, D + PAD, j * 16, n * 8);
+            mma(out[n], a, b0, b1);
+        }
+    }
+}
+
+// The online-softmax state of the warp's two rows per thread (g and g + 8).
+template <int D>
+struct Running {
+    float m[2] = {-INFINITY, -INFINITY};
+    float l[2] = {0.f, 0.f};
+    float o[D / 8][4];
+
+    __device__ Running() {
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    }
+
+    // Fold in one tile of base-2 scores: rescale what is held, turn scores into probabilities.
+    template <int NT>
+    __device__ __forceinline__ void fold(float (&s)[NT][4], const bf16* vs) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < NT; n++) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+            mx = quad_max(mx);
+            float next = fmaxf(m[h], mx);
+            // A row that has seen nothing open yet keeps -inf; subtract 0 so exp2 gives zeros.
+            float base = next == -INFINITY ? 0.f : next;
+            float alpha = exp2f(m[h] - base);
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                s[n][2 * h] = exp2f(s[n][2 * h] - base);
+                s[n][2 * h + 1] = exp2f(s[n][2 * h + 1] - base);
+                sum += s[n][2 * h] + s[n][2 * h + 1];
+            }
+            l[h] = l[h] * alpha + sum;
+            m[h] = next;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                o[n][2 * h] *= alpha;
+                o[n][2 * h + 1] *= alpha;
+            }
+        }
+        times_values<D, NT>(o, s, vs);
+    }
+};
+
+constexpr int KT = 64;  // keys per staged tile
+
+// Grid (row tiles, kv_heads); block 32 * group threads, warp w = query head kv * group + w.
+template <int D>
+__device__ void flash_forward(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2,
+                              const uint32_t* hi, bf16* out, float* lse, int m, int s1, int group, int past,
+                              float scale2) {
+    __shared__ __align__(16) bf16 ks[KT * (D + PAD)];
+    __shared__ __align__(16) bf16 vs[KT * (D + PAD)];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int kv = blockIdx.y, head = kv * group + warp, row0 = blockIdx.x * ROWS;
+    const bf16* qh = q + ((size_t)head * m + row0) * D;
+    uint32_t qa[D / 16][4];
+#pragma unroll
+    for (int k = 0; k < D / 16; k++) load_a(qa[k], qh, D, k * 16, m - row0);
+    View view;
+    view.past = past;
+    view.row0 = row0;
+    view.hi = past >= 0 ? min(past + row0 + ROWS, s1) : (int)hi[blockIdx.x];
+    Running<D> run;
+    const bf16* kh = k1 + (size_t)kv * s1 * D;
+    const bf16* vh = v1 + (size_t)kv * s1 * D;
+    for (int key0 = 0; key0 < view.hi; key0 += KT) {
+        __syncthreads();
+        stage<D>(ks, kh, key0, KT, s1);
+        stage<D>(vs, vh, key0, KT, s1);
+        __syncthreads();
+        float sc[KT / 8][4];
+        scores<D, KT / 8>(sc, qa, ks, scale2, &view, key0);
+        run.template fold<KT / 8>(sc, vs);
+    }
+    if (past < 0) {
+        // The block's own 16 keys, all open.
+        __syncthreads();
+        stage<D>(ks, k2 + (size_t)kv * m * D, row0, ROWS, m);
+        stage<D>(vs, v2 + (size_t)kv * m * D, row0, ROWS, m);
+        __syncthreads();
+        float sc[ROWS / 8][4];
+        scores<D, ROWS / 8>(sc, qa, ks, scale2, nullptr, 0);
+        run.template fold<ROWS / 8>(sc, vs);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float l = quad_sum(run.l[h]);
+        float inv = l > 0.f ? 1.f / l : 0.f;
+        int row = row0 + g + 8 * h;
+        if (row < m) {
+            bf16* o = out + ((size_t)head * m + row) * D;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++)
+                *reinterpret_cast<uint32_t*>(o + n * 8 + 2 * c) = pack(run.o[n][2 * h] * inv, run.o[n][2 * h + 1] * inv);
+            if (c == 0) lse[(size_t)head * m + row] = l > 0.f ? run.m[h] + log2f(l) : INFINITY;
+        }
+    }
+}
+
+constexpr int KT_DQ = 32;  // keys per staged tile in the dQ pass (two more accumulators live)
+
+// dQ for block mode, and delta = rowsum(dO * O), which the dK/dV pass reads. Same grid as the
+// forward.
+template <int D>
+__device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2,
+                         const uint32_t* hi, const bf16* out, const bf16* dout, const float* lse, float* delta,
+                         bf16* dq, int m, int s1, int group, float scale2, float scale) {
+    __shared__ __align__(16) bf16 ks[KT_DQ * (D + PAD)];
+    __shared__ __align__(16) bf16 vs[KT_DQ * (D + PAD)];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int kv = blockIdx.y, head = kv * group + warp, row0 = blockIdx.x * ROWS;
+    size_t at = ((size_t)head * m + row0) * D;
+    uint32_t qa[D / 16][4], da[D / 16][4];
+#pragma unroll
+    for (int k = 0; k < D / 16; k++) {
+        load_a(qa[k], q + at, D, k * 16, m - row0);
+        load_a(da[k], dout + at, D, k * 16, m - row0);
+    }
+    // delta and lse of rows g and g + 8.
+    float dl[2], ls[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int row = row0 + g + 8 * h;
+        float sum = 0.f;
+        if (row < m) {
+            const bf16* o = out + ((size_t)head * m + row) * D;
+            const bf16* d = dout + ((size_t)head * m + row) * D;
+            for (int j = 2 * c; j < D; j += 8) {
+                sum += __bfloat162float(o[j]) * __bfloat162float(d[j]);
+                sum += __bfloat162float(o[j + 1]) * __bfloat162float(d[j + 1]);
+            }
+        }
+        dl[h] = quad_sum(sum);
+        ls[h] = row < m ? lse[(size_t)head * m + row] : INFINITY;
+        if (c == 0 && row < m) delta[(size_t)head * m + row] = dl[h];
+    }
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    View view;
+    view.past = -1;
+    view.row0 = row0;
+    view.hi = (int)hi[blockIdx.x];
+    const bf16* kh = k1 + (size_t)kv * s1 * D;
+    const bf16* vh = v1 + (size_t)kv * s1 * D;
+    int tiles = (view.hi + KT_DQ - 1) / KT_DQ;
+    // Tiles of k1, then the block's own keys (one more tile of 16).
+    for (int t = 0; t <= tiles; t++) {
+        bool own = t == tiles;
+        __syncthreads();
+        if (own) {
+            stage<D>(ks, k2 + (size_t)kv * m * D, row0, ROWS, m);
+            stage<D>(vs, v2 + (size_t)kv * m * D, row0, ROWS, m);
+        } else {
+            stage<D>(ks, kh, t * KT_DQ, KT_DQ, s1);
+            stage<D>(vs, vh, t * KT_DQ, KT_DQ, s1);
+        }
+        __syncthreads();
+        constexpr int NT = KT_DQ / 8;
+        float p[NT][4], dp[NT][4];
+        scores<D, NT>(p, qa, ks, scale2, own ? nullptr : &view, t * KT_DQ);
+        int nt = own ? ROWS / 8 : NT;  // the own tile has 16 keys; the rest read as closed
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+            if (n >= nt) continue;
+#pragma unroll
+            for (int k = 0; k < D / 16; k++) {
+                uint32_t b0, b1;
+                load_b_rows(b0, b1, vs, D + PAD, n * 8, k * 16);
+                mma(dp[n], da[k], b0, b1);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int h = e >> 1;
+                float pr = n < nt ? exp2f(p[n][e] - ls[h]) : 0.f;
+                p[n][e] = pr * (dp[n][e] - dl[h]);  // dS, in the units of the scaled scores
+            }
+#pragma unroll
+        for (int j = 0; j < NT / 2; j++) {
+            if (2 * j >= nt) continue;
+            uint32_t a[4] = {pack(p[2 * j][0], p[2 * j][1]), pack(p[2 * j][2], p[2 * j][3]),
+                             pack(p[2 * j + 1][0], p[2 * j + 1][1]), pack(p[2 * j + 1][2], p[2 * j + 1][3])};
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                uint32_t b0, b1;
+                load_b_cols(b0, b1, ks, D + PAD, j * 16, n * 8);
+                mma(acc[n], a, b0, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int row = row0 + g + 8 * h;
+        if (row >= m) continue;
+        bf16* o = dq + ((size_t)head * m + row) * D;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            *reinterpret_cast<uint32_t*>(o + n * 8 + 2 * c) = pack(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
+    }
+}
+
+// dK and dV for block mode. Grid (k1 tiles of 64 + k2 tiles of 64, kv_heads, chunks); 4 warps,
+// warp w owns 16 keys of the tile and walks the (row tile, head) pairs that see them, summing
+// over the group's heads itself. The first context keys are seen by every block, the last by
+// few: so that no block of threads walks all rows, grid.z splits the row tiles into `chunks`
+// ranges, each writing its partial sums (f32) to part_k/part_v [chunks, kv_heads, S1, D], which
+// flash_dkv_sum adds up. A k2 key is seen by its own row tile only: chunk 0 writes it (bf16).
+template <int D>
+__device__ void flash_dkv(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2,
+                          const uint32_t* hi, const bf16* dout, const float* lse, const float* delta, float* part_k,
+                          float* part_v, bf16* dk2, bf16* dv2, int m, int s1, int group, float scale2, float scale) {
+    __shared__ __align__(16) bf16 ks[KT * (D + PAD)];
+    __shared__ __align__(16) bf16 vs[KT * (D + PAD)];
+    __shared__ __align__(16) bf16 qs[ROWS * (D + PAD)];
+    __shared__ __align__(16) bf16 ds[ROWS * (D + PAD)];
+    __shared__ float ls[ROWS], dl[ROWS];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int kv = blockIdx.y;
+    int tiles1 = (s1 + KT - 1) / KT;
+    bool second = (int)blockIdx.x >= tiles1;
+    if (second && blockIdx.z > 0) return;  // uniform over the block
+    int key0 = (second ? blockIdx.x - tiles1 : blockIdx.x) * KT;
+    int keys = second ? m : s1;
+    const bf16* kh = (second ? k2 + (size_t)kv * m * D : k1 + (size_t)kv * s1 * D);
+    const bf16* vh = (second ? v2 + (size_t)kv * m * D : v1 + (size_t)kv * s1 * D);
+    stage<D>(ks, kh, key0, KT, keys);
+    stage<D>(vs, vh, key0, KT, keys);
+    int mine = key0 + warp * ROWS;  // this warp's first key
+    float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
+    int row_tiles = m / ROWS;
+    // k2 keys are seen by their own row tile only; k1 keys by every tile whose hi passes them.
+    int chunk = (row_tiles + gridDim.z - 1) / gridDim.z;
+    int t_first = second ? key0 / ROWS : blockIdx.z * chunk;
+    int t_end = min(second ? key0 / ROWS + KT / ROWS : t_first + chunk, row_tiles);
+    for (int t = t_first; t < t_end; t++) {
+        int open_hi = second ? 0 : (int)hi[t];
+        if (!second && open_hi <= key0) continue;  // uniform over the block
+        bool active = second ? (mine / ROWS == t) : (mine < open_hi && mine < keys);
+        for (int h = 0; h < group; h++) {
+            int head = kv * group + h;
+            __syncthreads();
+            stage<D>(qs, q + (size_t)head * m * D, t * ROWS, ROWS, m);
+            stage<D>(ds, dout + (size_t)head * m * D, t * ROWS, ROWS, m);
+            if (threadIdx.x < ROWS) {
+                ls[threadIdx.x] = lse[(size_t)head * m + t * ROWS + threadIdx.x];
+                dl[threadIdx.x] = delta[(size_t)head * m + t * ROWS + threadIdx.x];
+            }
+            __syncthreads();
+            if (!active) continue;
+            // S^T: 16 keys x 16 rows.
+            float st[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            float dpt[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (int k = 0; k < D / 16; k++) {
+                uint32_t ka[4], va[4];
+                load_a(ka, ks + warp * ROWS * (D + PAD), D + PAD, k * 16, ROWS);
+                load_a(va, vs + warp * ROWS * (D + PAD), D + PAD, k * 16, ROWS);
+#pragma unroll
+                for (int n = 0; n < 2; n++) {
+                    uint32_t b0, b1;
+                    load_b_rows(b0, b1, qs, D + PAD, n * 8, k * 16);
+                    mma(st[n], ka, b0, b1);
+                    load_b_rows(b0, b1, ds, D + PAD, n * 8, k * 16);
+                    mma(dpt[n], va, b0, b1);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int key = mine + g + (e >= 2 ? 8 : 0), col = n * 8 + 2 * c + (e & 1);
+                    bool open = second ? true : key < open_hi;
+                    float p = open ? exp2f(st[n][e] * scale2 - ls[col]) : 0.f;
+                    st[n][e] = p;
+                    dpt[n][e] = p * (dpt[n][e] - dl[col]);
+                }
+            uint32_t pa[4] = {pack(st[0][0], st[0][1]), pack(st[0][2], st[0][3]), pack(st[1][0], st[1][1]),
+                              pack(st[1][2], st[1][3])};
+            uint32_t sa[4] = {pack(dpt[0][0], dpt[0][1]), pack(dpt[0][2], dpt[0][3]), pack(dpt[1][0], dpt[1][1]),
+                              pack(dpt[1][2], dpt[1][3])};
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                uint32_t b0, b1;
+                load_b_cols(b0, b1, ds, D + PAD, 0, n * 8);
+                mma(dva[n], pa, b0, b1);
+                load_b_cols(b0, b1, qs, D + PAD, 0, n * 8);
+                mma(dka[n], sa, b0, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int key = mine + g + 8 * h;
+        if (key >= keys) continue;
+        size_t at = ((size_t)kv * keys + key) * D;
+        if (second) {
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                *reinterpret_cast<uint32_t*>(dk2 + at + n * 8 + 2 * c) =
+                    pack(dka[n][2 * h] * scale, dka[n][2 * h + 1] * scale);
+                *reinterpret_cast<uint32_t*>(dv2 + at + n * 8 + 2 * c) = pack(dva[n][2 * h], dva[n][2 * h + 1]);
+            }
+        } else {
+            at += (size_t)blockIdx.z * gridDim.y * s1 * D;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                *reinterpret_cast<float2*>(part_k + at + n * 8 + 2 * c) =
+                    make_float2(dka[n][2 * h] * scale, dka[n][2 * h + 1] * scale);
+                *reinterpret_cast<float2*>(part_v + at + n * 8 + 2 * c) = make_float2(dva[n][2 * h], dva[n][2 * h + 1]);
+            }
+        }
+    }
+}
+
+// dk1 and dv1: the sums of flash_dkv's `chunks` partials of `n` elements each.
+__device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf16* dv1, size_t n, int chunks) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float k = 0.f, v = 0.f;
+        for (int z = 0; z < chunks; z++) {
+            k += part_k[z * n + i];
+            v += part_v[z * n + i];
+        }
+        dk1[i] = __float2bfloat16(k);
+        dv1[i] = __float2bfloat16(v);
+    }
+}
+
+}  // namespace
+
+#define FLASH_KERNELS(D)                                                                                            \
+    extern "C" __global__ void flash_forward_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,    \
+                                                  const bf16* v2, const uint32_t* hi, bf16* out, float* lse, int m, \
+                                                  int s1, int group, int past, float scale2) {                      \
+        flash_forward<D>(q, k1, v1, k2, v2, hi, out, lse, m, s1, group, past, scale2);                               \
+    }                                                                                                               \
+    extern "C" __global__ void flash_dq_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,         \
+                                             const bf16* v2, const uint32_t* hi, const bf16* out, const bf16* dout, \
+                                             const float* lse, float* delta, bf16* dq, int m, int s1, int group,    \
+                                             float scale2, float scale) {                                          \
+        flash_dq<D>(q, k1, v1, k2, v2, hi, out, dout, lse, delta, dq, m, s1, group, scale2, scale);                 \
+    }                                                                                                               \
+    extern "C" __global__ void flash_dkv_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,        \
+                                              const bf16* v2, const uint32_t* hi, const bf16* dout,                \
+                                              const float* lse, const float* delta, float* part_k,                 \
+                                              float* part_v, bf16* dk2, bf16* dv2, int m, int s1, int group,       \
+                                              float scale2, float scale) {                                         \
+        flash_dkv<D>(q, k1, v1, k2, v2, hi, dout, lse, delta, part_k, part_v, dk2, dv2, m, s1, group, scale2,      \
+                     scale);                                                                                        \
+    }
+
+FLASH_KERNELS(64)
+FLASH_KERNELS(128)
+
+extern "C" __global__ void flash_dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf16* dv1, size_t n,
+                                         int chunks) {
+    dkv_sum(part_k, part_v, dk1, dv1, n, chunks);
+}

@@ -1,0 +1,386 @@
+//! Flash attention on NVIDIA GPUs (`flash.cu`): the frozen target's causal attention and the
+//! drafter's block attention without ever writing a score matrix.
+//!
+//! Written out, the scores are the largest tensors of a training step: the target's
+//! `[32, 3072, 3072]` per layer, the drafter's `[32, blocks x 16, context + 16]` per layer, each
+//! with copies for the mask, the softmax and the backward pass. These kernels keep a running
+//! softmax in registers instead, skip the key tiles a row cannot see (half the target's keys,
+//! and on average half of the context for a block), and save only each row's log-sum-exp for
+//! the backward pass, which recomputes the probabilities.
+//!
+//! They take bf16 operands on a CUDA device with head widths of 64 or 128, blocks of 16 rows
+//! and at most 8 query heads per key/value head ([`supports`]); everything else (CPU, f32, f64,
+//! other shapes) takes the composed path in [`super::super::ops`], which the tests check against
+//! finite differences. `bench/flash_reference.py` checks these kernels against PyTorch's
+//! autograd in f64 on the GPU and times them against SDPA; `train_probe fused` checks them
+//! against the composed path.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::Result;
+
+/// Query rows per kernel tile, which is also the only block size block mode takes.
+pub const ROWS: usize = 16;
+
+/// Whether the flash kernels take attention over these operands.
+pub fn supports(
+    device: &Device,
+    dtype: DType,
+    head_dim: usize,
+    heads: usize,
+    kv_heads: usize,
+) -> bool {
+    cfg!(feature = "cuda")
+        && device.is_cuda()
+        && dtype == DType::BF16
+        && matches!(head_dim, 64 | 128)
+        && kv_heads > 0
+        && heads % kv_heads == 0
+        && (1..=8).contains(&(heads / kv_heads))
+}
+
+/// Causal attention, forward only (the frozen target): `q` `[heads, n, d]` at positions
+/// `past..past + n`; `k`, `v` `[kv_heads, past + n, d]`; row i sees keys `0..=past + i`.
+pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, past: usize) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::causal(q, k, v, past)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, k, v, past);
+        candle_core::bail!("flash attention needs a build with the `cuda` feature")
+    }
+}
+
+/// The operands of a block attention as the kernels take them: queries `[heads, m, d]`, the
+/// context's keys and values `[kv_heads, s, d]`, the blocks' own `[kv_heads, m, d]`, and per
+/// block of 16 rows the count of context rows it sees (`u32`, on the device).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct BlockOperands<'a> {
+    pub q: &'a Tensor,
+    pub ck: &'a Tensor,
+    pub cv: &'a Tensor,
+    pub bk: &'a Tensor,
+    pub bv: &'a Tensor,
+    pub seen: &'a Tensor,
+}
+
+/// Block attention's output `[heads, m, d]` and each row's log-sum-exp `[heads, m]` (f32, base
+/// 2, what [`block_backward`] needs).
+pub(crate) fn block_forward(x: &BlockOperands<'_>) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::block_forward(x)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        candle_core::bail!("flash attention needs a build with the `cuda` feature")
+    }
+}
+
+/// The gradients of q, the context's k and v and the blocks' k and v, from the output's.
+pub(crate) fn block_backward(
+    x: &BlockOperands<'_>,
+    out: &Tensor,
+    lse: &Tensor,
+    d_out: &Tensor,
+) -> Result<[Tensor; 5]> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::block_backward(x, out, lse, d_out)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, out, lse, d_out);
+        candle_core::bail!("flash attention needs a build with the `cuda` feature")
+    }
+}
+
+/// Kernel launches. A launch is FFI, hence `unsafe`; each states what it reads and writes, all
+/// of it allocated or checked here.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod cuda {
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaDevice, CudaStorage, DType, Shape, Storage, Tensor, bail};
+    use half::bf16;
+
+    use super::{BlockOperands, ROWS, Result};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash.ptx"));
+    /// Keys per tile of the dK/dV kernel (its grid walks key tiles).
+    const KEY_TILE: usize = 64;
+
+    /// How many ranges the dK/dV pass splits the row tiles into: about 64 tiles each (blocks of
+    /// threads that walk the same amount of work), at most 8 (the partial sums' memory).
+    fn row_chunks(row_tiles: usize) -> usize {
+        row_tiles.div_ceil(64).clamp(1, 8)
+    }
+
+    fn kernel(dev: &CudaDevice, name: &str, d: usize) -> Result<CudaFunction> {
+        Ok(dev
+            .get_or_load_custom_func(&format!("{name}_d{d}"), "dflash_flash", PTX)?
+            .into_cuda_function())
+    }
+
+    /// A contiguous bf16 operand whose first element is 16-byte aligned (the kernels read rows
+    /// as 16-byte vectors).
+    fn operand(t: &Tensor) -> Result<Tensor> {
+        if t.dtype() != DType::BF16 {
+            bail!("flash attention: a {:?} operand (bf16 only)", t.dtype());
+        }
+        let t = t.contiguous()?;
+        if t.layout().start_offset() % 8 == 0 {
+            Ok(t)
+        } else {
+            t.copy()
+        }
+    }
+
+    fn fresh(storage: CudaStorage, shape: impl Into<Shape>) -> Tensor {
+        Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+    }
+
+    /// Run `f` with the device slices of `tensors` (contiguous, checked by [`operand`]).
+    macro_rules! with_slices {
+        ($dev:ident, [$($t:ident : $ty:ty),*], $body:block) => {{
+            $(
+                let $t = $t.storage_and_layout();
+                let $t = match (&*$t.0, $t.1) {
+                    (Storage::Cuda(s), l) => {
+                        let (a, b) = l.contiguous_offsets().ok_or_else(|| {
+                            candle_core::Error::Msg("flash attention: a strided operand".into())
+                        })?;
+                        s.as_cuda_slice::<$ty>()?.slice(a..b)
+                    }
+                    _ => bail!("flash attention: an operand is not on the GPU"),
+                };
+            )*
+            $body
+        }};
+    }
+
+    fn device_of(t: &Tensor) -> Result<CudaDevice> {
+        match t.device() {
+            candle_core::Device::Cuda(d) => Ok(d.clone()),
+            _ => bail!("flash attention: an operand is not on the GPU"),
+        }
+    }
+
+    fn scales(d: usize) -> (f32, f32) {
+        let scale = 1.0 / (d as f64).sqrt();
+        (scale as f32, (scale * std::f64::consts::LOG2_E) as f32)
+    }
+
+    pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, past: usize) -> Result<Tensor> {
+        let (q, k, v) = (operand(q)?, operand(k)?, operand(v)?);
+        let (heads, n, d) = q.dims3()?;
+        let (kv, s1, _) = k.dims3()?;
+        if s1 != past + n || v.dims() != k.dims() || k.dim(2)? != d {
+            bail!(
+                "causal attention: q {:?}, k {:?}, v {:?} after {past}",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            );
+        }
+        let dev = device_of(&q)?;
+        let out = unsafe { dev.alloc::<bf16>(heads * n * d)? };
+        let lse = unsafe { dev.alloc::<f32>(heads * n)? };
+        let (group, m32, s32, past32) = (heads / kv, n as i32, s1 as i32, past as i32);
+        let (g32, (_, scale2)) = (group as i32, scales(d));
+        let f = kernel(&dev, "flash_forward", d)?;
+        with_slices!(dev, [q: bf16, k: bf16, v: bf16], {
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            // k2, v2 and hi are not read in causal mode: any valid pointer will do.
+            b.arg(&q).arg(&k).arg(&v).arg(&k).arg(&v).arg(&q);
+            b.arg(&out).arg(&lse).arg(&m32).arg(&s32).arg(&g32).arg(&past32).arg(&scale2);
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(ROWS) as u32, kv as u32, 1),
+                block_dim: (32 * group as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: reads heads*n*d of q and kv*s1*d of k and v; writes heads*n*d and heads*n.
+            unsafe { b.launch(cfg) }.w()?;
+        });
+        Ok(fresh(CudaStorage::wrap_cuda_slice(out, dev), (heads, n, d)))
+    }
+
+    struct Dims {
+        heads: usize,
+        kv: usize,
+        m: usize,
+        s: usize,
+        d: usize,
+    }
+
+    fn dims(x: &BlockOperands<'_>) -> Result<Dims> {
+        let (heads, m, d) = x.q.dims3()?;
+        let (kv, s, _) = x.ck.dims3()?;
+        let ok = x.cv.dims() == x.ck.dims()
+            && x.bk.dims() == [kv, m, d]
+            && x.bv.dims() == [kv, m, d]
+            && x.ck.dim(2)? == d
+            && m % ROWS == 0
+            && x.seen.dims() == [m / ROWS]
+            && x.seen.dtype() == DType::U32;
+        if !ok {
+            bail!(
+                "block attention: q {:?}, context k/v {:?}, block k/v {:?}, seen {:?}",
+                x.q.dims(),
+                x.ck.dims(),
+                x.bk.dims(),
+                x.seen.dims()
+            );
+        }
+        Ok(Dims { heads, kv, m, s, d })
+    }
+
+    pub fn block_forward(x: &BlockOperands<'_>) -> Result<(Tensor, Tensor)> {
+        let Dims { heads, kv, m, s, d } = dims(x)?;
+        let (q, ck, cv, bk, bv) = (
+            operand(x.q)?,
+            operand(x.ck)?,
+            operand(x.cv)?,
+            operand(x.bk)?,
+            operand(x.bv)?,
+        );
+        let seen = x.seen.contiguous()?;
+        let dev = device_of(&q)?;
+        let out = unsafe { dev.alloc::<bf16>(heads * m * d)? };
+        let lse = unsafe { dev.alloc::<f32>(heads * m)? };
+        let group = heads / kv;
+        let (m32, s32, g32, past, (_, scale2)) =
+            (m as i32, s as i32, group as i32, -1i32, scales(d));
+        let f = kernel(&dev, "flash_forward", d)?;
+        with_slices!(dev, [q: bf16, ck: bf16, cv: bf16, bk: bf16, bv: bf16, seen: u32], {
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&q).arg(&ck).arg(&cv).arg(&bk).arg(&bv).arg(&seen);
+            b.arg(&out).arg(&lse).arg(&m32).arg(&s32).arg(&g32).arg(&past).arg(&scale2);
+            let cfg = LaunchConfig {
+                grid_dim: ((m / ROWS) as u32, kv as u32, 1),
+                block_dim: (32 * group as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: reads heads*m*d of q, kv*s*d of ck/cv, kv*m*d of bk/bv, m/16 of seen
+            // (each at most s, checked by the caller); writes heads*m*d and heads*m.
+            unsafe { b.launch(cfg) }.w()?;
+        });
+        Ok((
+            fresh(
+                CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                (heads, m, d),
+            ),
+            fresh(CudaStorage::wrap_cuda_slice(lse, dev), (heads, m)),
+        ))
+    }
+
+    pub fn block_backward(
+        x: &BlockOperands<'_>,
+        out: &Tensor,
+        lse: &Tensor,
+        d_out: &Tensor,
+    ) -> Result<[Tensor; 5]> {
+        let Dims { heads, kv, m, s, d } = dims(x)?;
+        let (q, ck, cv, bk, bv) = (
+            operand(x.q)?,
+            operand(x.ck)?,
+            operand(x.cv)?,
+            operand(x.bk)?,
+            operand(x.bv)?,
+        );
+        let (out, d_out, lse, seen) = (
+            operand(out)?,
+            operand(d_out)?,
+            lse.contiguous()?,
+            x.seen.contiguous()?,
+        );
+        let dev = device_of(&q)?;
+        let delta = unsafe { dev.alloc::<f32>(heads * m)? };
+        let dq = unsafe { dev.alloc::<bf16>(heads * m * d)? };
+        let (dck, dcv) = unsafe {
+            (
+                dev.alloc::<bf16>(kv * s * d)?,
+                dev.alloc::<bf16>(kv * s * d)?,
+            )
+        };
+        let chunks = row_chunks(m / ROWS);
+        let (part_k, part_v) = unsafe {
+            (
+                dev.alloc::<f32>(chunks * kv * s * d)?,
+                dev.alloc::<f32>(chunks * kv * s * d)?,
+            )
+        };
+        let (dbk, dbv) = unsafe {
+            (
+                dev.alloc::<bf16>(kv * m * d)?,
+                dev.alloc::<bf16>(kv * m * d)?,
+            )
+        };
+        let group = heads / kv;
+        let (m32, s32, g32, (scale, scale2)) = (m as i32, s as i32, group as i32, scales(d));
+        let (fq, fkv) = (kernel(&dev, "flash_dq", d)?, kernel(&dev, "flash_dkv", d)?);
+        let fsum = dev
+            .get_or_load_custom_func("flash_dkv_sum", "dflash_flash", PTX)?
+            .into_cuda_function();
+        with_slices!(dev, [q: bf16, ck: bf16, cv: bf16, bk: bf16, bv: bf16, seen: u32, out: bf16, d_out: bf16, lse: f32], {
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&fq);
+            b.arg(&q).arg(&ck).arg(&cv).arg(&bk).arg(&bv).arg(&seen);
+            b.arg(&out).arg(&d_out).arg(&lse).arg(&delta).arg(&dq);
+            b.arg(&m32).arg(&s32).arg(&g32).arg(&scale2).arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: ((m / ROWS) as u32, kv as u32, 1),
+                block_dim: (32 * group as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: reads the forward's operands, out, d_out (heads*m*d) and lse (heads*m);
+            // writes delta (heads*m) and dq (heads*m*d).
+            unsafe { b.launch(cfg) }.w()?;
+            let mut b = stream.launch_builder(&fkv);
+            b.arg(&q).arg(&ck).arg(&cv).arg(&bk).arg(&bv).arg(&seen);
+            b.arg(&d_out).arg(&lse).arg(&delta).arg(&part_k).arg(&part_v).arg(&dbk).arg(&dbv);
+            b.arg(&m32).arg(&s32).arg(&g32).arg(&scale2).arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    (s.div_ceil(KEY_TILE) + m.div_ceil(KEY_TILE)) as u32,
+                    kv as u32,
+                    chunks as u32,
+                ),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: reads as above plus delta; writes chunks*kv*s*d of part_k/part_v (every
+            // chunk writes all of its keys) and kv*m*d of dbk/dbv.
+            unsafe { b.launch(cfg) }.w()?;
+            let n = kv * s * d;
+            let chunks32 = chunks as i32;
+            let mut b = stream.launch_builder(&fsum);
+            b.arg(&part_k).arg(&part_v).arg(&dck).arg(&dcv).arg(&n).arg(&chunks32);
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(256).clamp(1, 1 << 16) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: reads chunks*n of each part, writes n of dck and dcv.
+            unsafe { b.launch(cfg) }.w()?;
+        });
+        let t = |s: candle_core::cuda_backend::cudarc::driver::CudaSlice<bf16>,
+                 shape: (usize, usize, usize)| {
+            fresh(CudaStorage::wrap_cuda_slice(s, dev.clone()), shape)
+        };
+        Ok([
+            t(dq, (heads, m, d)),
+            t(dck, (kv, s, d)),
+            t(dcv, (kv, s, d)),
+            t(dbk, (kv, m, d)),
+            t(dbv, (kv, m, d)),
+        ])
+    }
+}
