@@ -1,7 +1,7 @@
 //! One online training step of the DFlash drafter, measured — the numbers behind issue 7.
 //!
 //! `train_probe speed [--preset qwen3-8b|small] [--seq 3072] [--anchors 512] [--block 16]
-//! [--layers 5] [--steps 4] [--dtype bf16|f32]`: a target with random weights at the preset's
+//! [--layers 5] [--steps 4] [--dtype bf16|f32] [--master f32|bf16]`: a target with random weights at the preset's
 //! shape, a drafter, one random sequence; prints one JSON line per step with the target
 //! forward, the drafter's forward + backward and the AdamW update timed apart (the device is
 //! synchronised between them), then a summary line.
@@ -150,13 +150,22 @@ fn speed(args: &[String]) -> Result<()> {
         .map(|l| l as usize)
         .collect();
     let config = DrafterConfig::for_target(&tc, layers, taps, block, tc.vocab as u32 - 1);
-    let drafter = Drafter::init(config.clone(), 0, dtype, &device)?;
+    // The drafter's trainable weights: f32 by default, as the train stage keeps them (the step
+    // computes in `dtype`, the casts are part of the graph); `--master bf16` trains bf16 weights
+    // directly, as bench/train_reference.py's PyTorch step does.
+    let master = if arg(args, "--master", "f32".to_owned()) == "bf16" {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let drafter = Drafter::init(config.clone(), 0, master, &device)?;
     let mut adam = AdamW::new(&drafter.vars, 0.0)?;
     device.synchronize()?;
     println!(
         "{}",
         serde_json::json!({"phase": "init", "seconds": t0.elapsed().as_secs_f64(),
             "device": format!("{device:?}"), "dtype": format!("{dtype:?}"),
+            "master_weights": format!("{master:?}"),
             "drafter_parameters": config.parameters(), "seq": seq, "anchors": anchors,
             "block": block})
     );
@@ -289,6 +298,13 @@ fn fused(_args: &[String]) -> Result<()> {
             .sum_all()?
             .backward()?;
         let ss = fused::sum_squares(&normed.to_dtype(dtype)?.to_device(dev)?)?;
+        // SwiGLU's gate (value, both gradients).
+        let xg = Var::from_tensor(&(&normed * 3.0)?.to_dtype(dtype)?.to_device(dev)?)?;
+        let xu = Var::from_tensor(&normed_up.to_dtype(dtype)?.to_device(dev)?)?;
+        let h = fused::swiglu(xg.as_tensor(), xu.as_tensor())?;
+        let gs = (&h * &normed.to_dtype(dtype)?.to_device(dev)?)?
+            .sum_all()?
+            .backward()?;
         Ok(vec![
             p,
             g.get(x.as_tensor()).ok_or("no softmax gradient")?.clone(),
@@ -304,6 +320,13 @@ fn fused(_args: &[String]) -> Result<()> {
             r,
             gr.get(xr.as_tensor()).ok_or("no rope gradient")?.clone(),
             (ss / 1e4)?,
+            h,
+            gs.get(xg.as_tensor())
+                .ok_or("no swiglu gate gradient")?
+                .clone(),
+            gs.get(xu.as_tensor())
+                .ok_or("no swiglu up gradient")?
+                .clone(),
         ])
     };
     let want = run(&cpu, DType::F64)?;
@@ -348,6 +371,9 @@ fn fused(_args: &[String]) -> Result<()> {
             "rope",
             "rope_grad",
             "sum_squares_over_1e4",
+            "swiglu",
+            "swiglu_grad_gate",
+            "swiglu_grad_up",
         ]
         .iter()
         .zip(got.iter().zip(&want))
@@ -573,8 +599,8 @@ fn parts(args: &[String]) -> Result<()> {
         Ok(())
     })?;
     let (g, u) = (randn(&[m, f])?, randn(&[m, f])?);
-    timed(&device, "silu_mul_m_x_12288", &|| {
-        reduce(&(g.as_tensor().silu()? * u.as_tensor())?)?.backward()?;
+    timed(&device, "swiglu_gate_m_x_12288", &|| {
+        reduce(&fused::swiglu(g.as_tensor(), u.as_tensor())?)?.backward()?;
         Ok(())
     })?;
     timed(&device, "context_kv", &|| {

@@ -195,6 +195,11 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     let mut since_ckpt: Vec<String> = Vec::new();
     let mut last = StepMetrics::default();
     let embed = |t: &Tensor| target.embed(t);
+    let compute = if device.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    };
     for step in start..total {
         if ctx.cancel.is_cancelled() {
             return Err(StageError::cancelled());
@@ -229,7 +234,13 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             if weight == 0.0 {
                 break;
             }
-            let context = target.tapped(&s.ids, &taps).map_err(nn("target forward"))?;
+            // The step computes in the context's dtype: bf16 on a GPU (tensor cores, flash
+            // attention), f32 on CPU; the drafter's weights stay f32 either way (the master copy
+            // AdamW updates).
+            let context = target
+                .tapped(&s.ids, &taps)
+                .and_then(|c| c.to_dtype(compute))
+                .map_err(nn("target forward"))?;
             let (loss, sm) =
                 objective::loss(&drafter, &embed, &target.lm_head, &context, b, weight)
                     .map_err(nn("drafter forward"))?;

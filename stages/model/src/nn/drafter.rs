@@ -279,8 +279,11 @@ impl Drafter {
         self.vars[name].as_tensor()
     }
 
-    fn lin(&self, name: &str) -> Linear {
-        Linear::Dense(self.w(name).clone())
+    /// A linear layer's weights in the activations' `dtype`: the trainable weights stay where
+    /// they are (f32 when training, the master copy AdamW updates) and the cast is part of the
+    /// graph, so the gradient reaches them in their own dtype (mixed precision on a GPU).
+    fn lin(&self, name: &str, dtype: DType) -> Result<Linear> {
+        Ok(Linear::Dense(self.w(name).to_dtype(dtype)?))
     }
 
     /// The drafter's final hidden states for the block tokens: `[m, H]`.
@@ -308,7 +311,7 @@ impl Drafter {
         let s = context.dim(0)?;
         let (dtype, device) = (context.dtype(), context.device());
         let ctx = ops::rms_norm(
-            &self.lin("fc.weight").forward(context)?,
+            &self.lin("fc.weight", dtype)?.forward(context)?,
             self.w("hidden_norm.weight"),
             c.eps,
         )?;
@@ -332,7 +335,9 @@ impl Drafter {
         sin: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let c = &self.config;
-        let k = self.lin(&p("self_attn.k_proj.weight")).forward(x)?;
+        let k = self
+            .lin(&p("self_attn.k_proj.weight"), x.dtype())?
+            .forward(x)?;
         let k = ops::rms_norm(
             &k.reshape((s, c.kv_heads, c.head_dim))?,
             self.w(&p("self_attn.k_norm.weight")),
@@ -340,7 +345,7 @@ impl Drafter {
         )?
         .transpose(0, 1)?;
         let v = self
-            .lin(&p("self_attn.v_proj.weight"))
+            .lin(&p("self_attn.v_proj.weight"), x.dtype())?
             .forward(x)?
             .reshape((s, c.kv_heads, c.head_dim))?
             .transpose(0, 1)?;
@@ -365,7 +370,9 @@ impl Drafter {
         for (i, (ck, cv)) in ctx.layers.iter().enumerate() {
             let p = |n: &str| format!("layers.{i}.{n}");
             let h = ops::rms_norm(&x, self.w(&p("input_layernorm.weight")), c.eps)?;
-            let q = self.lin(&p("self_attn.q_proj.weight")).forward(&h)?;
+            let q = self
+                .lin(&p("self_attn.q_proj.weight"), dtype)?
+                .forward(&h)?;
             let q = ops::rms_norm(
                 &q.reshape((m, c.heads, c.head_dim))?,
                 self.w(&p("self_attn.q_norm.weight")),
@@ -377,13 +384,15 @@ impl Drafter {
             let a =
                 ops::block_attention(&q.contiguous()?, (ck, cv), (&bk, &bv), c.block_size, mask)?;
             let a = a.transpose(0, 1)?.reshape((m, c.heads * c.head_dim))?;
-            x = (x + self.lin(&p("self_attn.o_proj.weight")).forward(&a)?)?;
+            x = (x + self
+                .lin(&p("self_attn.o_proj.weight"), dtype)?
+                .forward(&a)?)?;
             let h = ops::rms_norm(&x, self.w(&p("post_attention_layernorm.weight")), c.eps)?;
             let mlp = ops::swiglu(
                 &h,
-                &self.lin(&p("mlp.gate_proj.weight")),
-                &self.lin(&p("mlp.up_proj.weight")),
-                &self.lin(&p("mlp.down_proj.weight")),
+                &self.lin(&p("mlp.gate_proj.weight"), dtype)?,
+                &self.lin(&p("mlp.up_proj.weight"), dtype)?,
+                &self.lin(&p("mlp.down_proj.weight"), dtype)?,
             )?;
             x = (x + mlp)?;
         }

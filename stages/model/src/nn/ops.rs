@@ -53,10 +53,10 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     super::fused::rope(x, cos, sin)
 }
 
-/// `down(silu(gate(x)) * up(x))`.
+/// `down(silu(gate(x)) * up(x))`, the gate one fused op with its own backward
+/// ([`super::fused::swiglu`]).
 pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear) -> Result<Tensor> {
-    let g = gate.forward(x)?.silu()?;
-    down.forward(&(g * up.forward(x)?)?)
+    down.forward(&super::fused::swiglu(&gate.forward(x)?, &up.forward(x)?)?)
 }
 
 /// Softmax attention. `q`: `[heads, nq, d]`, `k`, `v`: `[kv_heads, nk, d]`, `mask`: additive

@@ -416,3 +416,93 @@ pub fn prepare(dev: &CudaDevice) -> Result<()> {
     }
     Ok(())
 }
+
+pub fn swiglu(g: Arg<'_>, u: Arg<'_>) -> Result<CudaStorage> {
+    fn go<T: CudaDType + DeviceRepr + WithDType>(
+        (g, lg): Arg<'_>,
+        (u, lu): Arg<'_>,
+    ) -> Result<CudaStorage> {
+        let dev = g.device();
+        let n = lg.shape().elem_count();
+        let gs = g.as_cuda_slice::<T>()?.slice(span(lg)?);
+        let us = u.as_cuda_slice::<T>()?.slice(span(lu)?);
+        let out = unsafe { dev.alloc::<T>(n)? };
+        let f = kernel(dev, "swiglu", T::DTYPE)?;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&f);
+        b.arg(&gs).arg(&us).arg(&out).arg(&n);
+        // SAFETY: reads n elements of each input, writes n.
+        unsafe { b.launch(elementwise(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+    by_type!(g.0.dtype(), "swiglu", go(g, u))
+}
+
+pub fn swiglu_grad(g: Arg<'_>, u: Arg<'_>, dh: Arg<'_>, which: i32) -> Result<CudaStorage> {
+    fn go<T: CudaDType + DeviceRepr + WithDType>(
+        (g, lg): Arg<'_>,
+        (u, lu): Arg<'_>,
+        (dh, ldh): Arg<'_>,
+        which: i32,
+    ) -> Result<CudaStorage> {
+        let dev = g.device();
+        let n = lg.shape().elem_count();
+        let gs = g.as_cuda_slice::<T>()?.slice(span(lg)?);
+        let us = u.as_cuda_slice::<T>()?.slice(span(lu)?);
+        let ds = dh.as_cuda_slice::<T>()?.slice(span(ldh)?);
+        let out = unsafe { dev.alloc::<T>(n)? };
+        let f = kernel(dev, "swiglu_grad", T::DTYPE)?;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&f);
+        b.arg(&gs).arg(&us).arg(&ds).arg(&out).arg(&n).arg(&which);
+        // SAFETY: reads n elements of each input, writes n.
+        unsafe { b.launch(elementwise(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+    by_type!(g.0.dtype(), "swiglu-grad", go(g, u, dh, which))
+}
+
+/// RMSNorm's weight gradient as `[chunks, n]` f32 partial sums over ranges of rows (the caller
+/// adds them up): each row's rstd first, then a thread per column and range of rows.
+pub fn rms_norm_dw(x: Arg<'_>, dy: Arg<'_>, eps: f32) -> Result<(CudaStorage, usize)> {
+    fn go<T: CudaDType + DeviceRepr + WithDType>(
+        (x, lx): Arg<'_>,
+        (dy, ldy): Arg<'_>,
+        eps: f32,
+    ) -> Result<(CudaStorage, usize)> {
+        let dev = x.device();
+        let (count, n) = rows(lx);
+        let xs = x.as_cuda_slice::<T>()?.slice(span(lx)?);
+        let dys = dy.as_cuda_slice::<T>()?.slice(span(ldy)?);
+        let rstd = unsafe { dev.alloc::<f32>(count)? };
+        // Enough ranges to fill the GPU when rows are narrow, a few dozen rows each.
+        let per_chunk = count.div_ceil(512).max(64).min(count.max(1));
+        let chunks = count.div_ceil(per_chunk).max(1);
+        let partial = unsafe { dev.alloc::<f32>(chunks * n)? };
+        let (n32, rows32, per32) = (n as u32, count as u32, per_chunk as u32);
+        let stream = dev.cuda_stream();
+        let f = kernel(dev, "rms_rstd", T::DTYPE)?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xs).arg(&rstd).arg(&n32).arg(&eps);
+        // SAFETY: reads count*n elements, writes count.
+        unsafe { b.launch(per_row(count, n)) }.w()?;
+        let f = kernel(dev, "rms_norm_dw", T::DTYPE)?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xs)
+            .arg(&dys)
+            .arg(&rstd)
+            .arg(&partial)
+            .arg(&rows32)
+            .arg(&n32)
+            .arg(&per32);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256) as u32, chunks as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: reads count*n of x and dy and count of rstd; writes chunks*n.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(partial, dev.clone()), chunks))
+    }
+    by_type!(x.0.dtype(), "rms-norm-dw", go(x, dy, eps))
+}

@@ -93,6 +93,29 @@ __device__ __forceinline__ void stage(bf16* dst, const bf16* src, int r0, int n,
     }
 }
 
+// The same copy without waiting: 16-byte cp.async per vector (rows at or past `limit` are
+// zero-filled), to overlap the next tile's loads with this tile's products. The caller commits
+// the group and waits for it.
+template <int D>
+__device__ __forceinline__ void stage_async(bf16* dst, const bf16* src, int r0, int n, int limit) {
+    constexpr int V = D / 8;
+    for (int i = threadIdx.x; i < n * V; i += blockDim.x) {
+        int r = i / V, v = i % V;
+        bool in = r0 + r < limit;
+        const bf16* from = in ? src + (size_t)(r0 + r) * D + v * 8 : src;
+        unsigned to = (unsigned)__cvta_generic_to_shared(dst + r * (D + PAD) + v * 8);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(in ? 16 : 0));
+    }
+}
+
+__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most N committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
@@ -198,17 +221,22 @@ struct Running {
     }
 };
 
-constexpr int KT = 64;  // keys per staged tile
+constexpr int KT = 64;     // keys per staged tile in the dK/dV pass
+constexpr int KT_FWD = 32; // keys per tile in the forward pass, two tiles in flight
+
+// Row tiles are taken last first: the last rows see the most keys (causal mode, and block mode's
+// anchors ascend), so the longest blocks of threads start first and the short ones fill in.
+__device__ __forceinline__ int row_tile() { return gridDim.x - 1 - blockIdx.x; }
 
 // Grid (row tiles, kv_heads); block 32 * group threads, warp w = query head kv * group + w.
 template <int D>
 __device__ void flash_forward(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2,
                               const uint32_t* hi, bf16* out, float* lse, int m, int s1, int group, int past,
                               float scale2) {
-    __shared__ __align__(16) bf16 ks[KT * (D + PAD)];
-    __shared__ __align__(16) bf16 vs[KT * (D + PAD)];
+    __shared__ __align__(16) bf16 ks[2][KT_FWD * (D + PAD)];
+    __shared__ __align__(16) bf16 vs[2][KT_FWD * (D + PAD)];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    int kv = blockIdx.y, head = kv * group + warp, row0 = blockIdx.x * ROWS;
+    int kv = blockIdx.y, head = kv * group + warp, tile = row_tile(), row0 = tile * ROWS;
     const bf16* qh = q + ((size_t)head * m + row0) * D;
     uint32_t qa[D / 16][4];
 #pragma unroll
@@ -216,28 +244,40 @@ __device__ void flash_forward(const bf16* q, const bf16* k1, const bf16* v1, con
     View view;
     view.past = past;
     view.row0 = row0;
-    view.hi = past >= 0 ? min(past + row0 + ROWS, s1) : (int)hi[blockIdx.x];
+    view.hi = past >= 0 ? min(past + row0 + ROWS, s1) : (int)hi[tile];
     Running<D> run;
     const bf16* kh = k1 + (size_t)kv * s1 * D;
     const bf16* vh = v1 + (size_t)kv * s1 * D;
-    for (int key0 = 0; key0 < view.hi; key0 += KT) {
+    int tiles = (view.hi + KT_FWD - 1) / KT_FWD;
+    if (tiles > 0) {
+        stage_async<D>(ks[0], kh, 0, KT_FWD, s1);
+        stage_async<D>(vs[0], vh, 0, KT_FWD, s1);
+    }
+    async_commit();
+    for (int t = 0; t < tiles; t++) {
+        // Tile t + 1 loads while tile t is multiplied; its buffer was last read before the
+        // barrier that ended the previous iteration.
+        if (t + 1 < tiles) {
+            stage_async<D>(ks[(t + 1) & 1], kh, (t + 1) * KT_FWD, KT_FWD, s1);
+            stage_async<D>(vs[(t + 1) & 1], vh, (t + 1) * KT_FWD, KT_FWD, s1);
+        }
+        async_commit();
+        async_wait<1>();
         __syncthreads();
-        stage<D>(ks, kh, key0, KT, s1);
-        stage<D>(vs, vh, key0, KT, s1);
+        float sc[KT_FWD / 8][4];
+        scores<D, KT_FWD / 8>(sc, qa, ks[t & 1], scale2, &view, t * KT_FWD);
+        run.template fold<KT_FWD / 8>(sc, vs[t & 1]);
         __syncthreads();
-        float sc[KT / 8][4];
-        scores<D, KT / 8>(sc, qa, ks, scale2, &view, key0);
-        run.template fold<KT / 8>(sc, vs);
     }
     if (past < 0) {
         // The block's own 16 keys, all open.
-        __syncthreads();
-        stage<D>(ks, k2 + (size_t)kv * m * D, row0, ROWS, m);
-        stage<D>(vs, v2 + (size_t)kv * m * D, row0, ROWS, m);
+        async_wait<0>();
+        stage<D>(ks[0], k2 + (size_t)kv * m * D, row0, ROWS, m);
+        stage<D>(vs[0], v2 + (size_t)kv * m * D, row0, ROWS, m);
         __syncthreads();
         float sc[ROWS / 8][4];
-        scores<D, ROWS / 8>(sc, qa, ks, scale2, nullptr, 0);
-        run.template fold<ROWS / 8>(sc, vs);
+        scores<D, ROWS / 8>(sc, qa, ks[0], scale2, nullptr, 0);
+        run.template fold<ROWS / 8>(sc, vs[0]);
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -262,10 +302,10 @@ template <int D>
 __device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2,
                          const uint32_t* hi, const bf16* out, const bf16* dout, const float* lse, float* delta,
                          bf16* dq, int m, int s1, int group, float scale2, float scale) {
-    __shared__ __align__(16) bf16 ks[KT_DQ * (D + PAD)];
-    __shared__ __align__(16) bf16 vs[KT_DQ * (D + PAD)];
+    __shared__ __align__(16) bf16 ks[2][KT_DQ * (D + PAD)];
+    __shared__ __align__(16) bf16 vs[2][KT_DQ * (D + PAD)];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    int kv = blockIdx.y, head = kv * group + warp, row0 = blockIdx.x * ROWS;
+    int kv = blockIdx.y, head = kv * group + warp, tile = row_tile(), row0 = tile * ROWS;
     size_t at = ((size_t)head * m + row0) * D;
     uint32_t qa[D / 16][4], da[D / 16][4];
 #pragma unroll
@@ -297,25 +337,34 @@ __device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf
     View view;
     view.past = -1;
     view.row0 = row0;
-    view.hi = (int)hi[blockIdx.x];
+    view.hi = (int)hi[tile];
     const bf16* kh = k1 + (size_t)kv * s1 * D;
     const bf16* vh = v1 + (size_t)kv * s1 * D;
     int tiles = (view.hi + KT_DQ - 1) / KT_DQ;
-    // Tiles of k1, then the block's own keys (one more tile of 16).
+    // Tiles of k1, then the block's own keys (one more tile of 16); tile t + 1 loads while tile
+    // t is multiplied.
+    auto issue = [&](int t) {
+        if (t == tiles) {
+            stage_async<D>(ks[t & 1], k2 + (size_t)kv * m * D, row0, ROWS, m);
+            stage_async<D>(vs[t & 1], v2 + (size_t)kv * m * D, row0, ROWS, m);
+        } else {
+            stage_async<D>(ks[t & 1], kh, t * KT_DQ, KT_DQ, s1);
+            stage_async<D>(vs[t & 1], vh, t * KT_DQ, KT_DQ, s1);
+        }
+        async_commit();
+    };
+    issue(0);
     for (int t = 0; t <= tiles; t++) {
         bool own = t == tiles;
+        if (t < tiles) issue(t + 1);
+        else async_commit();  // an empty group keeps the wait below uniform
+        async_wait<1>();
         __syncthreads();
-        if (own) {
-            stage<D>(ks, k2 + (size_t)kv * m * D, row0, ROWS, m);
-            stage<D>(vs, v2 + (size_t)kv * m * D, row0, ROWS, m);
-        } else {
-            stage<D>(ks, kh, t * KT_DQ, KT_DQ, s1);
-            stage<D>(vs, vh, t * KT_DQ, KT_DQ, s1);
-        }
-        __syncthreads();
+        const bf16* kt = ks[t & 1];
+        const bf16* vt = vs[t & 1];
         constexpr int NT = KT_DQ / 8;
         float p[NT][4], dp[NT][4];
-        scores<D, NT>(p, qa, ks, scale2, own ? nullptr : &view, t * KT_DQ);
+        scores<D, NT>(p, qa, kt, scale2, own ? nullptr : &view, t * KT_DQ);
         int nt = own ? ROWS / 8 : NT;  // the own tile has 16 keys; the rest read as closed
 #pragma unroll
         for (int n = 0; n < NT; n++) {
@@ -324,7 +373,7 @@ __device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf
 #pragma unroll
             for (int k = 0; k < D / 16; k++) {
                 uint32_t b0, b1;
-                load_b_rows(b0, b1, vs, D + PAD, n * 8, k * 16);
+                load_b_rows(b0, b1, vt, D + PAD, n * 8, k * 16);
                 mma(dp[n], da[k], b0, b1);
             }
         }
@@ -344,10 +393,11 @@ __device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf
 #pragma unroll
             for (int n = 0; n < D / 8; n++) {
                 uint32_t b0, b1;
-                load_b_cols(b0, b1, ks, D + PAD, j * 16, n * 8);
+                load_b_cols(b0, b1, kt, D + PAD, j * 16, n * 8);
                 mma(acc[n], a, b0, b1);
             }
         }
+        __syncthreads();  // the next iteration loads into the buffer read here
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {

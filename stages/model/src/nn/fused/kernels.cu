@@ -2,9 +2,10 @@
 //
 // Each replaces a chain of candle ops whose intermediates candle would write out and keep for
 // the backward pass: attention's scale + mask + softmax and its gradient, the cross-entropy over
-// the vocabulary and its gradient, RMSNorm and its input gradient, the rotary embedding (its
-// gradient is the inverse rotation), the AdamW update and the gradients' squared norm. Rows are reduced by one thread block
-// each; arithmetic is in f32 whatever the storage type.
+// the vocabulary and its gradient, RMSNorm and its input and weight gradients, the rotary
+// embedding (its gradient is the inverse rotation), SwiGLU's gate and its gradients, the AdamW
+// update and the gradients' squared norm. Rows are reduced by one thread block each; arithmetic
+// is in f32 whatever the storage type.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -186,6 +187,53 @@ __device__ void sum_squares(const T* x, size_t n, float* out) {
     if (threadIdx.x == 0) atomicAdd(out, acc);
 }
 
+// h = silu(g) * u, the SwiGLU gate, elementwise.
+template <typename T>
+__device__ void swiglu(const T* g, const T* u, T* h, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float a = load(g, i);
+        store(h, i, a / (1.0f + __expf(-a)) * load(u, i));
+    }
+}
+
+// The gradient of swiglu's gate input (which == 0) or of its up input (which == 1) given dh.
+template <typename T>
+__device__ void swiglu_grad(const T* g, const T* u, const T* dh, T* out, size_t n, int which) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float a = load(g, i), d = load(dh, i);
+        float s = 1.0f / (1.0f + __expf(-a));
+        store(out, i, which == 0 ? d * load(u, i) * s * (1.0f + a * (1.0f - s)) : d * a * s);
+    }
+}
+
+// 1 / sqrt(mean(x^2) + eps) of each row (one block per row).
+template <typename T>
+__device__ void rms_rstd(const T* x, float* r, uint32_t n, float eps) {
+    size_t row = blockIdx.x;
+    const T* xr = x + row * n;
+    float sq = 0.0f;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+        float v = load(xr, j);
+        sq += v * v;
+    }
+    sq = block_reduce<false>(sq);
+    if (threadIdx.x == 0) r[row] = rsqrtf(sq / n + eps);
+}
+
+// RMSNorm's weight gradient in parts: partial[chunk][j] = sum over the chunk's rows of
+// dy * x * rstd at column j. Grid (column blocks, chunks); a thread per column walks its rows,
+// so neighbouring threads read neighbouring columns.
+template <typename T>
+__device__ void rms_norm_dw(const T* x, const T* dy, const float* r, float* partial, uint32_t rows, uint32_t n,
+                            uint32_t per_chunk) {
+    uint32_t j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    size_t r0 = (size_t)blockIdx.y * per_chunk, r1 = min((size_t)rows, r0 + per_chunk);
+    float acc = 0.0f;
+    for (size_t row = r0; row < r1; row++) acc += load(dy, row * n + j) * load(x, row * n + j) * r[row];
+    partial[(size_t)blockIdx.y * n + j] = acc;
+}
+
 }  // namespace
 
 #define FOR_TYPES(X) X(f32, float) X(bf16, __nv_bfloat16)
@@ -228,6 +276,20 @@ __device__ void sum_squares(const T* x, size_t n, float* out) {
     }                                                                                                  \
     extern "C" __global__ void sum_squares_##NAME(const T* x, size_t n, float* out) {                  \
         sum_squares(x, n, out);                                                                        \
+    }                                                                                                  \
+    extern "C" __global__ void swiglu_##NAME(const T* g, const T* u, T* h, size_t n) {                 \
+        swiglu(g, u, h, n);                                                                            \
+    }                                                                                                  \
+    extern "C" __global__ void swiglu_grad_##NAME(const T* g, const T* u, const T* dh, T* out, size_t n, \
+                                                  int which) {                                         \
+        swiglu_grad(g, u, dh, out, n, which);                                                          \
+    }                                                                                                  \
+    extern "C" __global__ void rms_rstd_##NAME(const T* x, float* r, uint32_t n, float eps) {          \
+        rms_rstd(x, r, n, eps);                                                                        \
+    }                                                                                                  \
+    extern "C" __global__ void rms_norm_dw_##NAME(const T* x, const T* dy, const float* r, float* part, \
+                                                  uint32_t rows, uint32_t n, uint32_t per_chunk) {     \
+        rms_norm_dw(x, dy, r, part, rows, n, per_chunk);                                               \
     }
 
 FOR_TYPES(KERNELS)

@@ -5,7 +5,9 @@
 //! f32 intermediates of that size, and candle's backward adds a zero-filled buffer and an add
 //! per intermediate: on an H200 that, not the matmuls, was most of the step. Here each is one
 //! kernel forward and one backward that keeps only what the gradient needs (the probabilities;
-//! the logits). AdamW's update is two in-place kernels instead of a dozen allocating ones.
+//! the logits). AdamW's update is two in-place kernels instead of a dozen allocating ones;
+//! SwiGLU's gate and RMSNorm's weight gradient are single passes too. Attention on a GPU is
+//! flash attention ([`flash`]).
 //!
 //! Every op has a CPU implementation (used by CPU training and by the tests, which check it
 //! against the composed ops and finite differences) and, with the `cuda` feature, CUDA kernels
@@ -59,6 +61,7 @@ mod loss;
 mod nodes;
 mod norm;
 mod softmax;
+mod swiglu;
 #[cfg(test)]
 mod tests;
 
@@ -80,3 +83,4 @@ pub use nodes::linear;
 pub(crate) use nodes::{attention_node, flash_attention_node};
 pub use norm::{rms_norm, rope};
 pub use softmax::{masked_softmax, softmax_grad};
+pub use swiglu::swiglu;

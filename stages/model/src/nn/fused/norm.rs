@@ -110,15 +110,84 @@ impl CustomOp2 for RmsNorm {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
         let dx = x.apply_op3_no_bwd(w, &dy, &RmsNormGrad { eps: self.eps })?;
-        // dw = sum over rows of dy * x * rstd: composed, it is one [n] reduction.
-        let n = w.dim(0)?;
-        let wide = crate::nn::ops::wide(x.dtype());
-        let x = x.to_dtype(wide)?.reshape(((), n))?;
-        let r = (x.sqr()?.mean_keepdim(1)? + self.eps)?.sqrt()?.recip()?;
-        let dw = (dy.to_dtype(wide)?.reshape(((), n))? * x.broadcast_mul(&r)?)?
+        // dw = sum over rows of dy * x * rstd, in partial sums over ranges of rows (a column
+        // reduction over every row, which candle's strided sum does slowly).
+        let dw = x
+            .apply_op2_no_bwd(&dy, &RmsNormWeightGrad { eps: self.eps })?
             .sum(0)?
             .to_dtype(w.dtype())?;
         Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// RMSNorm's weight gradient from `x` and `dy` as `[ranges, n]` partial sums over ranges of
+/// rows, in the wide dtype ([`crate::nn::ops::wide`]); their sum over ranges is the gradient.
+struct RmsNormWeightGrad {
+    eps: f64,
+}
+
+/// Rows per partial sum on CPU: fixed, so the sums' order (and the result) never varies.
+const CPU_ROWS_PER_RANGE: usize = 64;
+
+impl CustomOp2 for RmsNormWeightGrad {
+    fn name(&self) -> &'static str {
+        "rms-norm-weight-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, n) = rows(l1);
+        fn go<T: WithDType>(
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+            n: usize,
+            eps: f64,
+        ) -> Result<Vec<f64>> {
+            let (x, dy) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
+            let parts: Vec<Vec<f64>> = x
+                .par_chunks(n * CPU_ROWS_PER_RANGE)
+                .zip(dy.par_chunks(n * CPU_ROWS_PER_RANGE))
+                .map(|(x, dy)| {
+                    let mut acc = vec![0.0; n];
+                    for (x, dy) in x.chunks(n).zip(dy.chunks(n)) {
+                        let r = rstd(x, eps);
+                        for (a, (x, dy)) in acc.iter_mut().zip(x.iter().zip(dy)) {
+                            *a += dy.to_f64() * x.to_f64() * r;
+                        }
+                    }
+                    acc
+                })
+                .collect();
+            Ok(parts.concat())
+        }
+        let flat = by_float!(s1.dtype(), self.name(), go(s1, l1, s2, l2, n, self.eps))?;
+        let ranges = flat.len() / n.max(1);
+        let out = if s1.dtype() == DType::F64 {
+            CpuStorage::F64(flat)
+        } else {
+            CpuStorage::F32(flat.into_iter().map(|v| v as f32).collect())
+        };
+        Ok((out, Shape::from((ranges, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (_, n) = rows(l1);
+        let (partial, ranges) = super::cuda::rms_norm_dw((s1, l1), (s2, l2), self.eps as f32)?;
+        Ok((partial, Shape::from((ranges, n))))
     }
 }
 

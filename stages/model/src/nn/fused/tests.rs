@@ -240,3 +240,35 @@ fn rms_norm_and_rope_and_their_gradients_match_the_composed_ops() {
         .unwrap();
     assert!((f64::from(total) - want).abs() < 1e-4 * want);
 }
+
+#[test]
+fn rms_norm_weight_gradient_adds_up_every_range_of_rows() {
+    // 200 rows: four ranges of the CPU's partial sums, the last one short.
+    let x = randn(&[200, 8], 11);
+    let up = randn(&[200, 8], 12);
+    let w = randn(&[8], 13);
+    let (_, _, gw) = grads_of(&|x, w| rms_norm(x, w, 1e-6).unwrap(), &x, &w, &up);
+    let r = (x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + 1e-6)
+        .unwrap()
+        .sqrt()
+        .unwrap()
+        .recip()
+        .unwrap();
+    let want = (&up * x.broadcast_mul(&r).unwrap())
+        .unwrap()
+        .sum(0)
+        .unwrap();
+    assert!(max_diff(&gw, &want) < 1e-12, "{gw} vs {want}");
+}
+
+#[test]
+fn swiglu_and_its_gradients_match_the_composed_ops() {
+    let g = (randn(&[7, 33], 14) * 3.0).unwrap();
+    let u = randn(&[7, 33], 15);
+    let up = randn(&[7, 33], 16);
+    let a = grads_of(&|g, u| swiglu(g, u).unwrap(), &g, &u, &up);
+    let b = grads_of(&|g, u| (g.silu().unwrap() * u).unwrap(), &g, &u, &up);
+    for (p, q) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+        assert!(max_diff(p, q) < 1e-12, "{p} vs {q}");
+    }
+}
