@@ -118,8 +118,8 @@ impl BlockMask {
 ///
 /// On a GPU in bf16 it is flash attention ([`super::fused::flash`]): no score is written, the
 /// context tiles past a block's anchor are skipped, and the backward pass recomputes the
-/// probabilities from each row's log-sum-exp. Elsewhere it is composed: one graph node
-/// ([`super::fused::attention_node`]) whose backward is written out (the probabilities kept,
+/// probabilities from each row's log-sum-exp. Elsewhere it is composed. Either way it is one graph
+/// node ([`super::fused::attention_node`]) whose backward is written out (the probabilities kept,
 /// nothing else): composed from candle ops, the backward of the score-sized reshapes,
 /// concatenations and narrows cost more than the matmuls.
 pub fn block_attention(
@@ -163,7 +163,8 @@ pub fn block_attention(
         if !tracked {
             return Ok(out);
         }
-        return super::fused::flash_attention_node(q, (ck, cv), (bk, bv), out, lse, seen);
+        let saved = super::fused::Saved::LogSumExp { lse, seen };
+        return super::fused::attention_node(q, (ck, cv), (bk, bv), out, saved);
     }
     // Contiguous operands: cuBLAS takes no other batched layout (candle's CPU matmul does).
     let plain = |t: &Tensor| t.detach().contiguous();
@@ -177,7 +178,8 @@ pub fn block_attention(
     if !tracked {
         return Ok(out);
     }
-    super::fused::attention_node(q, (ck, cv), (bk, bv), out, probs, geometry)
+    let saved = super::fused::Saved::Probs { probs, geometry };
+    super::fused::attention_node(q, (ck, cv), (bk, bv), out, saved)
 }
 
 /// Causal attention for the frozen target: `q` `[heads, n, d]` at positions `past..past + n`,
@@ -230,11 +232,6 @@ impl BlockGeometry {
             blocks,
             scale: 1.0 / (d as f64).sqrt(),
         })
-    }
-
-    /// The context's rows `s` and the blocks' rows `m`.
-    pub(crate) fn rows(&self) -> (usize, usize) {
-        (self.s, self.m)
     }
 
     /// `[heads, m, x]` rows to `[kv * blocks, group * B, x]`: each block's query rows together.

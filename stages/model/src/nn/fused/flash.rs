@@ -241,16 +241,15 @@ mod cuda {
         Ok(Dims { heads, kv, m, s, d })
     }
 
+    /// The checked shapes, and the operands as the kernels read them (q, ck, cv, bk, bv, seen).
+    fn prepared(x: &BlockOperands<'_>) -> Result<(Dims, [Tensor; 6])> {
+        let dims = dims(x)?;
+        let [q, ck, cv, bk, bv] = [x.q, x.ck, x.cv, x.bk, x.bv].map(operand);
+        Ok((dims, [q?, ck?, cv?, bk?, bv?, x.seen.contiguous()?]))
+    }
+
     pub fn block_forward(x: &BlockOperands<'_>) -> Result<(Tensor, Tensor)> {
-        let Dims { heads, kv, m, s, d } = dims(x)?;
-        let (q, ck, cv, bk, bv) = (
-            operand(x.q)?,
-            operand(x.ck)?,
-            operand(x.cv)?,
-            operand(x.bk)?,
-            operand(x.bv)?,
-        );
-        let seen = x.seen.contiguous()?;
+        let (Dims { heads, kv, m, s, d }, [q, ck, cv, bk, bv, seen]) = prepared(x)?;
         let dev = device_of(&q)?;
         let out = unsafe { dev.alloc::<bf16>(heads * m * d)? };
         let lse = unsafe { dev.alloc::<f32>(heads * m)? };
@@ -287,20 +286,8 @@ mod cuda {
         lse: &Tensor,
         d_out: &Tensor,
     ) -> Result<[Tensor; 5]> {
-        let Dims { heads, kv, m, s, d } = dims(x)?;
-        let (q, ck, cv, bk, bv) = (
-            operand(x.q)?,
-            operand(x.ck)?,
-            operand(x.cv)?,
-            operand(x.bk)?,
-            operand(x.bv)?,
-        );
-        let (out, d_out, lse, seen) = (
-            operand(out)?,
-            operand(d_out)?,
-            lse.contiguous()?,
-            x.seen.contiguous()?,
-        );
+        let (Dims { heads, kv, m, s, d }, [q, ck, cv, bk, bv, seen]) = prepared(x)?;
+        let (out, d_out, lse) = (operand(out)?, operand(d_out)?, lse.contiguous()?);
         let dev = device_of(&q)?;
         let delta = unsafe { dev.alloc::<f32>(heads * m)? };
         let dq = unsafe { dev.alloc::<bf16>(heads * m * d)? };

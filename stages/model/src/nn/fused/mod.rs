@@ -80,7 +80,7 @@ pub fn prepare_device(device: &candle_core::Device) -> Result<()> {
 }
 pub use loss::cross_entropy;
 pub use nodes::linear;
-pub(crate) use nodes::{attention_node, flash_attention_node};
+pub(crate) use nodes::{Saved, attention_node};
 pub use norm::{rms_norm, rope};
 pub use softmax::{masked_softmax, softmax_grad};
 pub use swiglu::swiglu;

@@ -7,35 +7,55 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use super::super::ops::BlockGeometry;
 use super::Result;
 
-/// The graph node of a block attention computed untracked
-/// ([`super::ops::block_attention`]): its forward hands over `out` (copied: candle's ops own
-/// their results), its backward is [`BlockGeometry::backward`] with the kept `probs`. The
-/// context's and blocks' keys and values enter as one `[kv, s + m, d]` tensor each.
+/// What a block attention's forward kept for its backward pass.
+pub(crate) enum Saved {
+    /// The composed path: the probabilities `[kv, group, m, s + B]`
+    /// ([`BlockGeometry::backward`]).
+    Probs {
+        /// The probabilities.
+        probs: Tensor,
+        /// The shapes.
+        geometry: BlockGeometry,
+    },
+    /// Flash attention: each row's log-sum-exp and what each block sees
+    /// ([`super::flash::block_backward`]).
+    LogSumExp {
+        /// `[heads, m]`, f32.
+        lse: Tensor,
+        /// Per block of 16 rows, the context rows it sees (`u32`, on the device).
+        seen: Tensor,
+    },
+}
+
+/// The graph node of a block attention computed untracked ([`super::super::ops::block_attention`]):
+/// its forward hands over `out` (copied: candle's ops own their results), its backward uses
+/// what the forward `saved`. The context's and blocks' keys and values enter as one
+/// `[kv, s + m, d]` tensor each.
 pub(crate) fn attention_node(
     q: &Tensor,
     (ck, cv): (&Tensor, &Tensor),
     (bk, bv): (&Tensor, &Tensor),
     out: Tensor,
-    probs: Tensor,
-    geometry: BlockGeometry,
+    saved: Saved,
 ) -> Result<Tensor> {
     let k = Tensor::cat(&[ck, bk], 1)?;
     let v = Tensor::cat(&[cv, bv], 1)?;
+    let context = ck.dim(1)?;
     q.apply_op3(
         &k,
         &v,
         AttentionNode {
             out,
-            probs,
-            geometry,
+            saved,
+            context,
         },
     )
 }
 
 struct AttentionNode {
     out: Tensor,
-    probs: Tensor,
-    geometry: BlockGeometry,
+    saved: Saved,
+    context: usize,
 }
 
 impl CustomOp3 for AttentionNode {
@@ -76,117 +96,33 @@ impl CustomOp3 for AttentionNode {
         _out: &Tensor,
         d_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (s, m) = self.geometry.rows();
-        let (q, k, v) = (q.detach().contiguous()?, k.detach(), v.detach());
-        // Contiguous parts: cuBLAS takes no other batched layout.
-        let part = |t: &Tensor, at: usize, n: usize| t.narrow(1, at, n)?.contiguous();
-        let [dq, d_ck, d_cv, d_bk, d_bv] = self.geometry.backward(
-            &q,
-            (&part(&k, 0, s)?, &part(&v, 0, s)?),
-            (&part(&k, s, m)?, &part(&v, s, m)?),
-            &self.probs,
-            d_out,
-        )?;
-        Ok((
-            Some(dq),
-            Some(Tensor::cat(&[&d_ck, &d_bk], 1)?),
-            Some(Tensor::cat(&[&d_cv, &d_bv], 1)?),
-        ))
-    }
-}
-
-/// The graph node of a block attention computed by the flash kernels
-/// ([`super::flash::block_forward`]): its forward hands over `out`, its backward is
-/// [`super::flash::block_backward`] with the kept log-sum-exp. As in [`attention_node`], the
-/// context's and blocks' keys and values enter as one `[kv, s + m, d]` tensor each.
-pub(crate) fn flash_attention_node(
-    q: &Tensor,
-    (ck, cv): (&Tensor, &Tensor),
-    (bk, bv): (&Tensor, &Tensor),
-    out: Tensor,
-    lse: Tensor,
-    seen: Tensor,
-) -> Result<Tensor> {
-    let k = Tensor::cat(&[ck, bk], 1)?;
-    let v = Tensor::cat(&[cv, bv], 1)?;
-    q.apply_op3(
-        &k,
-        &v,
-        FlashAttentionNode {
-            out,
-            lse,
-            seen,
-            context: ck.dim(1)?,
-        },
-    )
-}
-
-struct FlashAttentionNode {
-    out: Tensor,
-    lse: Tensor,
-    seen: Tensor,
-    context: usize,
-}
-
-impl CustomOp3 for FlashAttentionNode {
-    fn name(&self) -> &'static str {
-        "flash-block-attention"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        handed_over(&self.out, on_cpu)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        handed_over(&self.out, on_cuda)
-    }
-
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _out: &Tensor,
-        d_out: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let s = self.context;
         let m = k.dim(1)? - s;
-        let (k, v) = (k.detach(), v.detach());
+        let (q, k, v) = (q.detach().contiguous()?, k.detach(), v.detach());
+        // Contiguous parts: cuBLAS and the kernels take no other layout.
         let part = |t: &Tensor, at: usize, n: usize| t.narrow(1, at, n)?.contiguous();
-        let (ck, bk, cv, bv) = (
+        let (ck, cv, bk, bv) = (
             part(&k, 0, s)?,
-            part(&k, s, m)?,
             part(&v, 0, s)?,
+            part(&k, s, m)?,
             part(&v, s, m)?,
         );
-        let q = q.detach();
-        let operands = super::flash::BlockOperands {
-            q: &q,
-            ck: &ck,
-            cv: &cv,
-            bk: &bk,
-            bv: &bv,
-            seen: &self.seen,
+        let [dq, d_ck, d_cv, d_bk, d_bv] = match &self.saved {
+            Saved::Probs { probs, geometry } => {
+                geometry.backward(&q, (&ck, &cv), (&bk, &bv), probs, d_out)?
+            }
+            Saved::LogSumExp { lse, seen } => {
+                let operands = super::flash::BlockOperands {
+                    q: &q,
+                    ck: &ck,
+                    cv: &cv,
+                    bk: &bk,
+                    bv: &bv,
+                    seen,
+                };
+                super::flash::block_backward(&operands, &self.out, lse, d_out)?
+            }
         };
-        let [dq, d_ck, d_cv, d_bk, d_bv] =
-            super::flash::block_backward(&operands, &self.out, &self.lse, d_out)?;
         Ok((
             Some(dq),
             Some(Tensor::cat(&[&d_ck, &d_bk], 1)?),
