@@ -35,7 +35,7 @@ pub fn supports(
         && dtype == DType::BF16
         && matches!(head_dim, 64 | 128)
         && kv_heads > 0
-        && heads % kv_heads == 0
+        && heads.is_multiple_of(kv_heads)
         && (1..=8).contains(&(heads / kv_heads))
 }
 
