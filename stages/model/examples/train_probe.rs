@@ -420,11 +420,7 @@ fn flash(_args: &[String]) -> Result<()> {
         .map(|sh| init.normal(sh, 1.0, DType::F64, &cpu))
         .collect::<candle_core::Result<_>>()?;
     let up = init.normal(&[heads, m, d], 1.0, DType::F64, &cpu)?;
-    let mask = BlockMask {
-        seen: vec![0, 1, 17, 64, 65, 200, 300],
-        context: s,
-        block,
-    };
+    let mask = BlockMask::new(vec![0, 1, 17, 64, 65, 200, 300], s, block);
     let run = |dev: &Device, dtype: DType| -> Result<Vec<Tensor>> {
         let vars: Vec<Var> = inputs
             .iter()

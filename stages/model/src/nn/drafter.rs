@@ -576,11 +576,7 @@ pub(crate) mod tests {
             let a = anchors[r / b];
             dense.extend((0..s + m).map(|c| open(c < a || (c >= s && (c - s) / b == r / b))));
         }
-        let local = BlockMask {
-            seen: anchors.iter().map(|&a| a as u32).collect(),
-            context: s,
-            block: b,
-        };
+        let local = BlockMask::new(anchors.iter().map(|&a| a as u32).collect(), s, b);
         let dense = Tensor::from_vec(dense, (m, s + m), &cpu).unwrap();
         // Values and the gradients of all five inputs, against dense attention's.
         let up = init.normal(&[heads, m, d], 1.0, DType::F64, &cpu).unwrap();

@@ -112,11 +112,11 @@ impl Batch {
     /// What each block sees: the context positions before its anchor and all of its own
     /// block; other blocks are never in a block's keys ([`Drafter::forward_block`]).
     pub fn mask(&self) -> BlockMask {
-        BlockMask {
-            seen: self.anchors.iter().map(|&a| a as u32).collect(),
-            context: self.context_len,
-            block: self.block_size,
-        }
+        BlockMask::new(
+            self.anchors.iter().map(|&a| a as u32).collect(),
+            self.context_len,
+            self.block_size,
+        )
     }
 }
 

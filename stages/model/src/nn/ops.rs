@@ -80,21 +80,42 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Te
 
 /// What each block of a block attention sees: the first `seen[j]` rows of the context (the
 /// positions before its anchor when training, all of it when decoding) and all of its own block,
-/// never another block.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// never another block. The forms the attention reads (the additive mask of the composed path,
+/// the counts on the device for flash attention) are built on first use and kept, so every
+/// layer of a step shares one.
+#[derive(Clone, Debug)]
 pub struct BlockMask {
-    /// Per block, the count of context rows it sees (a prefix of the context).
-    pub seen: Vec<u32>,
-    /// The context's rows.
-    pub context: usize,
-    /// Rows per block.
-    pub block: usize,
+    seen: Vec<u32>,
+    context: usize,
+    block: usize,
+    additive: std::sync::OnceLock<Tensor>,
+    on_device: std::sync::OnceLock<Tensor>,
 }
 
 impl BlockMask {
+    /// Blocks of `block` rows over `context` context rows; block j sees its first `seen[j]`.
+    pub fn new(seen: Vec<u32>, context: usize, block: usize) -> Self {
+        Self {
+            seen,
+            context,
+            block,
+            additive: std::sync::OnceLock::new(),
+            on_device: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Per block, the count of context rows it sees.
+    pub fn seen(&self) -> &[u32] {
+        &self.seen
+    }
+
     /// The mask as an additive `[blocks * block, context + block]` tensor (0 where a row sees,
-    /// -inf where it does not), for the composed path.
+    /// -inf where it does not), for the composed path; built once, on `device` in `dtype`.
     pub fn additive(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        let kept = self.additive.get();
+        if let Some(t) = kept.filter(|t| t.dtype() == dtype && t.device().same_device(device)) {
+            return Ok(t.clone());
+        }
         let (s, b) = (self.context, self.block);
         let m = self.seen.len() * b;
         let mut v = vec![f32::NEG_INFINITY; m * (s + b)];
@@ -105,7 +126,24 @@ impl BlockMask {
                 row[s..].fill(0.0);
             }
         }
-        Tensor::from_vec(v, (m, s + b), device)?.to_dtype(dtype)
+        let t = Tensor::from_vec(v, (m, s + b), device)?.to_dtype(dtype)?;
+        // Kept for the next layer; a caller in another dtype or on another device gets its own.
+        let _ = self.additive.set(t.clone());
+        Ok(t)
+    }
+
+    /// The counts as a `u32` tensor on `device` (what the flash kernels read); built once.
+    fn seen_on(&self, device: &Device) -> Result<Tensor> {
+        if let Some(t) = self
+            .on_device
+            .get()
+            .filter(|t| t.device().same_device(device))
+        {
+            return Ok(t.clone());
+        }
+        let t = Tensor::new(self.seen.as_slice(), device)?;
+        let _ = self.on_device.set(t.clone());
+        Ok(t)
     }
 }
 
@@ -119,9 +157,9 @@ impl BlockMask {
 /// On a GPU in bf16 it is flash attention ([`super::fused::flash`]): no score is written, the
 /// context tiles past a block's anchor are skipped, and the backward pass recomputes the
 /// probabilities from each row's log-sum-exp. Elsewhere it is composed. Either way it is one graph
-/// node ([`super::fused::attention_node`]) whose backward is written out (the probabilities kept,
-/// nothing else): composed from candle ops, the backward of the score-sized reshapes,
-/// concatenations and narrows cost more than the matmuls.
+/// node ([`super::fused::attention_node`]) whose backward is written out, keeping only the
+/// log-sum-exp or the probabilities: composed from candle ops, the backward of the score-sized
+/// reshapes, concatenations and narrows cost more than the matmuls.
 pub fn block_attention(
     q: &Tensor,
     (ck, cv): (&Tensor, &Tensor),
@@ -149,7 +187,7 @@ pub fn block_attention(
     if block == super::fused::flash::ROWS
         && super::fused::flash::supports(q.device(), q.dtype(), d, heads, geometry.kv_heads)
     {
-        let seen = Tensor::new(mask.seen.as_slice(), q.device())?;
+        let seen = mask.seen_on(q.device())?;
         let plain: Vec<Tensor> = [q, ck, cv, bk, bv].iter().map(|t| t.detach()).collect();
         let operands = super::fused::flash::BlockOperands {
             q: &plain[0],

@@ -255,11 +255,7 @@ fn propose(
     let embedded = target.embed(&Tensor::new(ids.as_slice(), device)?)?;
     let positions: Vec<u32> = (at as u32..(at + b) as u32).collect();
     // The block sees all of the context and all of itself.
-    let mask = super::ops::BlockMask {
-        seen: vec![ctx.len() as u32],
-        context: ctx.len(),
-        block: b,
-    };
+    let mask = super::ops::BlockMask::new(vec![ctx.len() as u32], ctx.len(), b);
     let hidden = d.forward_block(ctx, &embedded, &positions, &mask)?;
     let logits = super::ops::Linear::Dense(target.lm_head.to_dtype(hidden.dtype())?)
         .forward(&hidden.narrow(0, 1, b - 1)?)?;

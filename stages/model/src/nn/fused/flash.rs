@@ -147,7 +147,7 @@ mod cuda {
 
     /// Run `f` with the device slices of `tensors` (contiguous, checked by [`operand`]).
     macro_rules! with_slices {
-        ($dev:ident, [$($t:ident : $ty:ty),*], $body:block) => {{
+        ([$($t:ident : $ty:ty),*], $body:block) => {{
             $(
                 let $t = $t.storage_and_layout();
                 let $t = match (&*$t.0, $t.1) {
@@ -194,7 +194,7 @@ mod cuda {
         let (group, m32, s32, past32) = (heads / kv, n as i32, s1 as i32, past as i32);
         let (g32, (_, scale2)) = (group as i32, scales(d));
         let f = kernel(&dev, "flash_forward", d)?;
-        with_slices!(dev, [q: bf16, k: bf16, v: bf16], {
+        with_slices!([q: bf16, k: bf16, v: bf16], {
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);
             // k2, v2 and hi are not read in causal mode: any valid pointer will do.
@@ -257,7 +257,7 @@ mod cuda {
         let (m32, s32, g32, past, (_, scale2)) =
             (m as i32, s as i32, group as i32, -1i32, scales(d));
         let f = kernel(&dev, "flash_forward", d)?;
-        with_slices!(dev, [q: bf16, ck: bf16, cv: bf16, bk: bf16, bv: bf16, seen: u32], {
+        with_slices!([q: bf16, ck: bf16, cv: bf16, bk: bf16, bv: bf16, seen: u32], {
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);
             b.arg(&q).arg(&ck).arg(&cv).arg(&bk).arg(&bv).arg(&seen);
@@ -316,7 +316,7 @@ mod cuda {
         let fsum = dev
             .get_or_load_custom_func("flash_dkv_sum", "dflash_flash", PTX)?
             .into_cuda_function();
-        with_slices!(dev, [q: bf16, ck: bf16, cv: bf16, bk: bf16, bv: bf16, seen: u32, out: bf16, d_out: bf16, lse: f32], {
+        with_slices!([q: bf16, ck: bf16, cv: bf16, bk: bf16, bv: bf16, seen: u32, out: bf16, d_out: bf16, lse: f32], {
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&fq);
             b.arg(&q).arg(&ck).arg(&cv).arg(&bk).arg(&bv).arg(&seen);
