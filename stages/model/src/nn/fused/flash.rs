@@ -42,20 +42,13 @@ pub fn supports(
 /// Causal attention, forward only (the frozen target): `q` `[heads, n, d]` at positions
 /// `past..past + n`; `k`, `v` `[kv_heads, past + n, d]`; row i sees keys `0..=past + i`.
 pub fn causal(q: &Tensor, k: &Tensor, v: &Tensor, past: usize) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    {
-        cuda::causal(q, k, v, past)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (q, k, v, past);
-        candle_core::bail!("flash attention needs a build with the `cuda` feature")
-    }
+    cuda::causal(q, k, v, past)
 }
 
 /// The operands of a block attention as the kernels take them: queries `[heads, m, d]`, the
 /// context's keys and values `[kv_heads, s, d]`, the blocks' own `[kv_heads, m, d]`, and per
-/// block of 16 rows the count of context rows it sees (`u32`, on the device).
+/// block of 16 rows the count of context rows it sees (`u32`, on the device). (Read only by the
+/// CUDA launches.)
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct BlockOperands<'a> {
     pub q: &'a Tensor,
@@ -69,15 +62,7 @@ pub(crate) struct BlockOperands<'a> {
 /// Block attention's output `[heads, m, d]` and each row's log-sum-exp `[heads, m]` (f32, base
 /// 2, what [`block_backward`] needs).
 pub(crate) fn block_forward(x: &BlockOperands<'_>) -> Result<(Tensor, Tensor)> {
-    #[cfg(feature = "cuda")]
-    {
-        cuda::block_forward(x)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = x;
-        candle_core::bail!("flash attention needs a build with the `cuda` feature")
-    }
+    cuda::block_forward(x)
 }
 
 /// The gradients of q, the context's k and v and the blocks' k and v, from the output's.
@@ -87,14 +72,36 @@ pub(crate) fn block_backward(
     lse: &Tensor,
     d_out: &Tensor,
 ) -> Result<[Tensor; 5]> {
-    #[cfg(feature = "cuda")]
-    {
-        cuda::block_backward(x, out, lse, d_out)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (x, out, lse, d_out);
+    cuda::block_backward(x, out, lse, d_out)
+}
+
+/// Without the `cuda` feature there is nothing to launch; [`supports`] is false, so these are
+/// reached only by a caller that did not ask it.
+#[cfg(not(feature = "cuda"))]
+mod cuda {
+    use candle_core::Tensor;
+
+    use super::{BlockOperands, Result};
+
+    fn unavailable<T>() -> Result<T> {
         candle_core::bail!("flash attention needs a build with the `cuda` feature")
+    }
+
+    pub fn causal(_: &Tensor, _: &Tensor, _: &Tensor, _: usize) -> Result<Tensor> {
+        unavailable()
+    }
+
+    pub fn block_forward(_: &BlockOperands<'_>) -> Result<(Tensor, Tensor)> {
+        unavailable()
+    }
+
+    pub fn block_backward(
+        _: &BlockOperands<'_>,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+    ) -> Result<[Tensor; 5]> {
+        unavailable()
     }
 }
 
