@@ -246,3 +246,120 @@ fn endpoint_mode_compares_running_servers_with_and_without_speculation() {
     assert_eq!(st["bench"], "failed");
     assert!(v.to_string().contains("endpoint `gone`"), "{v}");
 }
+
+/// The reference harness's way of asking, with the real SmolLM2 on CPU: MT-Bench's second turn
+/// is asked after each method's own reply to the first (not both turns back to back), HumanEval
+/// goes in inside the harness's instruction, and every method's prompt and output tokens are in
+/// the artifact per turn.
+#[test]
+fn multi_turn_sets_are_asked_turn_by_turn_and_formats_wrap_the_prompts() {
+    let assets = support::hub::assets();
+    let env = Env::new();
+    for f in ["mt-bench.jsonl", "HumanEval.jsonl.gz"] {
+        std::fs::copy(assets.join(f), env.path().join(f)).unwrap();
+    }
+    let model = assets.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let bench = |inputs: &str, extra: &str| {
+        format!(
+            "    kind: bench\n    inputs: [{inputs}]\n    params: {{target: '{}', prompts: 1, \
+             max_new_tokens: 6, device: cpu{extra}}}\n",
+            model.display()
+        )
+    };
+    env.write(
+        "p.yaml",
+        &format!(
+            "stages:\n  mt_bench: {{kind: download, params: {{path: mt-bench.jsonl}}}}\n  \
+             humaneval: {{kind: download, params: {{path: HumanEval.jsonl.gz}}}}\n  \
+             bench:\n{}  raw:\n{}",
+            bench(
+                "mt_bench, humaneval",
+                ", prompt_format: {humaneval: humaneval}"
+            ),
+            bench("humaneval", "")
+        ),
+    );
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["bench"], "ran");
+    let lines = |stage: &str, set: &str| -> Vec<Value> {
+        let dir = env.path().join(format!("out-{stage}-{set}"));
+        let o = env.dflash(&["export", stage, "-p", "p.yaml", dir.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(dir.join(format!("sets/{set}.jsonl")))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let ids = |v: &Value| -> Vec<u64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect()
+    };
+    let mt = lines("bench", "mt_bench");
+    // Two methods (autoregressive, ngram) x two turns, in order.
+    let shape: Vec<(&str, u64)> = mt
+        .iter()
+        .map(|l| (l["method"].as_str().unwrap(), l["turn"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        shape,
+        [
+            ("autoregressive", 0),
+            ("autoregressive", 1),
+            ("ngram", 0),
+            ("ngram", 1)
+        ]
+    );
+    for l in &mt {
+        assert_eq!(ids(&l["tokens"]).len() as u64, l["output_tokens"], "{l}");
+    }
+    // Turn 2's prompt is turn 1's, then the reply to it, then the second question.
+    let (first, second) = (ids(&mt[0]["prompt"]), ids(&mt[1]["prompt"]));
+    let reply = ids(&mt[0]["tokens"]);
+    assert!(second.starts_with(&first), "{second:?} after {first:?}");
+    assert_eq!(
+        &second[first.len()..first.len() + reply.len()],
+        reply.as_slice()
+    );
+    assert!(second.len() > first.len() + reply.len() + 5);
+    assert_eq!(mt[2]["prompt"], mt[0]["prompt"]);
+    assert_eq!(mt[3]["identical"], true);
+    let m = env.show("bench", "p.yaml");
+    assert_eq!(
+        m["stats"]["sets"]["mt_bench"]["methods"]["ngram"]["identical"],
+        1
+    );
+    // HumanEval inside the instruction is longer than HumanEval as it is, and starts alike
+    // (the template's opening) but differs right after it.
+    let wrapped = ids(&lines("bench", "humaneval")[0]["prompt"]);
+    let raw = ids(&lines("raw", "humaneval")[0]["prompt"]);
+    assert!(
+        wrapped.len() > raw.len() + 10,
+        "{} vs {}",
+        wrapped.len(),
+        raw.len()
+    );
+    assert_ne!(wrapped[..raw.len()], raw[..]);
+
+    // A format for a set that is not an input, or one without {prompt}, is refused, naming it.
+    for (format, says) in [
+        ("{gsm8k: gsm8k}", "`prompt_format` names `gsm8k`"),
+        ("{humaneval: 'Solve it'}", "neither a preset nor a template"),
+    ] {
+        env.write(
+            "q.yaml",
+            &format!(
+                "stages:\n  humaneval: {{kind: download, params: {{path: HumanEval.jsonl.gz}}}}\n  \
+                 bench:\n{}",
+                bench("humaneval", &format!(", prompt_format: {format}"))
+            ),
+        );
+        let out = env.dflash(&["run", "q.yaml"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(says), "{stderr}");
+    }
+}

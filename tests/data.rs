@@ -428,6 +428,46 @@ fn mix_rebalances_dedups_and_reports_the_composition() {
     assert_eq!(mix_stats(&other)["sources"]["code"], 60);
 }
 
+/// Held-out sets: GSM8K is the benchmark; its 20 copies (10 exact, 10 near) must not reach
+/// training, and none of GSM8K's own rows either, whatever the weights ask.
+#[test]
+fn excluded_inputs_and_copies_of_their_prompts_never_enter_the_mix() {
+    let env =
+        mix_env("{weights: {code: 1, chat: 1, copies: 1}, total: 300, seed: 7, exclude: [math]}");
+    let (st, _) = env.run("mix.yaml", 0);
+    assert_eq!(st["prompts"], "ran");
+    let s = mix_stats(&env);
+    assert_eq!(s["held_out_rows"], 100, "{s}");
+    assert!(s["sources"]["math"].is_null(), "{s}");
+    // Every exact copy, and the near copies MinHash flags (as in the dedup test), held out.
+    let copies = s["removed"]["held_out_copies"].as_u64().unwrap();
+    assert!((18..=20).contains(&copies), "{s}");
+    assert_eq!(
+        s["sources"]["copies"].as_u64().unwrap_or(0),
+        20 - copies,
+        "{s}"
+    );
+    assert!(
+        s["composition"]
+            .as_str()
+            .unwrap()
+            .contains("held out: 100 rows"),
+        "{s}"
+    );
+
+    // Without `exclude`, the same weights take the copies.
+    let open = mix_env("{weights: {code: 1, chat: 1, copies: 1}, total: 300, seed: 7}");
+    open.run("mix.yaml", 0);
+    assert_eq!(mix_stats(&open)["sources"]["copies"], 20);
+
+    // A held-out name that is not an input is refused, naming it.
+    let bad = mix_env("{weights: {code: 1}, total: 10, exclude: [gsm8k]}");
+    let out = bad.dflash(&["run", "mix.yaml"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("`exclude` names `gsm8k`"), "{stderr}");
+}
+
 #[test]
 fn a_quota_that_cannot_be_met_fails_when_strict() {
     let env = mix_env("{by: category, quotas: {code: 100, math: 500}, strict: true}");

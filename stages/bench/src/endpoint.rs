@@ -1,7 +1,8 @@
 //! Endpoint mode: benchmark running OpenAI-compatible servers (SGLang, vLLM, llama.cpp) on the
 //! prompt sets, typically the same model with and without its speculative decoding. Each prompt
 //! goes to every endpoint in turn, one request at a time (the papers' batch size 1), so the
-//! latencies compare like for like. Per set and endpoint: output tokens/s, latency per request
+//! latencies compare like for like; a multi-turn prompt (MT-Bench) asks each later user turn
+//! after appending that endpoint's reply to the one before. Per set and endpoint: output tokens/s, latency per request
 //! (mean, p50, p90), the speedup over the first endpoint, and the accept length where the
 //! server reports it: SGLang's `spec_verify_ct` per response, or vLLM's speculative-decoding
 //! counters on `/metrics` before and after the set.
@@ -145,38 +146,50 @@ pub fn run(
             for s in &servers {
                 before.push(metrics(&http, s).await);
             }
-            for (i, messages) in conversations.iter().enumerate() {
+            for (i, (first, prompt)) in conversations.iter().zip(&set.prompts).enumerate() {
                 for (s, t) in servers.iter().zip(&mut totals) {
-                    if ctx.cancel.is_cancelled() {
-                        return Err(StageError::cancelled());
-                    }
-                    let body = json!({"model": model, "messages": messages,
-                        "max_tokens": p.max_new_tokens, "temperature": p.temperature,
-                        "seed": p.seed, "chat_template_kwargs": p.template_kwargs});
-                    let started = Instant::now();
-                    let r = http
-                        .post(format!("{}/chat/completions", s.url))
-                        .timeout(Duration::from_secs(1800))
-                        .json(&body)
-                        .send()
-                        .await
-                        .map_err(|e| unreachable(s, &e))?;
-                    let status = r.status();
-                    let v: Value = r.json().await.map_err(|e| unreachable(s, &e))?;
-                    let latency = started.elapsed().as_secs_f64();
-                    if !status.is_success() {
-                        let why: String = v.to_string().chars().take(300).collect();
-                        return Err(StageError::new(format!(
-                            "endpoint `{}` refused prompt {} of `{}`: HTTP {status}: {why}",
-                            s.name, i, set.name
-                        )));
-                    }
-                    let tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-                    t.latencies.push(latency);
-                    t.tokens += tokens;
-                    if let Some(r) = verify_rounds(&v) {
-                        t.verify_rounds += r;
-                        t.tokens_with_rounds += tokens;
+                    // Each later user turn follows this server's own reply to the one before.
+                    let mut messages = first.clone();
+                    for turn in 0..=prompt.later.len() {
+                        if ctx.cancel.is_cancelled() {
+                            return Err(StageError::cancelled());
+                        }
+                        if turn > 0 {
+                            messages.push(json!({"role": "user", "content": prompt.later[turn - 1]}));
+                        }
+                        let body = json!({"model": model, "messages": messages,
+                            "max_tokens": p.max_new_tokens, "temperature": p.temperature,
+                            "seed": p.seed, "chat_template_kwargs": p.template_kwargs});
+                        let started = Instant::now();
+                        let r = http
+                            .post(format!("{}/chat/completions", s.url))
+                            .timeout(Duration::from_secs(1800))
+                            .json(&body)
+                            .send()
+                            .await
+                            .map_err(|e| unreachable(s, &e))?;
+                        let status = r.status();
+                        let v: Value = r.json().await.map_err(|e| unreachable(s, &e))?;
+                        let latency = started.elapsed().as_secs_f64();
+                        if !status.is_success() {
+                            let why: String = v.to_string().chars().take(300).collect();
+                            return Err(StageError::new(format!(
+                                "endpoint `{}` refused prompt {} of `{}` (turn {}): HTTP {status}: {why}",
+                                s.name,
+                                i,
+                                set.name,
+                                turn + 1
+                            )));
+                        }
+                        let tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                        t.latencies.push(latency);
+                        t.tokens += tokens;
+                        if let Some(r) = verify_rounds(&v) {
+                            t.verify_rounds += r;
+                            t.tokens_with_rounds += tokens;
+                        }
+                        let reply = v["choices"][0]["message"]["content"].as_str().unwrap_or("");
+                        messages.push(json!({"role": "assistant", "content": reply}));
                     }
                     finished += 1;
                     ctx.progress.set(
@@ -219,7 +232,7 @@ pub fn run(
                 };
                 by_server.insert(
                     s.name.to_owned(),
-                    json!({"prompts": t.latencies.len(), "output_tokens": t.tokens,
+                    json!({"prompts": set.prompts.len(), "requests": t.latencies.len(), "output_tokens": t.tokens,
                         "seconds": seconds, "tokens_per_second": tps,
                         "speedup": tps / reference.max(1e-9),
                         "latency_mean": seconds / t.latencies.len().max(1) as f64,

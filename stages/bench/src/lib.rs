@@ -6,6 +6,12 @@
 //! speedup over autoregressive decoding, and under greedy decoding whether the output is
 //! identical to the autoregressive one (it must be: verification is lossless).
 //!
+//! Multi-turn prompts (MT-Bench) are asked turn by turn, each later user turn after the
+//! method's reply to the one before, and `prompt_format` wraps HumanEval's and GSM8K's prompts
+//! in the reference harness's instructions, as z-lab's `benchmark.py` does. Each method's output
+//! tokens per prompt and turn go to `sets/<set>.jsonl`, so losslessness and tau can be checked
+//! from the artifact alone.
+//!
 //! Inputs are told apart by what they hold: a `train` artifact (a `drafter/` folder) is a
 //! method, anything else is a prompt set — conversations (`download`, `mix`) rendered with the
 //! target's chat template and `template_kwargs`, or token files (`tokenize`), whose prompt is
@@ -50,6 +56,10 @@ pub struct Params {
     pub block_size: Option<u64>,
     /// Passed to the chat template (e.g. `enable_thinking`).
     pub template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Per prompt set: a preset's name or a template holding `{prompt}`.
+    pub prompt_format: serde_json::Map<String, serde_json::Value>,
+    /// Where the in-process decoding runs.
+    pub device: String,
 }
 
 impl StageKind for BenchKind {
@@ -58,7 +68,9 @@ impl StageKind for BenchKind {
     }
 
     fn version(&self) -> u32 {
-        1
+        // 2: multi-turn sets ask each user turn after the reply to the one before; every
+        // method's tokens are recorded per turn.
+        2
     }
 
     fn summary(&self) -> &'static str {
@@ -79,6 +91,8 @@ impl StageKind for BenchKind {
             Param::new("ngram", int(), "the longest suffix prompt lookup matches").default(3),
             Param::new("block_size", int(), "the n-gram baseline's block size (null: the first drafter's, else 16)"),
             Param::new("template_kwargs", ParamType::Map(Box::new(ParamType::Any)), "passed to the chat template, e.g. {enable_thinking: false}; must match what the drafter was trained with").default(json!({})),
+            Param::new("prompt_format", ParamType::Map(Box::new(ParamType::Str)), "per prompt set, how each user turn is asked: a preset of z-lab's benchmark harness (humaneval, gsm8k, math) or a template holding {prompt}, e.g. {humaneval: humaneval, gsm8k: gsm8k}; sets not named are asked as they are").default(json!({})),
+            Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where the in-process decoding runs (`auto`: GPU 0 when this build and machine have one); every method runs on it").default("auto"),
         ]
     }
 

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use dflash_model::nn::speculative::{self, Decoded, Proposer, Settings};
 use dflash_model::nn::{Drafter, DrafterConfig, Target};
 use dflash_stage_api::tokens;
@@ -59,8 +59,8 @@ struct Totals {
 }
 
 impl Totals {
-    fn add(&mut self, d: &Decoded, same: bool) {
-        self.prompts += 1;
+    /// One turn's decode.
+    fn add(&mut self, d: &Decoded) {
         self.tokens += d.tokens.len() as u64;
         self.seconds += d.prefill_seconds + d.decode_seconds;
         self.rounds += d.rounds;
@@ -71,6 +71,11 @@ impl Totals {
         for (t, a) in self.accepted_at.iter_mut().zip(&d.accepted_at) {
             *t += a;
         }
+    }
+
+    /// A prompt done, every turn of it: `same` when each equals autoregressive decoding's.
+    fn prompt_done(&mut self, same: bool) {
+        self.prompts += 1;
         self.identical += u64::from(same);
     }
 
@@ -204,7 +209,8 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             "bench needs `target:` (a GGUF file or model folder, decoded in process) or `endpoints:` (running servers)",
         ));
     };
-    let device = Device::Cpu;
+    let device = dflash_model::nn::device::select(&p.device)
+        .map_err(|(what, hint)| StageError::new(what).with_help(hint))?;
     let path = ctx.cwd.join(target_path);
     let target = Target::load(&path, &device).map_err(nn("loading the target"))?;
     let mut log = StageLog::open(ctx.log_path).ok();
@@ -230,13 +236,15 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             set_inputs.push(input);
         }
     }
+    let formats = formats(p, &set_inputs)?;
     let mut prompt_sets = Vec::new();
-    for input in set_inputs {
+    for (input, format) in set_inputs.iter().zip(&formats) {
         prompt_sets.push(sets::read_set(
             input,
             p.prompts as usize,
             rendering.as_mut(),
             &p.template_kwargs,
+            format,
         )?);
     }
     if prompt_sets.iter().all(|s| s.prompts.is_empty()) {
@@ -317,29 +325,37 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         let mut totals: Vec<Totals> = methods.iter().map(|_| Totals::default()).collect();
         let mut lines = String::new();
         for (i, prompt) in set.prompts.iter().enumerate() {
-            let mut reference: Option<Vec<u32>> = None;
+            // The autoregressive reference's tokens per turn, which every method must equal
+            // under greedy decoding.
+            let mut reference: Option<Vec<Vec<u32>>> = None;
             for ((name, m), t) in methods.iter().zip(&mut totals) {
-                if ctx.cancel.is_cancelled() {
-                    return Err(StageError::cancelled());
-                }
-                let d = speculative::decode(&target, &m.proposer(), &prompt.ids, &settings(m, i))
-                    .map_err(nn("decoding"))?;
-                let same = reference.as_ref().is_none_or(|r| *r == d.tokens);
-                let mut line = json!({"id": prompt.id, "method": name, "prompt_tokens": prompt.ids.len(),
-                    "output_tokens": d.tokens.len(), "rounds": d.rounds, "committed": d.committed,
-                    "tau": d.tau(), "seconds": d.prefill_seconds + d.decode_seconds,
-                    "stopped": d.stopped});
-                if reference.is_none() {
-                    if let Some(r) = &rendering {
-                        line["text"] = Value::String(r.decode(&d.tokens));
+                let turns =
+                    decode_turns(ctx, &target, m, prompt, rendering.as_mut(), &settings(m, i))?;
+                let same = reference.as_ref().is_none_or(|r| {
+                    r.len() == turns.len() && r.iter().zip(&turns).all(|(r, (_, d))| *r == d.tokens)
+                });
+                for (turn, (prompt_ids, d)) in turns.iter().enumerate() {
+                    let mut line = json!({"id": prompt.id, "turn": turn, "method": name,
+                        "prompt_tokens": prompt_ids.len(), "output_tokens": d.tokens.len(),
+                        "rounds": d.rounds, "committed": d.committed, "tau": d.tau(),
+                        "seconds": d.prefill_seconds + d.decode_seconds, "stopped": d.stopped,
+                        "prompt": prompt_ids, "tokens": d.tokens});
+                    if reference.is_none() {
+                        if let Some(r) = &rendering {
+                            line["text"] = Value::String(r.decode(&d.tokens));
+                        }
+                    } else if greedy {
+                        let r = reference.as_ref().and_then(|r| r.get(turn));
+                        line["identical"] = Value::Bool(r == Some(&d.tokens));
                     }
-                    reference = Some(d.tokens.clone());
-                } else if greedy {
-                    line["identical"] = Value::Bool(same);
+                    lines.push_str(&line.to_string());
+                    lines.push('\n');
+                    t.add(d);
                 }
-                lines.push_str(&line.to_string());
-                lines.push('\n');
-                t.add(&d, same);
+                t.prompt_done(same);
+                if reference.is_none() {
+                    reference = Some(turns.into_iter().map(|(_, d)| d.tokens).collect());
+                }
                 finished += 1;
                 ctx.progress.set(
                     finished,
@@ -382,6 +398,82 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     finish(ctx, p, &results, &warnings)
 }
 
+/// Decode every turn of `prompt` with `m`: the first as read, each later user turn after the
+/// method's own reply to the one before is appended (z-lab's harness does the same for
+/// MT-Bench). Returns each turn's prompt tokens and decode.
+fn decode_turns(
+    ctx: &StageContext<'_>,
+    target: &Target,
+    m: &Method,
+    prompt: &sets::Prompt,
+    mut rendering: Option<&mut Rendering>,
+    s: &Settings,
+) -> Result<Vec<(Vec<u32>, Decoded)>, StageError> {
+    let mut out = Vec::with_capacity(1 + prompt.later.len());
+    let mut messages = prompt.messages.clone();
+    let mut ids = prompt.ids.clone();
+    for turn in 0..=prompt.later.len() {
+        if ctx.cancel.is_cancelled() {
+            return Err(StageError::cancelled());
+        }
+        if turn > 0 {
+            let Some(r) = rendering.as_deref_mut() else {
+                break;
+            };
+            let (_, last): &(Vec<u32>, Decoded) = out.last().expect("a turn before");
+            messages.push(sets::assistant(r.decode(&last.tokens)));
+            messages.push(sets::user(prompt.later[turn - 1].clone()));
+            ids = r.render(&messages)?;
+        }
+        let d = speculative::decode(target, &m.proposer(), &ids, s).map_err(nn("decoding"))?;
+        out.push((std::mem::take(&mut ids), d));
+    }
+    Ok(out)
+}
+
+/// Each prompt set's format (`prompt_format`), checked: a preset or a template with `{prompt}`,
+/// for a set that is among the inputs.
+fn formats(p: &Params, sets: &[&Input]) -> Result<Vec<sets::Format>, StageError> {
+    let presets = || {
+        sets::PRESETS
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(name) = p
+        .prompt_format
+        .keys()
+        .find(|k| !sets.iter().any(|s| &s.name == *k))
+    {
+        return Err(StageError::new(format!(
+            "`prompt_format` names `{name}`, which is not a prompt set among the inputs"
+        ))
+        .with_help(format!(
+            "its keys are the prompt sets' input names: {}",
+            sets.iter()
+                .map(|s| s.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    sets.iter()
+        .map(|s| match p.prompt_format.get(&s.name) {
+            None => Ok(sets::Format::default()),
+            Some(v) => v.as_str().and_then(sets::Format::parse).ok_or_else(|| {
+                StageError::new(format!(
+                    "`prompt_format` of `{}` is {v}: neither a preset nor a template holding {{prompt}}",
+                    s.name
+                ))
+                .with_help(format!(
+                    "use a preset ({}) or a template such as \"Answer briefly: {{prompt}}\"",
+                    presets()
+                ))
+            }),
+        })
+        .collect()
+}
+
 /// Endpoint mode ([`crate::endpoint`]).
 fn run_endpoints(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError> {
     if let Some((name, _)) = p
@@ -394,18 +486,21 @@ fn run_endpoints(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, Stag
                 .with_help("endpoints are base URLs ending in /v1, e.g. http://127.0.0.1:30000/v1"),
         );
     }
+    if let Some(input) = ctx.inputs.iter().find(|i| sets::is_drafter(i)) {
+        return Err(StageError::new(format!(
+            "input `{}` is a drafter; in endpoint mode the servers hold the drafters",
+            input.name
+        )));
+    }
+    let inputs: Vec<&Input> = ctx.inputs.iter().collect();
+    let formats = formats(p, &inputs)?;
     let mut sets = Vec::new();
-    for input in ctx.inputs {
-        if sets::is_drafter(input) {
-            return Err(StageError::new(format!(
-                "input `{}` is a drafter; in endpoint mode the servers hold the drafters",
-                input.name
-            )));
-        }
+    for (input, format) in inputs.iter().zip(&formats) {
         sets.push(sets::read_messages(
             input,
             p.prompts as usize,
             &p.template_kwargs,
+            format,
         )?);
     }
     if sets.iter().all(|(s, _)| s.prompts.is_empty()) {

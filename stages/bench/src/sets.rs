@@ -1,7 +1,11 @@
 //! The bench's inputs: drafters (`train` artifacts) and prompt sets. A conversation set is
-//! rendered with the target's chat template up to its first assistant turn, with the
-//! generation prompt, and tokenized as `tokenize` does (the same crate); a token set's prompt is
-//! each row's tokens before the first trained one, as they were rendered for training.
+//! rendered with the target's chat template with the generation prompt and tokenized as
+//! `tokenize` does (the same crate). Its user turns before the first assistant turn are asked in
+//! order, as z-lab's `benchmark.py` asks MT-Bench's two: the first is rendered here, each later
+//! one after the method's reply to the one before is appended (`Prompt::later`). A set's
+//! `prompt_format` wraps each user turn in the reference harness's instruction (HumanEval's
+//! "Write a solution...", GSM8K's "Please reason step by step..."). A token set's prompt is each
+//! row's tokens before the first trained one, as they were rendered for training.
 
 use std::path::{Path, PathBuf};
 
@@ -15,8 +19,53 @@ use serde_json::{Map, Value};
 pub struct Prompt {
     /// The row's id.
     pub id: String,
-    /// Its tokens.
+    /// Its first turn's tokens.
     pub ids: Vec<u32>,
+    /// Conversation sets: the messages the first turn was rendered from.
+    pub messages: Vec<dataset::Message>,
+    /// The later user turns (already formatted), each asked after the reply to the one before.
+    pub later: Vec<String>,
+}
+
+/// The reference harness's instruction wrappers (z-lab's `benchmark.py`), by preset name;
+/// `{prompt}` stands for the row's user turn.
+pub const PRESETS: &[(&str, &str)] = &[
+    (
+        "humaneval",
+        "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```",
+    ),
+    (
+        "gsm8k",
+        "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+    ),
+    (
+        "math",
+        "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+    ),
+];
+
+/// How a set's user turns are put to the model: as they are, or inside an instruction.
+#[derive(Clone, Debug, Default)]
+pub struct Format(Option<String>);
+
+impl Format {
+    /// A preset's name or a template holding `{prompt}`; `None` when it is neither.
+    pub fn parse(value: &str) -> Option<Self> {
+        if let Some((_, t)) = PRESETS.iter().find(|(name, _)| *name == value) {
+            return Some(Self(Some((*t).to_owned())));
+        }
+        value
+            .contains("{prompt}")
+            .then(|| Self(Some(value.to_owned())))
+    }
+
+    /// `turn` as the model is asked it.
+    pub fn apply(&self, turn: &str) -> String {
+        match &self.0 {
+            Some(t) => t.replace("{prompt}", turn),
+            None => turn.to_owned(),
+        }
+    }
 }
 
 /// One prompt set.
@@ -50,14 +99,59 @@ impl Rendering {
         self.0.decode(ids).unwrap_or_default()
     }
 
-    /// The prompt for a conversation: its turns before the first assistant turn; `None` when
-    /// they hold no user turn.
-    fn prompt(&mut self, messages: &[dataset::Message]) -> Result<Option<Vec<u32>>, StageError> {
-        let leading = leading_turns(messages);
-        if !leading.iter().any(|m| m.role == "user") {
+    /// The tokens of `messages` rendered with the generation prompt.
+    pub fn render(&mut self, messages: &[dataset::Message]) -> Result<Vec<u32>, StageError> {
+        self.0.prompt(messages)
+    }
+
+    /// The first turn of a conversation (its turns up to the first user turn, formatted),
+    /// rendered, and its later user turns; `None` when it holds no user turn.
+    fn prompt(
+        &mut self,
+        messages: &[dataset::Message],
+        format: &Format,
+    ) -> Result<Option<(Vec<u32>, Vec<dataset::Message>, Vec<String>)>, StageError> {
+        let Some((first, later)) = user_turns(messages, format) else {
             return Ok(None);
-        }
-        self.0.prompt(leading).map(Some)
+        };
+        let ids = self.0.prompt(&first)?;
+        Ok(Some((ids, first, later)))
+    }
+}
+
+/// A conversation's leading turns split into the first question (system turns and the first
+/// user turn, formatted) and the later user turns (formatted); `None` without a user turn.
+fn user_turns(
+    messages: &[dataset::Message],
+    format: &Format,
+) -> Option<(Vec<dataset::Message>, Vec<String>)> {
+    let leading = leading_turns(messages);
+    let at = leading.iter().position(|m| m.role == "user")?;
+    let mut first = leading[..=at].to_vec();
+    first[at].content = format.apply(&first[at].content);
+    let later = leading[at + 1..]
+        .iter()
+        .filter(|m| m.role == "user")
+        .map(|m| format.apply(&m.content))
+        .collect();
+    Some((first, later))
+}
+
+/// A user turn.
+pub fn user(content: String) -> dataset::Message {
+    dataset::Message {
+        role: "user".into(),
+        content,
+        ..dataset::Message::default()
+    }
+}
+
+/// An assistant reply.
+pub fn assistant(content: String) -> dataset::Message {
+    dataset::Message {
+        role: "assistant".into(),
+        content,
+        ..dataset::Message::default()
     }
 }
 
@@ -81,6 +175,7 @@ pub fn read_set(
     limit: usize,
     rendering: Option<&mut Rendering>,
     kwargs: &Map<String, Value>,
+    format: &Format,
 ) -> Result<PromptSet, StageError> {
     let mut set = PromptSet {
         name: input.name.clone(),
@@ -115,7 +210,12 @@ pub fn read_set(
                     set.skipped += 1;
                     continue;
                 }
-                set.prompts.push(Prompt { id: row.id, ids });
+                set.prompts.push(Prompt {
+                    id: row.id,
+                    ids,
+                    messages: Vec::new(),
+                    later: Vec::new(),
+                });
             }
         }
         return Ok(set);
@@ -131,8 +231,13 @@ pub fn read_set(
             if set.prompts.len() >= limit {
                 break 'files;
             }
-            match rendering.prompt(&row.messages)? {
-                Some(ids) => set.prompts.push(Prompt { id: row.id, ids }),
+            match rendering.prompt(&row.messages, format)? {
+                Some((ids, messages, later)) => set.prompts.push(Prompt {
+                    id: row.id,
+                    ids,
+                    messages,
+                    later,
+                }),
                 None => set.skipped += 1,
             }
         }
@@ -146,6 +251,7 @@ pub fn read_messages(
     input: &Input,
     limit: usize,
     kwargs: &Map<String, Value>,
+    format: &Format,
 ) -> Result<(PromptSet, Vec<Vec<Value>>), StageError> {
     let mut set = PromptSet {
         name: input.name.clone(),
@@ -170,19 +276,22 @@ pub fn read_messages(
             if set.prompts.len() >= limit {
                 break 'files;
             }
-            let messages: Vec<Value> = leading_turns(&row.messages)
-                .iter()
-                .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
-                .collect();
-            if !messages.iter().any(|m| m["role"] == "user") {
+            let Some((first, later)) = user_turns(&row.messages, format) else {
                 set.skipped += 1;
                 continue;
-            }
+            };
+            conversations.push(
+                first
+                    .iter()
+                    .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                    .collect(),
+            );
             set.prompts.push(Prompt {
                 id: row.id,
                 ids: Vec::new(),
+                messages: first,
+                later,
             });
-            conversations.push(messages);
         }
     }
     Ok((set, conversations))

@@ -60,6 +60,7 @@ struct Params {
     shard_rows: i64,
     shard_seconds: f64,
     batch_size: i64,
+    device: String,
 }
 
 impl StageKind for GenerateKind {
@@ -69,7 +70,8 @@ impl StageKind for GenerateKind {
 
     fn version(&self) -> u32 {
         // 2: the candle backend decodes batches with dflash's own model code (dense weights).
-        2
+        // 3: its batches are prefilled together, left-padded (rounding can differ from 2's).
+        3
     }
 
     fn summary(&self) -> &'static str {
@@ -187,6 +189,12 @@ impl StageKind for GenerateKind {
                 "candle backend: conversations decoded together (one pass reads the weights once for all of them)",
             )
             .default(8),
+            Param::new(
+                "device",
+                ParamType::Enum(dflash_model::nn::device::CHOICES),
+                "candle backend: where the model runs (`auto`: GPU 0 when this build and machine have one)",
+            )
+            .default("auto"),
         ]
     }
 
@@ -250,7 +258,9 @@ impl StageKind for GenerateKind {
             started,
         };
         let (reports, endpoints) = if p.backend == "candle" {
-            let mut local = Local::load(&ctx.cwd.join(&p.model), &template_kwargs(&p))?;
+            let device = dflash_model::nn::device::select(&p.device)
+                .map_err(|(what, hint)| StageError::new(what).with_help(hint))?;
+            let mut local = Local::load(&ctx.cwd.join(&p.model), &template_kwargs(&p), &device)?;
             log.line(&format!(
                 "loaded `{}` in {:.1} s",
                 p.model,

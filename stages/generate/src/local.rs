@@ -3,16 +3,17 @@
 //! the quickstart's SmolLM2-135M-Instruct GGUF on CPU). The prompt is rendered
 //! with the model's own chat template and tokenized exactly as `tokenize` does (the same crate),
 //! so what was generated is what will be trained on. Conversations are decoded in batches: each
-//! prompt is prefilled on its own, then every step feeds the batch's next tokens through one
-//! pass (`dflash_model::nn::Target::extend_batch`), so the weights are read once per step for
-//! the whole batch instead of once per sequence.
+//! batch's prompts are prefilled together, left-padded to the longest, then every step feeds
+//! the batch's next tokens through one pass (`dflash_model::nn::batch::BatchDecoder`), so the
+//! weights are read once per step for the whole batch and a GPU (`device: cuda`) runs one
+//! launch per op for all of it. Greedy decoding picks the tokens on the device.
 
 use std::path::Path;
 
-use candle_core::Device;
+use candle_core::{D, Device, Tensor};
 use candle_transformers::generation::LogitsProcessor;
 use dflash_model::nn::Target;
-use dflash_model::nn::target::KvCache;
+use dflash_model::nn::batch::BatchDecoder;
 use dflash_stage_api::dataset::Message;
 use dflash_stage_api::{Cancel, StageError};
 use dflash_stage_tokenize::Chat;
@@ -45,8 +46,9 @@ fn err(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
 
 /// One conversation being decoded.
 struct Decoding {
-    cache: KvCache,
     sampler: LogitsProcessor,
+    /// Whether the sampler takes the argmax (temperature 0).
+    greedy: bool,
     budget: usize,
     out: Vec<u32>,
     /// The finished reply (or why there is none).
@@ -56,9 +58,13 @@ struct Decoding {
 impl Local {
     /// Load the model at `path` (a GGUF file or a Hugging Face folder); `kwargs` go to its
     /// chat template.
-    pub fn load(path: &Path, kwargs: &Map<String, Json>) -> Result<Self, StageError> {
+    pub fn load(
+        path: &Path,
+        kwargs: &Map<String, Json>,
+        device: &Device,
+    ) -> Result<Self, StageError> {
         let shown = path.display().to_string();
-        let target = Target::load(path, &Device::Cpu).map_err(|e| {
+        let target = Target::load(path, device).map_err(|e| {
             StageError::new(format!("cannot load `{shown}`: {e}")).with_help(
                 "the candle backend runs Llama- and Qwen3-architecture models, GGUF or Hugging Face folders",
             )
@@ -84,12 +90,12 @@ impl Local {
         let temperature = (s.temperature > 0.0).then_some(s.temperature);
         let top_p = (s.top_p < 1.0).then_some(s.top_p);
         let mut seqs = Vec::with_capacity(convos.len());
-        let mut logits = Vec::with_capacity(convos.len());
+        let mut prompts = Vec::new();
         for (convo, &seed) in convos.iter().zip(seeds) {
             let prompt = self.chat.prompt(convo)?;
             let mut d = Decoding {
-                cache: KvCache::default(),
                 sampler: LogitsProcessor::new(seed, temperature, top_p),
+                greedy: temperature.is_none(),
                 budget: s.max_tokens.min(self.context.saturating_sub(prompt.len())),
                 out: Vec::new(),
                 result: None,
@@ -100,42 +106,43 @@ impl Local {
                     prompt.len(),
                     self.context
                 )));
-                logits.push(None);
             } else {
-                let (l, _) = self
-                    .target
-                    .extend(&prompt, &mut d.cache, &[])
-                    .map_err(err("prefill"))?;
-                logits.push(Some(
-                    l.narrow(0, prompt.len() - 1, 1).map_err(err("prefill"))?,
-                ));
+                prompts.push((seqs.len(), prompt));
             }
             seqs.push(d);
         }
+        if prompts.is_empty() {
+            return Ok(finished(seqs));
+        }
+        // The sequences that fit decode together; `rows[j]` is the sequence at batch row j.
+        let rows: Vec<usize> = prompts.iter().map(|(i, _)| *i).collect();
+        let extra = rows.iter().map(|&i| seqs[i].budget).max().unwrap_or(0) + 1;
+        let slices: Vec<&[u32]> = prompts.iter().map(|(_, p)| p.as_slice()).collect();
+        let (mut batch, mut logits) =
+            BatchDecoder::prefill(&self.target, &slices, extra).map_err(err("prefill"))?;
         loop {
             if cancel.is_cancelled() {
                 return Err(StageError::cancelled());
             }
+            let picked = self.pick(&logits, &rows, &mut seqs)?;
             // Sample each live sequence's next token; finish those that end here.
-            let mut step: Vec<(usize, u32)> = Vec::new();
-            for (i, d) in seqs.iter_mut().enumerate() {
+            let mut next = vec![0u32; rows.len()];
+            let mut live = false;
+            for (j, &i) in rows.iter().enumerate() {
+                let d = &mut seqs[i];
                 if d.result.is_some() {
                     continue;
                 }
-                let Some(l) = logits[i].take() else { continue };
                 if d.out.len() >= d.budget {
                     d.result = Some(Ok(self.finish(&d.out, "length")?));
                     continue;
                 }
-                let next = l
-                    .squeeze(0)
-                    .and_then(|l| d.sampler.sample(&l))
-                    .map_err(err("sampling"))?;
-                if self.chat.stop.contains(&next) {
+                let token = picked[j];
+                if self.chat.stop.contains(&token) {
                     d.result = Some(Ok(self.finish(&d.out, "stop")?));
                     continue;
                 }
-                d.out.push(next);
+                d.out.push(token);
                 if !s.stop.is_empty() {
                     let so_far = self.decode(&d.out)?;
                     if let Some(at) = s
@@ -152,32 +159,43 @@ impl Local {
                     d.result = Some(Ok(self.finish(&d.out, "length")?));
                     continue;
                 }
-                step.push((i, next));
+                next[j] = token;
+                live = true;
             }
-            if step.is_empty() {
+            if !live {
                 break;
             }
-            let tokens: Vec<[u32; 1]> = step.iter().map(|&(_, t)| [t]).collect();
-            // `step` lists live sequences in ascending order: pair each with its cache.
-            let mut live = step.iter().map(|&(i, _)| i).peekable();
-            let mut batch: Vec<(&[u32], &mut KvCache)> = Vec::with_capacity(step.len());
-            for (i, d) in seqs.iter_mut().enumerate() {
-                if live.next_if_eq(&i).is_some() {
-                    batch.push((tokens[batch.len()].as_slice(), &mut d.cache));
-                }
-            }
-            let out = self
-                .target
-                .extend_batch(&mut batch)
-                .map_err(err("decode"))?;
-            for (row, &(i, _)) in step.iter().enumerate() {
-                logits[i] = Some(out.narrow(0, row, 1).map_err(err("decode"))?);
+            logits = batch.step(&next).map_err(err("decode"))?;
+        }
+        Ok(finished(seqs))
+    }
+
+    /// Each batch row's next token: the argmax on the device when greedy (only the ids cross
+    /// to the host), else each live sequence's own sampler over its row.
+    fn pick(
+        &self,
+        logits: &Tensor,
+        rows: &[usize],
+        seqs: &mut [Decoding],
+    ) -> Result<Vec<u32>, StageError> {
+        if rows.iter().all(|&i| seqs[i].greedy) {
+            return logits
+                .argmax(D::Minus1)
+                .and_then(|t| t.to_vec1::<u32>())
+                .map_err(err("sampling"));
+        }
+        let host = logits.to_device(&Device::Cpu).map_err(err("sampling"))?;
+        let mut out = vec![0u32; rows.len()];
+        for (j, &i) in rows.iter().enumerate() {
+            let d = &mut seqs[i];
+            if d.result.is_none() {
+                out[j] = host
+                    .get(j)
+                    .and_then(|l| d.sampler.sample(&l))
+                    .map_err(err("sampling"))?;
             }
         }
-        Ok(seqs
-            .into_iter()
-            .map(|d| d.result.unwrap_or_else(|| Err("no reply".into())))
-            .collect())
+        Ok(out)
     }
 
     fn finish(&self, out: &[u32], reason: &str) -> Result<Reply, StageError> {
@@ -187,6 +205,13 @@ impl Local {
     fn decode(&self, ids: &[u32]) -> Result<String, StageError> {
         self.chat.decode(ids)
     }
+}
+
+/// The replies of finished sequences, in order.
+fn finished(seqs: Vec<Decoding>) -> Vec<Result<Reply, String>> {
+    seqs.into_iter()
+        .map(|d| d.result.unwrap_or_else(|| Err("no reply".into())))
+        .collect()
 }
 
 /// Reasoning a model writes inline (`<think>...</think>`) is kept apart, as servers' reasoning

@@ -41,6 +41,7 @@ struct Params {
     max_chars: Option<i64>,
     eval_fraction: f64,
     strict: bool,
+    exclude: Vec<String>,
 }
 
 /// What pass 1 keeps of a row.
@@ -61,7 +62,8 @@ impl StageKind for MixKind {
 
     fn version(&self) -> u32 {
         // 2: conversations/2 (tool calls and tool definitions).
-        2
+        // 3: `exclude` (held-out inputs).
+        3
     }
 
     fn summary(&self) -> &'static str {
@@ -130,6 +132,12 @@ impl StageKind for MixKind {
                 "fail when a quota can't be met instead of reporting it",
             )
             .default(false),
+            Param::new(
+                "exclude",
+                ParamType::List(Box::new(ParamType::Str)),
+                "inputs held out (benchmark sets): none of their rows is taken, and rows whose prompt copies or nearly copies one of theirs are dropped",
+            )
+            .default(json!([])),
         ]
     }
 
@@ -149,14 +157,28 @@ impl StageKind for MixKind {
                 p.eval_fraction
             )));
         }
-        let files: Vec<PathBuf> = ctx
-            .inputs
+        if let Some(bad) = p
+            .exclude
             .iter()
-            .map(|i| dataset::files(&i.dir).map(|m| m.into_values().flatten().collect::<Vec<_>>()))
-            .collect::<Result<Vec<_>, _>>()?
-            .into_iter()
-            .flatten()
-            .collect();
+            .find(|e| !ctx.inputs.iter().any(|i| &i.name == *e))
+        {
+            return Err(StageError::new(format!(
+                "`exclude` names `{bad}`, which is not an input of this stage"
+            ))
+            .with_help(
+                "list the held-out sets among `inputs:` too, so their prompts can be matched",
+            ));
+        }
+        // Each file, and whether its input is held out.
+        let mut files: Vec<PathBuf> = Vec::new();
+        let mut held_out_file: Vec<bool> = Vec::new();
+        for input in ctx.inputs {
+            let held = p.exclude.contains(&input.name);
+            for f in dataset::files(&input.dir)?.into_values().flatten() {
+                files.push(f);
+                held_out_file.push(held);
+            }
+        }
         if files.is_empty() {
             return Err(StageError::new("the inputs hold no conversation datasets")
                 .with_help("mix takes `download` (or other dataset) stages as inputs"));
@@ -167,6 +189,9 @@ impl StageKind for MixKind {
         let mut groups: Vec<String> = Vec::new();
         let mut group_ids: HashMap<String, u32> = HashMap::new();
         let mut cands: Vec<Candidate> = Vec::new();
+        // The held-out prompts' text hashes and near-duplicate bands.
+        let mut held_text: HashSet<u64> = HashSet::new();
+        let mut held_bands: HashSet<(usize, u64)> = HashSet::new();
         let seed = p.seed as u64;
         for (fi, path) in files.iter().enumerate() {
             let mut row_base = 0u32;
@@ -176,6 +201,17 @@ impl StageKind for MixKind {
                     let source = v.source.value(i);
                     let category = v.category_of(i);
                     let prompt = prompt_text(&v, i);
+                    if held_out_file[fi] {
+                        let normal = normalise(&prompt);
+                        held_text.insert(xxh3_64(normal.as_bytes()));
+                        if p.near_dup {
+                            for (b, h) in minhash::bands(&normal).into_iter().enumerate() {
+                                held_bands.insert((b, h));
+                            }
+                        }
+                        report.held_out_rows += 1;
+                        continue;
+                    }
                     let chars = prompt.chars().count();
                     report.before.add(source, category, chars);
                     let reason = if prompt.trim().is_empty() {
@@ -273,6 +309,17 @@ impl StageKind for MixKind {
             let g = c.group as usize;
             if quota[g] == Some(0) {
                 report.not_listed += 1;
+                continue;
+            }
+            // A copy of a held-out prompt, exact or near, whatever `dedup` says.
+            if held_text.contains(&c.text_hash)
+                || (p.near_dup
+                    && c.bands
+                        .iter()
+                        .enumerate()
+                        .any(|(b, h)| held_bands.contains(&(b, *h))))
+            {
+                report.held_out_copies += 1;
                 continue;
             }
             if p.dedup && !seen_text.insert(c.text_hash) {

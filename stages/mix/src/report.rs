@@ -54,6 +54,10 @@ pub struct Report {
     pub not_listed: u64,
     /// Rows left out because their group's quota was full.
     pub over_quota: u64,
+    /// Rows of the held-out inputs (`exclude`).
+    pub held_out_rows: u64,
+    /// Rows dropped because their prompt copies or nearly copies a held-out one.
+    pub held_out_copies: u64,
     /// Quotas that could not be met.
     pub shortfalls: Vec<Value>,
     /// Groups named in `weights`/`quotas` that no input has.
@@ -94,7 +98,8 @@ impl Report {
         m.insert("sources".into(), json!(self.after.sources));
         m.insert("categories".into(), json!(self.after.categories));
         m.insert("before".into(), json!({"rows": self.before.total(), "sources": self.before.sources, "categories": self.before.categories, "prompt_chars": quantiles(&mut self.before.chars)}));
-        m.insert("removed".into(), json!({"exact_duplicates": self.exact_dups, "near_duplicates": self.near_dups, "filtered": self.filtered, "not_listed": self.not_listed, "over_quota": self.over_quota}));
+        m.insert("removed".into(), json!({"exact_duplicates": self.exact_dups, "near_duplicates": self.near_dups, "filtered": self.filtered, "not_listed": self.not_listed, "over_quota": self.over_quota, "held_out_copies": self.held_out_copies}));
+        m.insert("held_out_rows".into(), json!(self.held_out_rows));
         m.insert("prompt_chars".into(), quantiles(&mut self.after_chars));
         m.insert("shortfalls".into(), json!(self.shortfalls));
         m.insert("unknown_groups".into(), json!(self.unknown_groups));
@@ -142,6 +147,13 @@ impl Report {
             self.not_listed,
             self.over_quota
         );
+        if self.held_out_rows > 0 {
+            let _ = writeln!(
+                s,
+                "held out: {} rows of the excluded inputs; {} rows copying or nearly copying one of their prompts dropped",
+                self.held_out_rows, self.held_out_copies
+            );
+        }
         let _ = writeln!(s, "splits: {counts:?}");
         if !self.shortfalls.is_empty() {
             let _ = writeln!(s, "quota not met: {}", self.shortfall_text());

@@ -96,7 +96,7 @@ impl StageKind for TrainKind {
             Param::new("seed", int(), "seed for anchor sampling, data order and initialisation").default(0),
             Param::new("checkpoint_every", int(), "optimizer steps between checkpoints").default(1000),
             Param::new("max_steps", int(), "stop after this many optimizer steps (null: all epochs)"),
-            Param::new("device", ParamType::Enum(&["auto", "cpu", "cuda"]), "where to train").default("auto"),
+            Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where to train").default("auto"),
         ]
     }
 

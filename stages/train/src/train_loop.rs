@@ -34,22 +34,10 @@ fn sequences(ctx: &StageContext<'_>, max_length: usize) -> Result<Vec<TokenRow>,
     Ok(out)
 }
 
-/// Where to train: `cpu`, `cuda` (GPU 0; an error naming the fix when this build or machine has
-/// none) or `auto` (GPU 0 when there is one).
+/// Where to train ([`dflash_model::nn::device::select`]).
 fn device(choice: &str) -> Result<Device, StageError> {
-    let cuda = candle_core::utils::cuda_is_available();
-    match choice {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" if !cuda => Err(StageError::new("this build of dflash has no CUDA support")
-            .with_help(
-                "build with `--features cuda` (../shared/cuda/README.md), or set `device: cpu`",
-            )),
-        "cuda" => Device::new_cuda(0).map_err(|e| {
-            StageError::new(format!("no usable GPU: {e}")).with_help("set `device: cpu`")
-        }),
-        _ if cuda => Device::new_cuda(0).or(Ok(Device::Cpu)),
-        _ => Ok(Device::Cpu),
-    }
+    dflash_model::nn::device::select(choice)
+        .map_err(|(what, hint)| StageError::new(what).with_help(hint))
 }
 
 /// A 64-bit mix of the seed and a position (SplitMix64's finaliser), for per-sequence streams.

@@ -5,6 +5,8 @@
 //! attention's softmax, the cross-entropy and AdamW ([`fused`]); candle's fused rms_norm / rope
 //! kernels have no backward and are used only in the frozen target.
 
+pub mod batch;
+pub mod device;
 pub mod drafter;
 pub mod fused;
 pub mod objective;

@@ -281,35 +281,6 @@ mod tests {
     }
 
     #[test]
-    fn a_batched_step_gives_each_sequence_its_own_logits() {
-        let target = tiny_target(DType::F64);
-        let (a, b) = ([3u32, 17, 5, 9], [22u32, 3]);
-        let single = |ids: &[u32], next: u32| {
-            let mut c = KvCache::default();
-            target.extend(ids, &mut c, &[]).unwrap();
-            let (l, _) = target.extend(&[next], &mut c, &[]).unwrap();
-            l.to_vec2::<f32>().unwrap().remove(0)
-        };
-        let (mut ca, mut cb) = (KvCache::default(), KvCache::default());
-        target.extend(&a, &mut ca, &[]).unwrap();
-        target.extend(&b, &mut cb, &[]).unwrap();
-        let both = target
-            .extend_batch(&mut [(&[7u32][..], &mut ca), (&[11u32][..], &mut cb)])
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
-        assert_eq!((ca.len(), cb.len()), (5, 3));
-        for (got, want) in both.iter().zip([single(&a, 7), single(&b, 11)]) {
-            let err = got
-                .iter()
-                .zip(&want)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
-            assert!(err < 1e-5, "batched logits differ by {err}");
-        }
-    }
-
-    #[test]
     fn prompt_lookup_continues_the_latest_match() {
         assert_eq!(
             ngram_lookup(&[1, 2, 3, 9, 1, 2, 3, 7, 1, 2], 3, 2),

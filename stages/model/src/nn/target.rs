@@ -46,18 +46,18 @@ pub struct TargetConfig {
     pub context: usize,
 }
 
-struct Layer {
-    attn_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<Tensor>,
-    k_norm: Option<Tensor>,
-    ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+pub(super) struct Layer {
+    pub(super) attn_norm: Tensor,
+    pub(super) q: Linear,
+    pub(super) k: Linear,
+    pub(super) v: Linear,
+    pub(super) o: Linear,
+    pub(super) q_norm: Option<Tensor>,
+    pub(super) k_norm: Option<Tensor>,
+    pub(super) ffn_norm: Tensor,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
 }
 
 /// A loaded target.
@@ -71,15 +71,15 @@ pub struct Target {
     pub lm_head: Tensor,
     /// The final norm's weight (not used by the drafter, which has its own).
     pub norm: Tensor,
-    layers: Vec<Layer>,
+    pub(super) layers: Vec<Layer>,
     /// GGUF Llama weights are permuted for interleaved RoPE; HF-layout weights use rotate-half.
-    rope_interleaved: bool,
+    pub(super) rope_interleaved: bool,
     /// The dtype activations run in.
     pub dtype: DType,
 }
 
 /// candle's fused kernel (forward only: the target is frozen); f64 (tests) takes the composed path.
-fn fused_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+pub(super) fn fused_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     if x.dtype() == DType::F64 {
         return super::ops::rms_norm(x, w, eps);
     }
@@ -462,31 +462,6 @@ impl Target {
         let logits =
             Linear::Dense(self.lm_head.to_dtype(DType::F32)?).forward(&h.to_dtype(DType::F32)?)?;
         Ok((logits, tapped))
-    }
-
-    /// Extend several sequences' caches by one step each (`batch[i].0` after what `batch[i].1`
-    /// holds) in one pass: the linear layers multiply every sequence's rows at once, which reads
-    /// each weight once for the whole batch; attention runs per sequence over its own cache.
-    /// Returns each sequence's next-token logits at its last position, `[batch, vocab]` (f32).
-    pub fn extend_batch(&self, batch: &mut [(&[u32], &mut KvCache)]) -> Result<Tensor> {
-        let mut seqs: Vec<Seq<'_>> = batch
-            .iter_mut()
-            .map(|(ids, cache)| Seq {
-                ids,
-                cache: Some(&mut **cache),
-            })
-            .collect();
-        let lens: Vec<usize> = seqs.iter().map(|s| s.ids.len()).collect();
-        let (x, _) = self.run_layers(&mut seqs, &[], self.config.layers)?;
-        let mut last = Vec::with_capacity(lens.len());
-        let mut end = 0;
-        for n in lens {
-            end += n;
-            last.push(end as u32 - 1);
-        }
-        let x = x.index_select(&Tensor::new(last.as_slice(), x.device())?, 0)?;
-        let h = fused_norm(&x, &self.norm, self.config.eps)?;
-        Linear::Dense(self.lm_head.to_dtype(DType::F32)?).forward(&h.to_dtype(DType::F32)?)
     }
 
     /// Run the first `upto` layers over `ids`, after what `cache` holds (if any), appending

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Runs pipelines/smollm2.yaml on the GPU machine (the `device` tool: no Rust, no network, 64 MiB
+# carried per call, everything forgotten once the machine goes idle). The data flow:
+#   - here, `bench/gpu/story.sh pack-inputs` puts into .gpu/ (ignored by git): the CUDA build of
+#     dflash (xz), the SmolLM2 GGUF split in two (98 MB is over one call's 64 MiB) and ShareGPT (xz);
+#   - call 1 carries .gpu/ with the binary and the GGUF's first part and runs `stash`; call 2,
+#     made while the machine is still warm, carries the rest and runs `stash` then `setup`;
+#   - `run SECONDS` runs the pipeline into a store under /tmp (kept while the machine is warm)
+#     and stops it with Ctrl-C (SIGINT) before the call's limit: generate and train commit
+#     shards as they go, so the next call's `run` resumes where this one stopped;
+#   - `bring-back` copies the store's results (manifests, metrics, bench results, the drafter,
+#     the run records, zstd) under $OUT, so they land on this machine.
+set -euo pipefail
+STASH=/tmp/dflash-story
+STORE=$STASH/store
+cmd=${1:-}
+shift || true
+case $cmd in
+pack-inputs)
+    # Here: fill .gpu/ from a CUDA build and .assets/.
+    bin=${1:?the CUDA build of dflash}
+    mkdir -p .gpu/a .gpu/b .gpu/c
+    strip -o /tmp/dflash-cuda "$bin" && xz -T2 -6 -c /tmp/dflash-cuda > .gpu/a/dflash.xz
+    split -n 2 -d .assets/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/gguf.part-
+    mv /tmp/gguf.part-00 .gpu/a/ && mv /tmp/gguf.part-01 .gpu/b/
+    xz -T2 -6 -c .assets/sharegpt.json > .gpu/c/sharegpt.json.xz
+    cp .assets/HumanEval.jsonl.gz .assets/gsm8k.jsonl .assets/mt-bench.jsonl .gpu/a/
+    du -sb .gpu/a .gpu/b .gpu/c
+    ;;
+stash)
+    # There: keep what this call carried (the working tree's .gpu/ is replaced by the next call).
+    mkdir -p $STASH
+    cp -r .gpu/. $STASH/
+    ls -la $STASH
+    ;;
+setup)
+    # There: the model, ShareGPT and the benchmark sets in .assets/, the binary in /tmp.
+    mkdir -p $STASH/assets
+    [ -f $STASH/assets/SmolLM2-135M-Instruct.Q4_1.gguf ] ||
+        cat $STASH/gguf.part-00 $STASH/gguf.part-01 > $STASH/assets/SmolLM2-135M-Instruct.Q4_1.gguf
+    [ -f $STASH/assets/sharegpt.json ] || xz -dc $STASH/sharegpt.json.xz > $STASH/assets/sharegpt.json
+    cp -n $STASH/HumanEval.jsonl.gz $STASH/gsm8k.jsonl $STASH/mt-bench.jsonl $STASH/assets/
+    [ -x $STASH/dflash ] || { xz -dc $STASH/dflash.xz > $STASH/dflash && chmod +x $STASH/dflash; }
+    rm -rf .assets && ln -s $STASH/assets .assets
+    sha256sum .assets/SmolLM2-135M-Instruct.Q4_1.gguf
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    ;;
+run)
+    # There: run the pipeline for at most SECONDS, then Ctrl-C (what is committed stays).
+    secs=${1:?seconds}
+    shift
+    lib=$(python3 -c "import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],'cu13','lib'))")
+    export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
+    rm -rf .assets && ln -s $STASH/assets .assets
+    timeout -s INT -k 20 "$secs" $STASH/dflash run pipelines/smollm2.yaml --store $STORE "$@" || echo "run stopped: exit $?"
+    $STASH/dflash plan pipelines/smollm2.yaml --store $STORE || true
+    ;;
+smoke)
+    # There: the same pipeline, small (256 prompts, 40 training steps, 4 prompts per set), into
+    # its own store: the speeds that size the real run, and any failure before it costs much.
+    lib=$(python3 -c "import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],'cu13','lib'))")
+    export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
+    rm -rf .assets && ln -s $STASH/assets .assets
+    sed -e 's/total: 10000/total: 256/' -e 's/limit: 12000/limit: 600/' \
+        -e 's/checkpoint_every: 250/checkpoint_every: 20\n      max_steps: 40/' \
+        -e 's/prompts: 200 .*/prompts: 4/' pipelines/smollm2.yaml > pipelines/smoke.yaml
+    timeout -s INT -k 20 "${1:-300}" $STASH/dflash run pipelines/smoke.yaml --store $STASH/smoke || echo "smoke stopped: exit $?"
+    for s in completions tokens drafter bench; do $STASH/dflash show $s -p pipelines/smoke.yaml --store $STASH/smoke | head -60; done
+    rm pipelines/smoke.yaml
+    ;;
+dflash)
+    lib=$(python3 -c "import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],'cu13','lib'))")
+    export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
+    rm -rf .assets && ln -s $STASH/assets .assets
+    $STASH/dflash "$@"
+    ;;
+bring-back)
+    # There: the store's small files (manifests, run records, shard lists, metrics, results),
+    # the drafter and the bench artifact exported, the run's report, under $OUT in 15 MiB pieces.
+    lib=$(python3 -c "import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],'cu13','lib'))")
+    export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
+    rm -rf /tmp/back && mkdir -p /tmp/back
+    for s in drafter bench; do
+        $STASH/dflash export $s -p pipelines/smollm2.yaml --store $STORE /tmp/back/$s || true
+    done
+    # Not the checkpoints (weights and both moments, each): the exported weights and metrics.
+    find /tmp/back/drafter -mindepth 1 -maxdepth 1 ! -name drafter ! -name '*.json*' -exec rm -rf {} + || true
+    $STASH/dflash report latest --store $STORE -o /tmp/back/report.html || true
+    (cd $STORE && find . -type f -size -2M | sort) > /tmp/small.txt
+    tar -czf /tmp/back/store-small.tar.gz -C $STORE -T /tmp/small.txt
+    tar -czf - -C /tmp back | split -b 15M -d - "$OUT/back.tar.gz."
+    ls -la "$OUT"
+    ;;
+*)
+    echo "usage: bench/gpu/story.sh pack-inputs BIN | stash | setup | run SECONDS | dflash ARGS | bring-back" >&2
+    exit 2
+    ;;
+esac

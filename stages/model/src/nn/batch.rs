@@ -1,0 +1,250 @@
+//! Batched decoding for generation: many conversations advanced together through one forward
+//! pass per step, so a GPU does one launch per op for the whole batch instead of one per
+//! sequence. The prompts are left-padded to the longest, so every sequence's next token lands
+//! in the same cache column and is written in place (`slice_set`) into one preallocated
+//! `[batch, kv_heads, capacity, head_dim]` key and value tensor per layer; a mask hides each
+//! sequence's padding, and each row's rotary position counts from its own first token, so a
+//! sequence's logits are the ones it would get decoded alone.
+//!
+//! Grouped-query heads are multiplied without repeating the keys: the query heads that share a
+//! key/value head are stacked as rows of one matrix against it.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::Result;
+use super::ops::Linear;
+use super::target::Target;
+
+/// Columns prefilled per pass (2 in the tests, so their short prompts take several).
+const PREFILL_CHUNK: usize = if cfg!(test) { 2 } else { 256 };
+
+/// Sequences decoded together; see the module docs.
+pub struct BatchDecoder<'t> {
+    target: &'t Target,
+    /// Per layer: keys and values `[batch, kv_heads, capacity, head_dim]`.
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    /// Per sequence: the column of its first token (the padding is before it).
+    start: Vec<u32>,
+    /// Columns written so far.
+    width: usize,
+    capacity: usize,
+}
+
+impl<'t> BatchDecoder<'t> {
+    /// Prefill `prompts` (none empty) with room for `extra` more tokens each; returns the decoder
+    /// and each prompt's next-token logits `[batch, vocab]` (f32).
+    pub fn prefill(target: &'t Target, prompts: &[&[u32]], extra: usize) -> Result<(Self, Tensor)> {
+        if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
+            candle_core::bail!("batched prefill needs at least one prompt, none of them empty");
+        }
+        let c = &target.config;
+        let device = target.embed.device();
+        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+        let capacity = longest + extra;
+        let batch = prompts.len();
+        let shape = (batch, c.kv_heads, capacity, c.head_dim);
+        let zeros = || Tensor::zeros(shape, target.dtype, device);
+        let mut decoder = Self {
+            target,
+            keys: (0..c.layers).map(|_| zeros()).collect::<Result<_>>()?,
+            values: (0..c.layers).map(|_| zeros()).collect::<Result<_>>()?,
+            start: prompts.iter().map(|p| (longest - p.len()) as u32).collect(),
+            width: 0,
+            capacity,
+        };
+        // Padding takes token 0: its rows are masked out of every real row's attention.
+        let mut ids = Vec::with_capacity(batch * longest);
+        for p in prompts {
+            ids.extend(std::iter::repeat_n(0u32, longest - p.len()));
+            ids.extend_from_slice(p);
+        }
+        let ids = Tensor::from_vec(ids, (batch, longest), device)?;
+        // In chunks of columns: the scores of one chunk are `[batch, heads, chunk, width]`,
+        // where the whole prompt at once would be `width` wide in both.
+        let mut logits = None;
+        for from in (0..longest).step_by(PREFILL_CHUNK) {
+            let n = PREFILL_CHUNK.min(longest - from);
+            logits = Some(decoder.forward(&ids.narrow(1, from, n)?.contiguous()?)?);
+        }
+        Ok((decoder, logits.expect("a non-empty prompt")))
+    }
+
+    /// Feed one token per sequence (a finished sequence can be fed anything: its row is then
+    /// wasted work, nothing else) and return the next-token logits `[batch, vocab]` (f32).
+    pub fn step(&mut self, next: &[u32]) -> Result<Tensor> {
+        if next.len() != self.start.len() {
+            candle_core::bail!("{} tokens for {} sequences", next.len(), self.start.len());
+        }
+        if self.width >= self.capacity {
+            candle_core::bail!("the batch's cache is full ({} columns)", self.capacity);
+        }
+        let ids = Tensor::from_slice(next, (next.len(), 1), self.target.embed.device())?;
+        self.forward(&ids)
+    }
+
+    /// Columns written so far (the longest prompt plus the steps taken).
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// Run `ids` `[batch, n]` as the next `n` columns; the logits at the last one.
+    fn forward(&mut self, ids: &Tensor) -> Result<Tensor> {
+        let t = self.target;
+        let c = &t.config;
+        let device = t.embed.device();
+        let (batch, n) = ids.dims2()?;
+        let (from, to) = (self.width, self.width + n);
+        let groups = c.heads / c.kv_heads;
+        // Each row's rotary position counts from its own first token.
+        let positions: Vec<u32> = self
+            .start
+            .iter()
+            .flat_map(|&s| (from..to).map(move |col| (col as u32).saturating_sub(s)))
+            .collect();
+        let (cos, sin) =
+            super::ops::rope_tables(&positions, c.head_dim, c.rope_theta, t.dtype, device)?;
+        let half = c.head_dim / 2;
+        let (cos, sin) = (
+            cos.reshape((batch, n, half))?,
+            sin.reshape((batch, n, half))?,
+        );
+        let mask = self.mask(n, device)?;
+        let scale = 1.0 / (c.head_dim as f64).sqrt();
+        let mut x = t.embed(&ids.flatten_all()?)?;
+        for (i, layer) in t.layers.iter().enumerate() {
+            let h = super::target::fused_norm(&x, &layer.attn_norm, c.eps)?;
+            // [batch * n, heads * d] -> [batch, heads, n, d]
+            let split = |y: Tensor, heads: usize| -> Result<Tensor> {
+                y.reshape((batch, n, heads, c.head_dim))?
+                    .transpose(1, 2)?
+                    .contiguous()
+            };
+            let mut q = split(layer.q.forward(&h)?, c.heads)?;
+            let mut k = split(layer.k.forward(&h)?, c.kv_heads)?;
+            let v = split(layer.v.forward(&h)?, c.kv_heads)?;
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                q = super::target::fused_norm(&q, qn, c.eps)?;
+                k = super::target::fused_norm(&k, kn, c.eps)?;
+            }
+            let rope = if t.rope_interleaved {
+                candle_nn::rotary_emb::rope_i
+            } else {
+                candle_nn::rotary_emb::rope
+            };
+            let (q, k) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
+            self.keys[i].slice_set(&k, 2, from)?;
+            self.values[i].slice_set(&v, 2, from)?;
+            let keys = self.keys[i].narrow(2, 0, to)?;
+            let values = self.values[i].narrow(2, 0, to)?;
+            // The query heads of one key/value head, stacked: [batch, kv_heads, groups * n, d].
+            let q = q.reshape((batch, c.kv_heads, groups * n, c.head_dim))?;
+            let scores = (q.matmul(&keys.t()?)? * scale)?
+                .to_dtype(DType::F32)?
+                .reshape((batch, c.kv_heads, groups, n, to))?
+                .broadcast_add(&mask)?;
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?
+                .to_dtype(t.dtype)?
+                .reshape((batch, c.kv_heads, groups * n, to))?;
+            let a = probs
+                .matmul(&values)?
+                .reshape((batch, c.heads, n, c.head_dim))?
+                .transpose(1, 2)?
+                .reshape((batch * n, c.heads * c.head_dim))?;
+            x = (x + layer.o.forward(&a)?)?;
+            let h = super::target::fused_norm(&x, &layer.ffn_norm, c.eps)?;
+            x = (&x + super::ops::swiglu(&h, &layer.gate, &layer.up, &layer.down)?)?;
+        }
+        self.width = to;
+        let last = x
+            .reshape((batch, n, c.hidden))?
+            .narrow(1, n - 1, 1)?
+            .squeeze(1)?;
+        let h = super::target::fused_norm(&last, &t.norm, c.eps)?;
+        Linear::Dense(t.lm_head.to_dtype(DType::F32)?).forward(&h.to_dtype(DType::F32)?)
+    }
+
+    /// The additive mask `[batch, 1, 1, n, width + n]` (f32) for the next `n` columns: a row
+    /// sees its sequence's columns up to itself, never the padding; a padding row sees itself
+    /// (so its softmax has something to normalise; nothing reads it).
+    fn mask(&self, n: usize, device: &Device) -> Result<Tensor> {
+        let (from, to) = (self.width as u32, (self.width + n) as u32);
+        let batch = self.start.len();
+        let cols = Tensor::arange(0u32, to, device)?.reshape((1, 1, to as usize))?;
+        let rows = Tensor::arange(from, to, device)?.reshape((1, n, 1))?;
+        let start = Tensor::new(self.start.as_slice(), device)?.reshape((batch, 1, 1))?;
+        let causal = cols.broadcast_le(&rows)?;
+        let own = cols.broadcast_ge(&start)?;
+        let itself = cols.broadcast_eq(&rows)?;
+        let open = causal.broadcast_mul(&own)?.broadcast_maximum(&itself)?;
+        let zeros = Tensor::zeros(open.shape(), DType::F32, device)?;
+        let closed = Tensor::full(f32::NEG_INFINITY, open.shape(), device)?;
+        open.where_cond(&zeros, &closed)?
+            .reshape((batch, 1, 1, n, to as usize))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::target::{KvCache, TargetConfig};
+
+    fn tiny(family: &str, qk_norm: bool) -> Target {
+        let config = TargetConfig {
+            family: family.into(),
+            hidden: 32,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            ffn: 48,
+            vocab: 50,
+            eps: 1e-6,
+            rope_theta: 10_000.0,
+            qk_norm,
+            context: 128,
+        };
+        Target::random(config, 3, DType::F32, &Device::Cpu).expect("target")
+    }
+
+    /// Each sequence of a padded batch gets the logits it gets decoded alone, at the prefill
+    /// and at every step after it, prompts of different lengths together.
+    #[test]
+    fn a_batch_decodes_each_sequence_as_it_decodes_alone() {
+        for (family, qk_norm) in [("llama", false), ("qwen3", true)] {
+            let target = tiny(family, qk_norm);
+            let prompts: [&[u32]; 3] = [&[5, 9, 2, 7, 1], &[3], &[8, 8, 4]];
+            let (mut batch, mut logits) =
+                BatchDecoder::prefill(&target, &prompts, 6).expect("prefill");
+            let mut alone: Vec<(KvCache, Tensor)> = prompts
+                .iter()
+                .map(|p| {
+                    let mut cache = KvCache::default();
+                    let (l, _) = target.extend(p, &mut cache, &[]).expect("extend");
+                    (cache, l.narrow(0, p.len() - 1, 1).expect("last"))
+                })
+                .collect();
+            for step in 0..6u32 {
+                for (row, (_, l)) in alone.iter().enumerate() {
+                    let b = logits.narrow(0, row, 1).expect("row");
+                    let diff: f32 = (b - l)
+                        .expect("diff")
+                        .abs()
+                        .expect("abs")
+                        .max_all()
+                        .expect("max")
+                        .to_scalar()
+                        .expect("scalar");
+                    assert!(diff < 1e-4, "{family}, step {step}, row {row}: {diff}");
+                }
+                let next: Vec<u32> = (0..3).map(|r| (step * 7 + r * 11) % 50).collect();
+                logits = batch.step(&next).expect("step");
+                for ((cache, l), &t) in alone.iter_mut().zip(&next) {
+                    *l = target.extend(&[t], cache, &[]).expect("extend").0;
+                }
+            }
+            assert_eq!(batch.width(), 5 + 6);
+            assert!(batch.step(&[1, 2, 3]).is_err(), "past the capacity");
+        }
+    }
+}
