@@ -30,7 +30,8 @@ pack-inputs)
 stash)
     # There: keep what this call carried (the working tree's .gpu/ is replaced by the next call).
     mkdir -p $STASH
-    cp -r .gpu/. $STASH/
+    for d in .gpu/*/; do cp -r "$d". $STASH/; done
+    [ -d $STASH/a ] && mv $STASH/a/* $STASH/ && rmdir $STASH/a
     ls -la $STASH
     ;;
 setup)
@@ -61,9 +62,9 @@ smoke)
     lib=$(python3 -c "import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],'cu13','lib'))")
     export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
     rm -rf .assets && ln -s $STASH/assets .assets
-    sed -e 's/total: 10000/total: 256/' -e 's/limit: 12000/limit: 600/' \
-        -e 's/checkpoint_every: 250/checkpoint_every: 20\n      max_steps: 40/' \
-        -e 's/prompts: 200 .*/prompts: 4/' pipelines/smollm2.yaml > pipelines/smoke.yaml
+    sed -e 's/total: 2400/total: 256/' -e 's/limit: 12000/limit: 600/' \
+        -e 's/max_steps: 1400/max_steps: 40/' \
+        -e 's/prompts: 24 .*/prompts: 4/' pipelines/smollm2.yaml > pipelines/smoke.yaml
     timeout -s INT -k 20 "${1:-300}" $STASH/dflash run pipelines/smoke.yaml --store $STASH/smoke || echo "smoke stopped: exit $?"
     for s in completions tokens drafter bench; do $STASH/dflash show $s -p pipelines/smoke.yaml --store $STASH/smoke | head -60; done
     rm pipelines/smoke.yaml
