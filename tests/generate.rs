@@ -216,6 +216,12 @@ fn faults_are_retried_and_nothing_is_lost_or_duplicated() {
             .filter(|r| r["status"] != 200)
             .count();
         assert!(failed > 0, "{fault}: the fault was injected");
+        // Errors a live server answers quickly never drain it (it is the only one: draining
+        // would leave the work waiting); a hang is a timeout, evidence it may be down.
+        let drained = stats(&env)["endpoints"][0]["drained"].as_u64().unwrap();
+        if fault != "hang" {
+            assert_eq!(drained, 0, "{fault}: a server that answers was drained");
+        }
     }
 }
 
@@ -255,6 +261,77 @@ fn a_dead_endpoint_is_drained_and_its_requests_go_elsewhere() {
     );
     let rows = rows(&env2);
     assert_eq!(rows.len(), 41, "every prompt answered exactly once");
+    let drained = stats(&env2)["endpoints"][0]["drained"].as_u64().unwrap();
+    assert!(drained >= 1, "the dead server was drained");
+}
+
+/// `max_in_flight` is per endpoint, and held: with one of two endpoints down, the survivor never
+/// holds more requests than its limit, though the stage dispatches for both; and it is kept full.
+#[test]
+fn max_in_flight_is_held_per_endpoint_when_another_is_down() {
+    let env = Env::new();
+    let live = Mock::start(env.path(), &["--delay", "0.1"]);
+    let down = format!("http://127.0.0.1:{}/v1", free_port());
+    prompts(&env, 40);
+    env.write("gen.yaml", &pipeline(&[down, live.url()], ""));
+    env.run("gen.yaml", 0);
+    assert_eq!(rows(&env).len(), 41, "every prompt answered");
+    let held: Vec<u64> = live
+        .requests()
+        .iter()
+        .map(|r| r["concurrent"].as_u64().unwrap())
+        .collect();
+    let most = held.iter().copied().max().unwrap();
+    assert!(
+        most <= 4,
+        "the live server held {most} requests at once; `max_in_flight` is 4"
+    );
+    assert_eq!(most, 4, "the survivor is kept full: {held:?}");
+}
+
+/// What is saved survives a change of how the work is done: after a run is killed, pointing
+/// `endpoints` at a replacement server and changing `attempts`, `max_in_flight`,
+/// `request_timeout_s` and the shard sizes keeps the key (`plan` says partial, not "never run"),
+/// and the rerun sends only what was not saved.
+#[test]
+fn operational_settings_changed_after_a_kill_resend_nothing_saved() {
+    let env = Env::new();
+    let first = Mock::start(env.path(), &["--delay", "0.02"]);
+    prompts(&env, 300);
+    env.write(
+        "gen.yaml",
+        &pipeline(&[first.url()], "shard_rows: 10, shard_seconds: 0.2"),
+    );
+    let mut child = env.run_until_shards("gen.yaml", 3);
+    let killed = Command::new("kill")
+        .args(["-9", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let _ = child.wait();
+    drop(first);
+    let replacement = Mock::start(env.path(), &[]);
+    env.write(
+        "gen.yaml",
+        &pipeline_with(
+            &format!(
+                "{{model: target, endpoints: ['{}'], max_in_flight: 16, request_timeout_s: 30, \
+                 attempts: 3, shard_rows: 50, shard_seconds: 5}}",
+                replacement.url()
+            ),
+            "",
+        ),
+    );
+    let plan = env.dflash(&["plan", "gen.yaml"]);
+    let text = String::from_utf8_lossy(&plan.stdout);
+    let line = text.lines().find(|l| l.contains("answers")).unwrap();
+    assert!(line.starts_with("partial"), "{text}");
+    env.run("gen.yaml", 0);
+    assert_eq!(rows(&env).len(), 301, "every prompt answered once");
+    // 302 requests in all (the two-turn conversation takes two); what the shards of ten rows
+    // committed before the kill hold is not sent again (a changed key would send all 302).
+    let resent = replacement.requests().len();
+    assert!(resent <= 302 - 10, "{resent} requests after the change");
 }
 
 #[test]

@@ -693,13 +693,16 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                 let k = registry.get(name).expect("listed");
                 out(&format!("{name} (v{}): {}", k.version(), k.summary()));
                 for p in k.params() {
-                    let req = if p.required {
+                    let mut req = if p.required {
                         "required".to_owned()
                     } else {
                         p.default
                             .as_ref()
                             .map_or_else(|| "optional".to_owned(), |d| format!("default {d}"))
                     };
+                    if !p.keyed {
+                        req.push_str("; operational, not in the key");
+                    }
                     out(&format!(
                         "  {:<10} {} ({req}): {}",
                         p.name,

@@ -128,11 +128,19 @@ pub fn fingerprint(
         }
         _ => pin()?,
     };
+    // Operational params (servers, limits, retries, shard sizes) say how the work is done, not
+    // what it produces: they stay out of the key, so changing one resumes what is saved.
+    let mut params = spec.params.clone();
+    if let Some(map) = params.as_object_mut() {
+        for p in kind.params().iter().filter(|p| !p.keyed) {
+            map.remove(p.name);
+        }
+    }
     Ok(Fingerprint {
         schema: KEY_SCHEMA,
         kind: spec.kind.clone(),
         kind_version: kind.version(),
-        params: spec.params.clone(),
+        params,
         inputs: spec
             .inputs
             .iter()

@@ -12,7 +12,8 @@ turn was generated from. `--fault` injects one failure kind into every `--every`
   refuse     answers 400 to prompts containing "REFUSE" (the request's own fault)
 
 `--delay` slows every answer. Every request is appended to `--log` as one JSON line
-`{"last": ..., "status": ...}`. Binds 127.0.0.1 only; writes its port to `--port-file`.
+`{"last": ..., "status": ..., "concurrent": ...}`, `concurrent` counting the requests the server
+held when this one arrived, itself included (what a server's `--max-running-requests` bounds). Binds 127.0.0.1 only; writes its port to `--port-file`.
 """
 
 import argparse
@@ -36,9 +37,12 @@ a = ap.parse_args()
 
 lock = threading.Lock()
 count = [0]
+held = [0]
+local = threading.local()
 
 
 def log(entry):
+    entry["concurrent"] = getattr(local, "concurrent", None)
     if a.log:
         with lock, open(a.log, "a") as f:
             f.write(json.dumps(entry) + "\n")
@@ -65,6 +69,16 @@ class Handler(BaseHTTPRequestHandler):
             self.send(404, "{}")
 
     def do_POST(self):
+        with lock:
+            held[0] += 1
+            local.concurrent = held[0]
+        try:
+            self.answer()
+        finally:
+            with lock:
+                held[0] -= 1
+
+    def answer(self):
         length = int(self.headers.get("Content-Length", 0))
         req = json.loads(self.rfile.read(length))
         msgs = req["messages"]

@@ -156,6 +156,10 @@ pub struct Param {
     pub required: bool,
     /// One line of documentation.
     pub help: &'static str,
+    /// Whether it enters the stage's key: false for params that say how or where the work is
+    /// done, not what it produces (servers, limits, retries, shard sizes), so changing one
+    /// after a failure reuses everything already saved.
+    pub keyed: bool,
 }
 
 impl Param {
@@ -167,7 +171,16 @@ impl Param {
             default: None,
             required: false,
             help,
+            keyed: true,
         }
+    }
+
+    /// Mark it operational: how the work is done, not what it produces. It is left out of the
+    /// stage's key (see [`Param::keyed`]).
+    #[must_use]
+    pub fn operational(mut self) -> Self {
+        self.keyed = false;
+        self
     }
 
     /// Make it required.

@@ -1,11 +1,18 @@
 //! The OpenAI-compatible client: chat completions spread over several endpoints (SGLang, vLLM,
 //! llama.cpp's server), each with its own in-flight limit.
 //!
-//! A request goes to the live endpoint with the most free capacity. Failures that a retry can
+//! A request goes to the live endpoint with the most free capacity, and only when it has a free
+//! slot: an endpoint never holds more than its `max_in_flight` (a server sized for 16 running
+//! requests gets 16, also when the others are down); with every live endpoint full, the request
+//! waits for a slot to free. Failures that a retry can
 //! cure (connection errors, resets, timeouts, 5xx, 429, a body that is not the JSON promised) are
-//! retried with exponential backoff and jitter, up to a bound, preferring another endpoint; an
-//! endpoint that fails three times in a row is drained for a cool-down that doubles each time,
-//! so a dead server stops taking requests while the others carry on. A 4xx other than 408/429 is
+//! retried with exponential backoff and jitter (or after the server's `Retry-After`), up to a
+//! bound, preferring another endpoint. An endpoint is drained only on evidence that the server
+//! is down — three connection failures or timeouts in a row, not errors it answers quickly (a
+//! 503 or a malformed body come from a server that is up) — for a cool-down that doubles each
+//! time, so a dead server stops taking requests while the others carry on; and when every
+//! endpoint is drained, the one whose cool-down ends first still takes requests, so the last
+//! server standing is never left idle while work waits. A 4xx other than 408/429 is
 //! the request's own fault (a prompt longer than the context, say) and is not retried.
 
 use std::sync::Mutex;
@@ -33,6 +40,8 @@ pub struct Endpoint {
     pub errors: AtomicU64,
     consecutive: AtomicU32,
     drains: AtomicU32,
+    /// Times it was drained.
+    drained_count: AtomicU64,
     dead_until: Mutex<Option<Instant>>,
 }
 
@@ -47,6 +56,7 @@ impl Endpoint {
             errors: AtomicU64::new(0),
             consecutive: AtomicU32::new(0),
             drains: AtomicU32::new(0),
+            drained_count: AtomicU64::new(0),
             dead_until: Mutex::new(None),
         }
     }
@@ -59,9 +69,15 @@ impl Endpoint {
         d.filter(|t| *t > Instant::now())
     }
 
-    fn failed(&self) {
+    /// A failed attempt; `down` when it says the server is not there (no connection, no
+    /// answer in time), which alone counts towards draining it.
+    fn failed(&self, down: bool) {
         self.errors.fetch_add(1, Ordering::Relaxed);
+        if !down {
+            return;
+        }
         if self.consecutive.fetch_add(1, Ordering::Relaxed) + 1 >= DRAIN_AFTER {
+            self.drained_count.fetch_add(1, Ordering::Relaxed);
             self.consecutive.store(0, Ordering::Relaxed);
             let n = self.drains.fetch_add(1, Ordering::Relaxed).min(4);
             *self
@@ -80,6 +96,11 @@ impl Endpoint {
     /// Whether it is drained now.
     pub fn is_drained(&self) -> bool {
         self.drained_until().is_some()
+    }
+
+    /// How many times it was drained.
+    pub fn drained_times(&self) -> u64 {
+        self.drained_count.load(Ordering::Relaxed)
     }
 }
 
@@ -115,6 +136,16 @@ pub struct Client {
     body: Map<String, Json>,
     timeout: Duration,
     attempts: u32,
+    /// Woken whenever a request gives its endpoint's slot back.
+    freed: tokio::sync::Notify,
+}
+
+/// What [`Client::reserve`] found.
+enum Slot {
+    /// A slot of this endpoint, taken.
+    Taken(usize),
+    /// Every candidate full.
+    Full,
 }
 
 /// A URL as it may be shown (no credentials or query).
@@ -143,6 +174,7 @@ impl Client {
             body,
             timeout,
             attempts: attempts.max(1),
+            freed: tokio::sync::Notify::new(),
         })
     }
 
@@ -186,7 +218,7 @@ impl Client {
                 Ok(m) => m,
                 Err(why) => {
                     for _ in 0..DRAIN_AFTER {
-                        e.failed();
+                        e.failed(true);
                     }
                     unreachable.get_or_insert_with(|| {
                         StageError::new(format!("`{}` did not list its models: {why}", shown(&url)))
@@ -221,35 +253,58 @@ impl Client {
         }
     }
 
-    /// The live endpoint with the most free capacity (by share), or when every endpoint is
-    /// drained, how long until the first one comes back.
-    fn pick(&self, avoid: Option<usize>) -> Result<usize, Duration> {
-        let live: Vec<usize> = (0..self.endpoints.len())
+    /// Take a slot of the live endpoint with the most free capacity (by share) that has one,
+    /// preferring one other than `avoid`.
+    fn reserve(&self, avoid: Option<usize>) -> Slot {
+        let mut live: Vec<usize> = (0..self.endpoints.len())
             .filter(|&i| !self.endpoints[i].is_drained())
             .collect();
-        let candidates: Vec<usize> = if live.len() > 1 {
+        if live.is_empty() {
+            // Every one drained: the first to come back is the last server standing, and work
+            // waits; it takes requests (each attempt still backs off) rather than sit idle.
+            let first = (0..self.endpoints.len())
+                .min_by_key(|&i| self.endpoints[i].drained_until())
+                .expect("at least one endpoint");
+            live.push(first);
+        }
+        let mut candidates: Vec<usize> = if live.len() > 1 {
             live.iter().copied().filter(|&i| Some(i) != avoid).collect()
         } else {
             live
         };
-        candidates
-            .into_iter()
-            .min_by(|&a, &b| {
-                let load = |i: usize| {
-                    let e = &self.endpoints[i];
-                    e.in_flight.load(Ordering::Relaxed) as f64 / e.capacity as f64
-                };
-                load(a).total_cmp(&load(b))
-            })
-            .ok_or_else(|| {
-                self.endpoints
-                    .iter()
-                    .filter_map(Endpoint::drained_until)
-                    .min()
-                    .map_or(Duration::from_millis(100), |t| {
-                        t.saturating_duration_since(Instant::now())
-                    })
-            })
+        let load = |i: usize| {
+            let e = &self.endpoints[i];
+            e.in_flight.load(Ordering::Relaxed) as f64 / e.capacity as f64
+        };
+        candidates.sort_by(|&a, &b| load(a).total_cmp(&load(b)));
+        for i in candidates {
+            let e = &self.endpoints[i];
+            // Taken only below the limit, atomically: requests racing for the last slot
+            // cannot both get it.
+            if e.in_flight
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < e.capacity).then_some(n + 1)
+                })
+                .is_ok()
+            {
+                return Slot::Taken(i);
+            }
+        }
+        Slot::Full
+    }
+
+    /// Wait for a slot (see [`Self::reserve`]).
+    async fn slot(&self, avoid: Option<usize>) -> usize {
+        loop {
+            // Registered before looking, so a slot freed in between still wakes this one.
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            match self.reserve(avoid) {
+                Slot::Taken(i) => return i,
+                Slot::Full => freed.await,
+            }
+        }
     }
 
     /// One chat completion for `messages`; `key` seeds the jitter (and names the request in
@@ -269,25 +324,25 @@ impl Client {
         let body = Json::Object(body);
         let mut last = String::new();
         let mut avoid = None;
+        let mut retry_after: Option<Duration> = None;
         for attempt in 0..self.attempts {
             if attempt > 0 {
-                // Exponential backoff with jitter in [0.5, 1.5), capped at 30 s.
+                // What the server asked for (`Retry-After`, at most 5 minutes), else exponential
+                // backoff with jitter in [0.5, 1.5), capped at 30 s.
                 let base = (0.25 * f64::from(1u32 << attempt.min(7))).min(30.0);
                 let jitter =
                     0.5 + (xxh3_64(format!("{key}/{attempt}").as_bytes()) % 1000) as f64 / 1000.0;
-                tokio::time::sleep(Duration::from_secs_f64(base * jitter)).await;
+                let wait = retry_after
+                    .take()
+                    .unwrap_or_else(|| Duration::from_secs_f64(base * jitter));
+                tokio::time::sleep(wait).await;
             }
-            let i = loop {
-                match self.pick(avoid) {
-                    Ok(i) => break i,
-                    Err(wait) => tokio::time::sleep(wait.max(Duration::from_millis(50))).await,
-                }
-            };
+            let i = self.slot(avoid).await;
             let e = &self.endpoints[i];
-            e.in_flight.fetch_add(1, Ordering::Relaxed);
             e.sent.fetch_add(1, Ordering::Relaxed);
             let result = self.attempt(e, &body).await;
-            e.in_flight.fetch_sub(1, Ordering::Relaxed);
+            e.in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.freed.notify_waiters();
             match result {
                 Ok(reply) => {
                     e.succeeded();
@@ -297,10 +352,11 @@ impl Client {
                     e.succeeded();
                     return Err(Failure::Refused(why));
                 }
-                Err(Attempt::Retry(why)) => {
-                    e.failed();
+                Err(Attempt::Retry { why, down, after }) => {
+                    e.failed(down);
                     last = format!("{}: {why}", shown(&e.url));
                     avoid = Some(i);
+                    retry_after = after;
                 }
             }
         }
@@ -319,39 +375,55 @@ impl Client {
             .body(body.to_string())
             .send()
             .await
-            .map_err(|err| {
-                Attempt::Retry(if err.is_timeout() {
+            .map_err(|err| Attempt::Retry {
+                // No connection, or no answer in time: evidence the server is down.
+                why: if err.is_timeout() {
                     format!("no answer within {} s", self.timeout.as_secs())
                 } else {
                     root(&err)
-                })
+                },
+                down: true,
+                after: None,
             })?;
         let status = r.status();
-        let bytes = r.bytes().await.map_err(|err| Attempt::Retry(root(&err)))?;
+        let after = r
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(|s| Duration::from_secs(s.min(300)));
+        let bytes = r.bytes().await.map_err(|err| Attempt::Retry {
+            why: root(&err),
+            down: false,
+            after: None,
+        })?;
         if status.as_u16() == 429 || status.as_u16() == 408 || status.is_server_error() {
-            return Err(Attempt::Retry(format!("HTTP {status}")));
+            return Err(Attempt::Retry {
+                why: format!("HTTP {status}"),
+                down: false,
+                after,
+            });
         }
         if !status.is_success() {
             let text = String::from_utf8_lossy(&bytes);
             let snippet: String = text.chars().take(300).collect();
             return Err(Attempt::Refused(format!("HTTP {status}: {snippet}")));
         }
-        let v: Json = serde_json::from_slice(&bytes)
-            .map_err(|err| Attempt::Retry(format!("the answer is not JSON ({err})")))?;
+        let v: Json = serde_json::from_slice(&bytes).map_err(|err| Attempt::Retry {
+            why: format!("the answer is not JSON ({err})"),
+            down: false,
+            after: None,
+        })?;
         let choice = &v["choices"][0];
         let message = &choice["message"];
         let Some(content) = message["content"]
             .as_str()
             .or_else(|| message["content"].is_null().then_some(""))
         else {
-            return Err(Attempt::Retry(
-                "the answer has no `choices[0].message`".into(),
-            ));
+            return Err(no_message());
         };
         if !message.is_object() {
-            return Err(Attempt::Retry(
-                "the answer has no `choices[0].message`".into(),
-            ));
+            return Err(no_message());
         }
         let reasoning = ["reasoning_content", "reasoning"]
             .iter()
@@ -371,8 +443,22 @@ impl Client {
 }
 
 enum Attempt {
-    Retry(String),
+    /// Worth another try; `down` when the failure says the server is not there; `after`, the
+    /// wait it asked for.
+    Retry {
+        why: String,
+        down: bool,
+        after: Option<Duration>,
+    },
     Refused(String),
+}
+
+fn no_message() -> Attempt {
+    Attempt::Retry {
+        why: "the answer has no `choices[0].message`".into(),
+        down: false,
+        after: None,
+    }
 }
 
 fn root(e: &dyn std::error::Error) -> String {

@@ -100,19 +100,22 @@ impl StageKind for GenerateKind {
                 strs(),
                 "base URLs of running servers, e.g. `http://10.0.0.5:30000/v1`",
             )
-            .default(json!([])),
+            .default(json!([]))
+            .operational(),
             Param::new(
                 "max_in_flight",
                 ParamType::Int,
                 "requests each endpoint holds at once",
             )
-            .default(64),
+            .default(64)
+            .operational(),
             Param::new(
                 "launch",
                 ParamType::Any,
                 "start servers: {command: \"... --port {port}\", gpus: [0, 1, ...], port: 30000, \
                  ready_path: /v1/models, ready_timeout_s: 1800}",
-            ),
+            )
+            .operational(),
             Param::new("max_tokens", ParamType::Int, "the most tokens per reply").default(2048),
             Param::new("temperature", ParamType::Float, "sampling temperature").default(0.0),
             Param::new("top_p", ParamType::Float, "nucleus sampling").default(1.0),
@@ -164,25 +167,29 @@ impl StageKind for GenerateKind {
                 ParamType::Int,
                 "seconds one request may take",
             )
-            .default(1800),
+            .default(1800)
+            .operational(),
             Param::new(
                 "attempts",
                 ParamType::Int,
                 "tries per request before the stage gives up",
             )
-            .default(8),
+            .default(8)
+            .operational(),
             Param::new(
                 "shard_rows",
                 ParamType::Int,
                 "save a shard after this many rows...",
             )
-            .default(2000),
+            .default(2000)
+            .operational(),
             Param::new(
                 "shard_seconds",
                 ParamType::Float,
                 "...or after this many seconds",
             )
-            .default(60.0),
+            .default(60.0)
+            .operational(),
             Param::new(
                 "batch_size",
                 ParamType::Int,
@@ -303,7 +310,8 @@ impl StageKind for GenerateKind {
                 .zip(&served)
                 .map(|(e, (url, models))| {
                     json!({"url": url, "models": models, "sent": e.sent.load(Ordering::Relaxed),
-                           "failed_attempts": e.errors.load(Ordering::Relaxed)})
+                           "failed_attempts": e.errors.load(Ordering::Relaxed),
+                           "drained": e.drained_times()})
                 })
                 .collect();
             (reports, endpoints)

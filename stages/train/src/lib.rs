@@ -94,7 +94,7 @@ impl StageKind for TrainKind {
             Param::new("weight_decay", float(), "AdamW weight decay").default(0.0),
             Param::new("grad_clip", float(), "clip the gradients' global norm to this").default(1.0),
             Param::new("seed", int(), "seed for anchor sampling, data order and initialisation").default(0),
-            Param::new("checkpoint_every", int(), "optimizer steps between checkpoints").default(1000),
+            Param::new("checkpoint_every", int(), "optimizer steps between checkpoints (operational: a resume is exact whatever it is)").default(1000).operational(),
             Param::new("max_steps", int(), "stop after this many optimizer steps (null: all epochs)"),
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where to train").default("auto"),
         ]
