@@ -124,6 +124,10 @@ fn qwen3_tokens_and_masks_equal_transformers_thinking_on_and_off() {
     kind: tokenize
     inputs: [crafted, sharegpt, humaneval]
     params: {{tokenizer: qwen3, template_kwargs: {{enable_thinking: false}}, train_on: last, reasoning: drop}}
+  nothink_all:
+    kind: tokenize
+    inputs: [crafted, sharegpt, humaneval]
+    params: {{tokenizer: qwen3, template_kwargs: {{enable_thinking: false}}}}
 "
     ));
     let (status, _) = env.run("tok.yaml", 0);
@@ -196,6 +200,24 @@ fn qwen3_tokens_and_masks_equal_transformers_thinking_on_and_off() {
         "{flagged}"
     );
     assert_eq!(count(&nothink, "compared"), count(&think, "compared"));
+
+    // Thinking off, every turn trained: replies that begin like the rest of the generation
+    // prompt (`<think>\n\n</think>\n\n`) keep their first characters trained.
+    let all = reference(
+        &env,
+        "nothink_all",
+        r#"{"enable_thinking": false}"#,
+        "all",
+        "keep",
+    );
+    let angle = segments(&all, "angle-replies");
+    for (k, reply) in ["<https://example.com>", "<think", "<", "</", "<t"]
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(angle[k], format!("{reply}<|im_end|>"), "{angle:?}");
+    }
+    assert_eq!(angle.last().unwrap(), "<done><|im_end|>", "{angle:?}");
 }
 
 #[test]

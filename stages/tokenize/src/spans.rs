@@ -3,7 +3,11 @@
 //! Spans come from the template itself, never from patterns over special strings:
 //! - a turn starts where the template, asked for a generation prompt after the messages before
 //!   it, stops agreeing with the full render (so the header and anything the generation prompt
-//!   adds, such as Qwen3's empty `<think></think>` when thinking is off, stay prompt);
+//!   adds, such as Qwen3's empty `<think></think>` when thinking is off, stay prompt) — or where
+//!   its content starts, if that is earlier: the agreement can run on into a reply that happens
+//!   to begin like the rest of the generation prompt (a reply `<https://...>` against Qwen3's
+//!   `<think>` with thinking off), and the content is always generated. The content's start is
+//!   found as its end is, with a marker put before it;
 //! - its content ends where a marker appended to the content (before any trailing whitespace)
 //!   appears in a second render — a private-use character the text does not contain — which
 //!   follows whatever the template does to the content (splitting off reasoning, trimming);
@@ -86,7 +90,17 @@ pub fn render(
         unlike_prompt += u32::from(start < prompt.len());
         starts.push(start);
     }
-    let ends = content_ends(template, turns, tools, &chosen, &text, &starts)?;
+    let content_starts = marked(template, turns, tools, &chosen, &text, Mark::Start)?;
+    for (start, content) in starts.iter_mut().zip(content_starts) {
+        if let Some(c) = content {
+            *start = (*start).min(c);
+        }
+    }
+    let ends: Vec<usize> = marked(template, turns, tools, &chosen, &text, Mark::End)?
+        .into_iter()
+        .zip(&starts)
+        .map(|(e, &s)| e.unwrap_or(s))
+        .collect();
 
     let mut spans: Vec<Range<usize>> = Vec::with_capacity(chosen.len());
     for (k, &i) in chosen.iter().enumerate() {
@@ -112,15 +126,27 @@ pub fn render(
     })
 }
 
-/// Byte offset where each chosen turn's content ends in `text`.
-fn content_ends(
+/// Where a marker goes in a turn's content.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mark {
+    /// Before its first non-whitespace character (templates often strip leading newlines).
+    Start,
+    /// After its last non-whitespace character (templates often trim trailing whitespace).
+    End,
+}
+
+/// Byte offset in `text` where each chosen turn's content starts or ends (`mark`): `None` for
+/// empty content, and, for a start, where the template does not render the marked content as
+/// it is (the marker moved into reasoning it drops, say). An end that cannot be found is an
+/// error: it bounds the turn.
+fn marked(
     template: &ChatTemplate,
     turns: &[Turn<'_>],
     tools: Option<&Json>,
     chosen: &[usize],
     text: &str,
-    starts: &[usize],
-) -> Result<Vec<usize>, SpanError> {
+    mark: Mark,
+) -> Result<Vec<Option<usize>>, SpanError> {
     let t = |e: crate::template::TemplateError| SpanError::Template(e.0);
     let marker = (0xE000..=0xF8FF)
         .filter_map(char::from_u32)
@@ -140,6 +166,11 @@ fn content_ends(
             .map(|(i, m)| {
                 if !only.contains(&i) {
                     return m.content.to_owned();
+                }
+                if mark == Mark::Start {
+                    let body = m.content.trim_start();
+                    let lead = &m.content[..m.content.len() - body.len()];
+                    return format!("{lead}{marker}{body}");
                 }
                 // Before trailing whitespace, which templates often trim (Llama 3's `| trim`).
                 let body = m.content.trim_end();
@@ -187,16 +218,15 @@ fn content_ends(
             // One marker at a time, for templates whose output depends on the content in ways a
             // marker in every turn disturbs.
             for &i in &to_mark {
-                let e = marked_render(&[i])?.ok_or(SpanError::Unlocatable(i))?;
-                found[index_of(i)] = Some(e[0]);
+                match (marked_render(&[i])?, mark) {
+                    (Some(e), _) => found[index_of(i)] = Some(e[0]),
+                    (None, Mark::Start) => {}
+                    (None, Mark::End) => return Err(SpanError::Unlocatable(i)),
+                }
             }
         }
     }
-    Ok(found
-        .into_iter()
-        .zip(starts)
-        .map(|(e, &s)| e.unwrap_or(s))
-        .collect())
+    Ok(found)
 }
 
 /// Bytes up to the end of the first end-of-turn token in `rest`.
@@ -261,6 +291,43 @@ mod tests {
             ["ok"],
             "a cut-off turn never generated its end token"
         );
+    }
+
+    /// A generation prompt that adds an empty think block (Qwen3 with thinking off) to a header
+    /// that earlier turns render without one: a reply that begins like that block keeps its
+    /// first characters trained.
+    #[test]
+    fn a_reply_that_begins_like_the_generation_prompt_is_trained_whole() {
+        let tpl = ChatTemplate::new(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+             {% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}",
+            &Map::new(),
+            &Map::new(),
+        )
+        .unwrap();
+        let end = vec!["<|im_end|>".to_owned()];
+        for reply in [
+            "<https://example.com>",
+            "<think",
+            "<",
+            "</",
+            "<t",
+            "<think>\n",
+            "plain",
+        ] {
+            let turns = [
+                turn("user", "q"),
+                turn("assistant", reply),
+                turn("user", "again"),
+                turn("assistant", "<x"),
+            ];
+            let r = render(&tpl, &turns, None, Which::All, &end, false).unwrap();
+            assert_eq!(
+                spans_text(&r),
+                [format!("{reply}<|im_end|>"), "<x<|im_end|>".to_owned()],
+                "{reply:?}"
+            );
+        }
     }
 
     #[test]
