@@ -118,10 +118,14 @@ class Reference:
             if chr(c) not in full and all(chr(c) not in m["content"] for m in msgs)
         )
 
-        def marked(only):
+        def marked(only, at_start=False):
             m2 = [dict(m) for m in msgs]
             for i in only:
                 c = m2[i]["content"]
+                if at_start:
+                    body = c.lstrip()
+                    m2[i]["content"] = c[: len(c) - len(body)] + marker + body
+                    continue
                 body = c.rstrip()
                 m2[i]["content"] = body + marker + c[len(body):]
             out = render(m2, tools, False)
@@ -131,6 +135,13 @@ class Reference:
             return [p - k for k, p in enumerate(pos)]
 
         with_content = [i for i in chosen if msgs[i]["content"]]
+        # A turn starts no later than its content (the prompt's agreement can run into a reply
+        # that begins like the generation prompt's tail).
+        for i in with_content:
+            one = marked([i], at_start=True)
+            if one is not None:
+                k = chosen.index(i)
+                starts[k] = min(starts[k], one[0])
         ends = dict(zip(chosen, starts))
         if with_content:
             found = marked(with_content)
