@@ -3,6 +3,7 @@
 doing the same templating and masking, on the same real conversations, in the same run.
 
     python3 bench/tokenize.py [--rows 5000]
+    python3 bench/tokenize.py --long        # long unbroken text: time as the length doubles
 
 Needs transformers, datasets and pyarrow, and `scripts/fetch-assets` (the real Qwen3 tokenizer
 and chat template, and the ShareGPT dump: real multi-turn conversations, code and many
@@ -66,11 +67,56 @@ def dflash_run(work, pipeline, store, threads, cpus):
     return working, stage["seconds"], json.loads(shown.stdout)["stats"]
 
 
+LONG = r"""
+import sys, time, json
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+for n in map(int, sys.argv[2:]):
+    text = "-" * n
+    t = time.perf_counter()
+    tok(text, return_offsets_mapping=True)
+    print(json.dumps({"n": n, "seconds": time.perf_counter() - t}))
+"""
+
+
+def long_runs():
+    """A reply of 20K, 40K and 80K `-` (one unbroken word, as a markdown table rule is), each
+    tokenized by the stage on one core, beside `transformers` on the same text: the time per
+    doubling should stay near 2x (linear), not 4x (quadratic)."""
+    work = tempfile.mkdtemp(prefix="dflash-bench-long-")
+    os.symlink(os.path.join(ASSETS, "qwen3"), os.path.join(work, "qwen3"))
+    sizes = [20_000, 40_000, 80_000]
+    ours = []
+    for n in sizes:
+        with open(os.path.join(work, f"long-{n}.jsonl"), "w") as f:
+            f.write(json.dumps({"id": "rule", "messages": [{"role": "user", "content": "a table"},
+                                                           {"role": "assistant", "content": "-" * n}]}) + "\n")
+        pipeline = os.path.join(work, f"long-{n}.yaml")
+        with open(pipeline, "w") as f:
+            f.write(f"""stages:
+  sg: {{kind: download, params: {{path: long-{n}.jsonl, format: messages}}}}
+  tok: {{kind: tokenize, inputs: [sg], params: {{tokenizer: qwen3, max_length: 1000000}}}}
+""")
+        working, _, _ = dflash_run(work, pipeline, os.path.join(work, f"store-{n}"), 1, "0")
+        ours.append(working)
+    r = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", LONG, os.path.join(work, "qwen3")]
+                       + [str(n) for n in sizes], capture_output=True, text=True, check=True)
+    theirs = [json.loads(l)["seconds"] for l in r.stdout.strip().splitlines()]
+    for n, d, t in zip(sizes, ours, theirs):
+        print(f"| {n:,} `-` in one reply | dflash {d:.3f} s | transformers {t:.3f} s |")
+    for i in range(1, len(sizes)):
+        print(f"| doubling {sizes[i - 1]:,} -> {sizes[i]:,} | dflash x{ours[i] / ours[i - 1]:.2f} "
+              f"| transformers x{theirs[i] / theirs[i - 1]:.2f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=5000)
+    ap.add_argument("--long", action="store_true", help="long unbroken text, as its length doubles")
     a = ap.parse_args()
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    if a.long:
+        return long_runs()
     work = tempfile.mkdtemp(prefix="dflash-bench-tokenize-")
     for name in ("qwen3", "sharegpt.json"):
         os.symlink(os.path.join(ASSETS, name), os.path.join(work, name))

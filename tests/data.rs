@@ -468,6 +468,37 @@ fn excluded_inputs_and_copies_of_their_prompts_never_enter_the_mix() {
     assert!(stderr.contains("`exclude` names `gsm8k`"), "{stderr}");
 }
 
+/// Exact dedup removes a row only because a kept row has its text: rows left out over quota
+/// make none of their copies count as duplicates, and `available` counts distinct rows.
+#[test]
+fn rows_over_quota_make_no_duplicates() {
+    let env = Env::new();
+    let big: Vec<String> = (0..20)
+        .map(|i| format!(r#"{{"id": "b{i}", "prompt": "question number {i} about the weather"}}"#))
+        .collect();
+    let small: Vec<String> = (0..10)
+        .map(|i| format!(r#"{{"id": "s{i}", "prompt": "question number {i} about the weather"}}"#))
+        .collect();
+    env.write("big.jsonl", &(big.join("\n") + "\n"));
+    env.write("small.jsonl", &(small.join("\n") + "\n"));
+    env.write(
+        "mix.yaml",
+        "stages:\n  big: {kind: download, params: {path: big.jsonl}}\n  \
+         small: {kind: download, params: {path: small.jsonl}}\n  \
+         prompts: {kind: mix, inputs: [big, small], params: {quotas: {big: 1, small: 10}, near_dup: false}}\n",
+    );
+    let (st, _) = env.run("mix.yaml", 0);
+    assert_eq!(st["prompts"], "ran");
+    let s = mix_stats(&env);
+    assert_eq!(s["sources"]["big"], 1, "{s}");
+    // Only the copy of the one kept `big` row can be a duplicate in `small` (before the fix,
+    // every `big` row seen before its copy, kept or not, took that copy away: 6 of 10 here).
+    assert!(s["sources"]["small"].as_u64().unwrap() >= 9, "{s}");
+    for short in s["shortfalls"].as_array().unwrap() {
+        assert_eq!(short["available"], 10, "{s}");
+    }
+}
+
 #[test]
 fn a_quota_that_cannot_be_met_fails_when_strict() {
     let env = mix_env("{by: category, quotas: {code: 100, math: 500}, strict: true}");

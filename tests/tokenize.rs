@@ -218,6 +218,23 @@ fn qwen3_tokens_and_masks_equal_transformers_thinking_on_and_off() {
         assert_eq!(angle[k], format!("{reply}<|im_end|>"), "{angle:?}");
     }
     assert_eq!(angle.last().unwrap(), "<done><|im_end|>", "{angle:?}");
+    // Earlier turns that Qwen3 renders without the empty think block are history, not a
+    // mismatch: only a final turn that thinks is flagged.
+    let show = env.dflash(&["show", "nothink_all", "-p", "tok.yaml"]);
+    let stats: Value = serde_json::from_slice(&show.stdout).unwrap();
+    let flagged: Vec<&str> = stats["stats"]["turns_unlike_generation_prompt_examples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(flagged.contains(&"inline-think"), "{flagged:?}");
+    for ordinary in ["angle-replies"] {
+        assert!(
+            !flagged.contains(&ordinary),
+            "{ordinary} flagged: {flagged:?}"
+        );
+    }
 }
 
 #[test]
@@ -467,4 +484,43 @@ fn a_model_folder_in_an_object_store_is_pinned_by_etag_and_tokenizes_the_same() 
         "{pins}"
     );
     assert!(!remote.to_string().contains(support::SECRET_KEY));
+}
+
+/// Long unbroken text (a markdown table rule, a base64 blob, a run of one character) merges in
+/// O(n log n), not by rescanning the word for every merge; the ids and offsets stay those of
+/// `tokenizers`. (Its speed is measured in `bench/tokenize.py long`, not timed here.)
+#[test]
+fn long_unbroken_words_tokenize_as_tokenizers_does() {
+    let mut blob = String::new();
+    let mut x: u32 = 7;
+    while blob.len() < 6000 {
+        x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+        let c = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+            [(x >> 16) as usize % 64];
+        blob.push(c as char);
+    }
+    let texts = [
+        "-".repeat(20_000),
+        format!("|{}|\n", "-".repeat(3_001)),
+        "=".repeat(4_097) + "abc",
+        "ab".repeat(2_500),
+        "aaaaab".repeat(700),
+        blob,
+        ".".repeat(999) + " " + &"😀".repeat(300),
+    ];
+    for (name, tok) in variants() {
+        let enc = dflash_stage_tokenize::Encoder::new(tok.clone(), true);
+        let mut cache = enc.take_cache();
+        for text in &texts {
+            let got = enc.encode(text, &mut cache).unwrap();
+            let want = hf(&tok, text);
+            assert_eq!(got.0, want.0, "{name}: ids differ on {:?}...", &text[..40]);
+            assert_eq!(
+                got.1,
+                want.1,
+                "{name}: offsets differ on {:?}...",
+                &text[..40]
+            );
+        }
+    }
 }

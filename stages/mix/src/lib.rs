@@ -266,10 +266,14 @@ impl StageKind for MixKind {
         }
 
         // Quotas per group (None: unlimited).
+        // What a group could give: its rows, less exact copies of each other when deduplicating.
         let available: Vec<u64> = {
             let mut a = vec![0u64; groups.len()];
+            let mut distinct: HashSet<(u32, u64)> = HashSet::new();
             for c in &cands {
-                a[c.group as usize] += 1;
+                if !p.dedup || distinct.insert((c.group, c.text_hash)) {
+                    a[c.group as usize] += 1;
+                }
             }
             a
         };
@@ -322,7 +326,9 @@ impl StageKind for MixKind {
                 report.held_out_copies += 1;
                 continue;
             }
-            if p.dedup && !seen_text.insert(c.text_hash) {
+            // A duplicate only of a row kept: a row left out (over quota) makes no copy of it
+            // count as one.
+            if p.dedup && seen_text.contains(&c.text_hash) {
                 report.exact_dups += 1;
                 continue;
             }
@@ -340,6 +346,9 @@ impl StageKind for MixKind {
             {
                 report.over_quota += 1;
                 continue;
+            }
+            if p.dedup {
+                seen_text.insert(c.text_hash);
             }
             if p.near_dup {
                 for (b, h) in c.bands.iter().enumerate() {

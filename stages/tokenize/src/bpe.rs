@@ -106,6 +106,9 @@ impl Splitter {
     }
 }
 
+/// Words up to this many symbols merge by scanning (see [`FastBpe::merge_short`]).
+const SHORT_WORD: usize = 64;
+
 /// A word cache; caches are pooled so parallel workers keep theirs across batches.
 pub type Cache = FxHashMap<Box<[u8]>, Box<[u32]>>;
 
@@ -498,10 +501,20 @@ impl FastBpe {
     /// Bytes without a token vanish; like `tokenizers`, offsets then run on from the word's
     /// start over the tokens that remain.
     fn merge(&self, bytes: &[u8]) -> Vec<u32> {
-        let mut syms: Vec<u32> = bytes
+        let syms: Vec<u32> = bytes
             .iter()
             .filter_map(|&b| self.byte_ids[b as usize])
             .collect();
+        if syms.len() <= SHORT_WORD {
+            self.merge_short(syms)
+        } else {
+            self.merge_long(&syms)
+        }
+    }
+
+    /// [`Self::merge`] by scanning every pair for each merge: quadratic, and the fastest for
+    /// the short words text is made of.
+    fn merge_short(&self, mut syms: Vec<u32>) -> Vec<u32> {
         loop {
             let mut best: Option<(u32, usize, u32)> = None;
             for i in 0..syms.len().saturating_sub(1) {
@@ -517,6 +530,54 @@ impl FastBpe {
             syms[i] = new;
             syms.remove(i + 1);
         }
+    }
+
+    /// [`Self::merge`] in O(n log n) for long unbroken words (a 45K-character table rule):
+    /// candidate pairs in a heap by (rank, position) — the order `tokenizers` merges in — over
+    /// a linked list of symbols; a popped pair whose symbols have changed since is skipped.
+    fn merge_long(&self, syms: &[u32]) -> Vec<u32> {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        const NONE: usize = usize::MAX;
+        let n = syms.len();
+        let mut id = syms.to_vec();
+        let mut next: Vec<usize> = (1..=n).map(|i| if i == n { NONE } else { i }).collect();
+        let mut prev: Vec<usize> = (0..n).map(|i| i.checked_sub(1).unwrap_or(NONE)).collect();
+        let mut alive = vec![true; n];
+        let mut heap = BinaryHeap::new();
+        let push = |heap: &mut BinaryHeap<_>, id: &[u32], l: usize, r: usize| {
+            if let Some(&(rank, new)) = self.merges.get(&(id[l], id[r])) {
+                heap.push(Reverse((rank, l, r, id[l], id[r], new)));
+            }
+        };
+        for i in 0..n.saturating_sub(1) {
+            push(&mut heap, &id, i, i + 1);
+        }
+        while let Some(Reverse((_, l, r, a, b, new))) = heap.pop() {
+            // Stale: a symbol of the pair was merged into another since it was queued.
+            if !alive[l] || !alive[r] || next[l] != r || id[l] != a || id[r] != b {
+                continue;
+            }
+            id[l] = new;
+            alive[r] = false;
+            next[l] = next[r];
+            if next[r] != NONE {
+                prev[next[r]] = l;
+            }
+            if prev[l] != NONE {
+                push(&mut heap, &id, prev[l], l);
+            }
+            if next[l] != NONE {
+                push(&mut heap, &id, l, next[l]);
+            }
+        }
+        let mut out = Vec::new();
+        let mut at = if n == 0 { NONE } else { 0 };
+        while at != NONE {
+            out.push(id[at]);
+            at = next[at];
+        }
+        out
     }
 
     /// ByteLevel's `trim_offsets`: offsets lose the spaces at either end of a token — in a

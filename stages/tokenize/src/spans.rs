@@ -38,9 +38,11 @@ pub struct Rendered {
     pub text: String,
     /// Spans of generated text, in order, not overlapping.
     pub spans: Vec<Range<usize>>,
-    /// Chosen turns whose text does not follow the template's generation prompt: the data was
-    /// written in another mode than the template serves (thinking on/off), or the template
-    /// renders earlier turns differently from the last (Qwen3 drops their reasoning).
+    /// Whether the conversation's final assistant turn, when chosen, does not follow the
+    /// template's generation prompt: the data was written in another mode than the template
+    /// serves (thinking on/off). Earlier turns are not counted: templates render history
+    /// otherwise than what they serve (Qwen3 drops the think block from it), which is no
+    /// mismatch.
     pub unlike_prompt: u32,
 }
 
@@ -84,10 +86,11 @@ pub fn render(
 
     let mut starts = Vec::with_capacity(chosen.len());
     let mut unlike_prompt = 0;
+    let final_turn = turns.iter().rposition(|m| m.role == "assistant");
     for &i in &chosen {
         let prompt = template.render(&turns[..i], tools, true).map_err(t)?;
         let start = common_prefix(&prompt, &text);
-        unlike_prompt += u32::from(start < prompt.len());
+        unlike_prompt += u32::from(start < prompt.len() && Some(i) == final_turn);
         starts.push(start);
     }
     let content_starts = marked(template, turns, tools, &chosen, &text, Mark::Start)?;
