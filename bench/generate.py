@@ -132,6 +132,22 @@ def main():
           f"| each server full {', '.join(f'{s:.1%}' for s in shares)} of the time; "
           f"{secs:.2f} s against {ideal:.2f} s at perfect saturation | |")
 
+    # 3. Under faults: 2 servers x 16 slots, 50 ms per request, one answering every 4th request
+    #    with a quick 503 (up, but shedding load): both must stay busy (none drained, none idle).
+    ports = [free_port() for _ in range(2)]
+    servers = [start_server(ports[0], "1", "--delay-ms", "50", "--capacity", str(cap)),
+               start_server(ports[1], "1", "--delay-ms", "50", "--capacity", str(cap), "--fail-every", "4")]
+    try:
+        work = tempfile.mkdtemp(prefix="dflash-bench-gen-")
+        n = 2 * cap * 100
+        secs = run_dflash(work, [f"http://127.0.0.1:{pt}/v1" for pt in ports], n, cap, "0")
+        shares = [stats(pt)["full_share"] for pt in ports]
+    finally:
+        for s in servers:
+            s.kill()
+    print(f"| under faults: 2 servers x {cap} slots, 50 ms per request, one answering 25% of requests 503, "
+          f"{n:,} prompts | each server full {', '.join(f'{s:.1%}' for s in shares)} of the time; {secs:.2f} s | |")
+
 
 if __name__ == "__main__":
     main()

@@ -80,12 +80,12 @@ for n in map(int, sys.argv[2:]):
 
 
 def long_runs():
-    """A reply of 20K, 40K and 80K `-` (one unbroken word, as a markdown table rule is), each
+    """A reply of 20K to 320K `-` (one unbroken word, as a markdown table rule is), each
     tokenized by the stage on one core, beside `transformers` on the same text: the time per
     doubling should stay near 2x (linear), not 4x (quadratic)."""
     work = tempfile.mkdtemp(prefix="dflash-bench-long-")
     os.symlink(os.path.join(ASSETS, "qwen3"), os.path.join(work, "qwen3"))
-    sizes = [20_000, 40_000, 80_000]
+    sizes = [20_000, 40_000, 80_000, 160_000, 320_000]
     ours = []
     for n in sizes:
         with open(os.path.join(work, f"long-{n}.jsonl"), "w") as f:

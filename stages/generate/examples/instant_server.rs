@@ -4,7 +4,10 @@
 //! served and the share of time, from the first request to the last answer, that at least
 //! `--capacity` requests were in progress (how saturated a client keeps it).
 //!
-//!     instant_server --port 8000 [--delay-ms 0] [--capacity 0]
+//! `--fail-every N` answers every Nth chat completion with a quick 503 (a server that is up
+//! but sheds some requests), after the same delay.
+//!
+//!     instant_server --port 8000 [--delay-ms 0] [--capacity 0] [--fail-every 0]
 
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -53,7 +56,13 @@ fn arg(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-async fn serve(mut s: TcpStream, busy: Arc<Mutex<Busy>>, delay: Duration, capacity: usize) {
+async fn serve(
+    mut s: TcpStream,
+    busy: Arc<Mutex<Busy>>,
+    delay: Duration,
+    capacity: usize,
+    fail_every: u64,
+) {
     let _ = s.set_nodelay(true);
     let mut buf: Vec<u8> = Vec::with_capacity(8192);
     let mut chunk = [0u8; 8192];
@@ -80,6 +89,7 @@ async fn serve(mut s: TcpStream, busy: Arc<Mutex<Busy>>, delay: Duration, capaci
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
         }
+        let mut status = "200 OK";
         let body: String = if head.starts_with("get /v1/models") {
             MODELS.to_owned()
         } else if head.starts_with("get /stats") {
@@ -99,20 +109,26 @@ async fn serve(mut s: TcpStream, busy: Arc<Mutex<Busy>>, delay: Duration, capaci
                 }
             )
         } else {
-            {
+            let n = {
                 let mut b = busy.lock().unwrap();
                 b.requests += 1;
                 b.change(1, capacity);
-            }
+                b.requests
+            };
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
             busy.lock().unwrap().change(-1, capacity);
-            REPLY.to_owned()
+            if fail_every > 0 && n % fail_every == 0 {
+                status = "503 Service Unavailable";
+                r#"{"error":"overloaded"}"#.to_owned()
+            } else {
+                REPLY.to_owned()
+            }
         };
         buf.drain(..head_end + length);
         let resp = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
             body.len()
         );
         if s.write_all(resp.as_bytes()).await.is_err() {
@@ -125,6 +141,7 @@ fn main() {
     let port = arg("--port", 8000) as u16;
     let delay = Duration::from_millis(arg("--delay-ms", 0));
     let capacity = arg("--capacity", 0) as usize;
+    let fail_every = arg("--fail-every", 0);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -136,7 +153,7 @@ fn main() {
             let Ok((s, _)) = listener.accept().await else {
                 continue;
             };
-            tokio::spawn(serve(s, busy.clone(), delay, capacity));
+            tokio::spawn(serve(s, busy.clone(), delay, capacity, fail_every));
         }
     });
 }

@@ -136,7 +136,7 @@ pub struct Client {
     body: Map<String, Json>,
     timeout: Duration,
     attempts: u32,
-    /// Woken whenever a request gives its endpoint's slot back.
+    /// Wakes one waiting request whenever a request gives its endpoint's slot back.
     freed: tokio::sync::Notify,
 }
 
@@ -267,17 +267,18 @@ impl Client {
                 .expect("at least one endpoint");
             live.push(first);
         }
-        let mut candidates: Vec<usize> = if live.len() > 1 {
-            live.iter().copied().filter(|&i| Some(i) != avoid).collect()
-        } else {
-            live
-        };
         let load = |i: usize| {
             let e = &self.endpoints[i];
             e.in_flight.load(Ordering::Relaxed) as f64 / e.capacity as f64
         };
-        candidates.sort_by(|&a, &b| load(a).total_cmp(&load(b)));
-        for i in candidates {
+        // Another endpoint than the one that just failed first; that one too if it alone has
+        // room (a free slot is never left unused for a preference).
+        live.sort_by(|&a, &b| {
+            (Some(a) == avoid)
+                .cmp(&(Some(b) == avoid))
+                .then(load(a).total_cmp(&load(b)))
+        });
+        for i in live {
             let e = &self.endpoints[i];
             // Taken only below the limit, atomically: requests racing for the last slot
             // cannot both get it.
@@ -293,7 +294,9 @@ impl Client {
         Slot::Full
     }
 
-    /// Wait for a slot (see [`Self::reserve`]).
+    /// Wait for a slot (see [`Self::reserve`]). Each freed slot wakes one waiter, which takes
+    /// it; a waiter also looks again after a while, for a slot on an endpoint whose cool-down
+    /// ended (no release announces that).
     async fn slot(&self, avoid: Option<usize>) -> usize {
         loop {
             // Registered before looking, so a slot freed in between still wakes this one.
@@ -302,7 +305,9 @@ impl Client {
             freed.as_mut().enable();
             match self.reserve(avoid) {
                 Slot::Taken(i) => return i,
-                Slot::Full => freed.await,
+                Slot::Full => {
+                    let _ = tokio::time::timeout(Duration::from_millis(250), freed).await;
+                }
             }
         }
     }
@@ -342,7 +347,7 @@ impl Client {
             e.sent.fetch_add(1, Ordering::Relaxed);
             let result = self.attempt(e, &body).await;
             e.in_flight.fetch_sub(1, Ordering::AcqRel);
-            self.freed.notify_waiters();
+            self.freed.notify_one();
             match result {
                 Ok(reply) => {
                     e.succeeded();

@@ -442,8 +442,11 @@ async fn dispatch(
     tx: &mpsc::Sender<Answered>,
     c: &Counters<'_>,
 ) -> Result<(), StageError> {
+    // Four times the servers' slots: each endpoint's limit is held by the client's slots, and
+    // requests waiting out a retry's backoff (a quarter to three quarters of a second at first)
+    // must not leave the servers short of work.
     let mut stream = futures::stream::iter(todo.iter().map(|t| converse(client, t, p)))
-        .buffer_unordered(client.capacity());
+        .buffer_unordered(client.capacity() * 4);
     // A tick wakes the loop when no answer comes (every request hanging), so Ctrl-C and
     // progress do not wait for one.
     let mut tick = tokio::time::interval(Duration::from_millis(500));

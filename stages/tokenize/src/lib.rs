@@ -219,7 +219,7 @@ impl StageKind for TokenizeKind {
                 let stats = job.file(path, &dir.join(name), ctx)?;
                 let secs = t.elapsed().as_secs_f64();
                 log.line(&format!(
-                    "{name}: {} rows, {} tokens in {secs:.2} s ({:.0}K tokens/s)",
+                    "{name}: {} rows, {} tokens in {secs:.3} s ({:.0}K tokens/s)",
                     stats.rows,
                     stats.tokens,
                     stats.tokens as f64 / secs.max(1e-9) / 1e3
