@@ -139,7 +139,7 @@ def main():
                start_server(ports[1], "1", "--delay-ms", "50", "--capacity", str(cap), "--fail-every", "4")]
     try:
         work = tempfile.mkdtemp(prefix="dflash-bench-gen-")
-        n = 2 * cap * 100
+        n = 2 * cap * 400
         secs = run_dflash(work, [f"http://127.0.0.1:{pt}/v1" for pt in ports], n, cap, "0")
         shares = [stats(pt)["full_share"] for pt in ports]
     finally:
