@@ -53,6 +53,58 @@ print(json.dumps({"seconds": secs, "load": load, "rows": len(out), "tokens": sum
 """
 
 
+PLAIN = r"""
+import sys, time, glob, json
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import pyarrow as pa
+from transformers import AutoTokenizer
+from tokenize_reference import messages
+data, model = sys.argv[2], sys.argv[3]
+tok = AutoTokenizer.from_pretrained(model)
+rows = []
+for f in sorted(glob.glob(data + "/*.arrow")):
+    with pa.ipc.open_stream(f) as r:
+        rows.extend(r.read_all().to_pylist())
+eos = tok.eos_token
+t = {"render": 0.0, "spans": 0.0, "bpe": 0.0, "mask": 0.0}
+tokens = kept = 0
+t0 = time.perf_counter()
+for conv in rows:
+    msgs, tools = messages(conv, "keep")
+    a = time.perf_counter()
+    try:
+        full = tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+    except Exception:
+        continue
+    b = time.perf_counter()
+    # Each assistant turn: from where its generation prompt stops matching, to its end token.
+    spans = []
+    for i, m in enumerate(msgs):
+        if i == 0 or m["role"] != "assistant":
+            continue
+        p = tok.apply_chat_template(msgs[:i], tools=tools, tokenize=False, add_generation_prompt=True)
+        s = 0
+        n = min(len(p), len(full))
+        while s < n and p[s] == full[s]:
+            s += 1
+        e = full.find(eos, s)
+        spans.append((s, len(full) if e < 0 else e + len(eos)))
+    c = time.perf_counter()
+    enc = tok(full, return_offsets_mapping=True, add_special_tokens=False)
+    d = time.perf_counter()
+    off = np.asarray(enc["offset_mapping"]).reshape(-1, 2)
+    mask = np.zeros(len(off), dtype=np.int8)
+    for s, e in spans:
+        mask |= ((off[:, 0] < e) & (off[:, 1] > s)).astype(np.int8)
+    if mask.any():
+        kept += 1
+        tokens += len(off)
+    t["render"] += b - a; t["spans"] += c - b; t["bpe"] += d - c; t["mask"] += time.perf_counter() - d
+print(json.dumps({"seconds": time.perf_counter() - t0, "rows": kept, "tokens": tokens, "parts": t}))
+"""
+
+
 def dflash_run(work, pipeline, store, threads, cpus):
     """(seconds tokenizing, seconds for the whole stage, stats); the first from the stage log."""
     env = dict(os.environ, DFLASH_WORK=os.path.join(work, "work"), RAYON_NUM_THREADS=str(threads))
@@ -146,6 +198,11 @@ def main():
     if py[1]["tokens"] != tokens or py[1]["rows"] != stats["rows"]:
         sys.exit(f"the two sides disagree: dflash {stats['rows']} rows / {tokens} tokens, "
                  f"python {py[1]['rows']} rows / {py[1]['tokens']} tokens")
+    r = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", PLAIN, support, data, os.path.join(work, "qwen3")],
+                       capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    if r.returncode != 0:
+        sys.exit(f"the plain loop failed:\n{r.stderr}")
+    plain = json.loads(r.stdout.strip().splitlines()[-1])
     d1, d2 = tokens / one_s, tokens / two_s
     p1, p2 = tokens / py[1]["seconds"], tokens / py[2]["seconds"]
     p1_all = tokens / (py[1]["seconds"] + py[1]["load"])
@@ -154,6 +211,12 @@ def main():
           f"| dflash: {d1 / 1e3:,.0f}K tokens/s on 1 core, {d2 / 1e3:,.0f}K on 2 ({d2 / d1:.2f}x) "
           f"| transformers + datasets.map: {p1 / 1e3:,.0f}K tokens/s on 1 core, {p2 / 1e3:,.0f}K on 2 ({p2 / p1:.2f}x) "
           f"| {d1 / p1:.1f}x per core |")
+    pl = plain["tokens"] / plain["seconds"]
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in plain["parts"].items())
+    print(f"| the same against a plain transformers loop on one core (apply_chat_template, one "
+          f"tokenizer call with offsets, masks from offsets with numpy; {plain['rows']:,} rows, "
+          f"{plain['tokens']:,} tokens) | dflash {d1 / 1e3:,.0f}K tokens/s | plain loop {pl / 1e3:,.0f}K tokens/s "
+          f"({parts}) | {d1 / pl:.1f}x per core |")
     print(f"| the same, one core, counting loading the tokenizer and (dflash) storing the artifact "
           f"| {d1_all / 1e3:,.0f}K tokens/s ({one_all:.2f} s) | {p1_all / 1e3:,.0f}K tokens/s "
           f"({py[1]['seconds'] + py[1]['load']:.2f} s) | {d1_all / p1_all:.1f}x |")
