@@ -15,6 +15,13 @@ STASH=/tmp/dflash-story
 STORE=$STASH/store
 cmd=${1:-}
 shift || true
+# PyTorch's CUDA 13 libraries (cuBLAS, ...) for the binary, and .assets/ pointing at the stash.
+cuda_env() {
+    local lib
+    lib=$(python3 -c "import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],'cu13','lib'))")
+    export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
+    rm -rf .assets && ln -s $STASH/assets .assets
+}
 case $cmd in
 pack-inputs)
     # Here: fill .gpu/ from a CUDA build and .assets/.
@@ -50,36 +57,36 @@ run)
     # There: run the pipeline for at most SECONDS, then Ctrl-C (what is committed stays).
     secs=${1:?seconds}
     shift
-    lib=$(python3 -c "import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],'cu13','lib'))")
-    export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
-    rm -rf .assets && ln -s $STASH/assets .assets
+    cuda_env
     timeout -s INT -k 20 "$secs" $STASH/dflash run pipelines/smollm2.yaml --store $STORE "$@" || echo "run stopped: exit $?"
     $STASH/dflash plan pipelines/smollm2.yaml --store $STORE || true
     ;;
 smoke)
     # There: the same pipeline, small (256 prompts, 40 training steps, 4 prompts per set), into
     # its own store: the speeds that size the real run, and any failure before it costs much.
-    lib=$(python3 -c "import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],'cu13','lib'))")
-    export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
-    rm -rf .assets && ln -s $STASH/assets .assets
+    cuda_env
     sed -e 's/total: 2400/total: 256/' -e 's/limit: 12000/limit: 600/' \
         -e 's/max_steps: 1400/max_steps: 40/' \
         -e 's/prompts: 24 .*/prompts: 4/' pipelines/smollm2.yaml > pipelines/smoke.yaml
     timeout -s INT -k 20 "${1:-300}" $STASH/dflash run pipelines/smoke.yaml --store $STASH/smoke || echo "smoke stopped: exit $?"
-    for s in completions tokens drafter bench; do $STASH/dflash show $s -p pipelines/smoke.yaml --store $STASH/smoke | head -60; done
+    # Each stage's figures (not the per-step curves): the speeds that size the real run.
+    python3 - $STASH/smoke <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/manifests/*.json")):
+    m = json.load(open(f))
+    st = {k: v for k, v in m.get("stats", {}).items() if k not in ("steps", "curve", "histogram")}
+    print(m["fingerprint"]["kind"], json.dumps(st)[:1500])
+PY
     rm pipelines/smoke.yaml
     ;;
 dflash)
-    lib=$(python3 -c "import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],'cu13','lib'))")
-    export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
-    rm -rf .assets && ln -s $STASH/assets .assets
+    cuda_env
     $STASH/dflash "$@"
     ;;
 bring-back)
     # There: the store's small files (manifests, run records, shard lists, metrics, results),
     # the drafter and the bench artifact exported, the run's report, under $OUT in 15 MiB pieces.
-    lib=$(python3 -c "import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],'cu13','lib'))")
-    export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
+    cuda_env
     rm -rf /tmp/back && mkdir -p /tmp/back
     for s in drafter bench; do
         $STASH/dflash export $s -p pipelines/smollm2.yaml --store $STORE /tmp/back/$s || true
