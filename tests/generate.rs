@@ -303,11 +303,7 @@ fn operational_settings_changed_after_a_kill_resend_nothing_saved() {
         &pipeline(&[first.url()], "shard_rows: 10, shard_seconds: 0.2"),
     );
     let mut child = env.run_until_shards("gen.yaml", 3);
-    let killed = Command::new("kill")
-        .args(["-9", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    signal_run(&child, "-9");
     let _ = child.wait();
     drop(first);
     let replacement = Mock::start(env.path(), &[]);
@@ -390,7 +386,15 @@ fn refused_prompts_are_saved_as_errors_and_truncation_is_counted() {
     assert_eq!(s["finish_reasons"]["stop"], 1, "{s}");
 }
 
-/// Start `dflash run gen.yaml` and return once at least `shards` shards are committed.
+/// Send `signal` (`-9`, `-INT`) to a running `dflash run`.
+fn signal_run(child: &std::process::Child, signal: &str) {
+    let killed = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+}
+
 /// Stop a run mid-generation with `signal`, rerun, and check every prompt is answered once.
 fn interrupted_then_resumed(signal: &str) {
     let env = Env::new();
@@ -401,11 +405,7 @@ fn interrupted_then_resumed(signal: &str) {
         &pipeline(&[mock.url()], "shard_rows: 10, shard_seconds: 0.2"),
     );
     let mut child = env.run_until_shards("gen.yaml", 3);
-    let killed = Command::new("kill")
-        .args([signal, &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    signal_run(&child, signal);
     let status = child.wait().unwrap();
     assert!(
         !status.success(),

@@ -209,8 +209,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             "bench needs `target:` (a GGUF file or model folder, decoded in process) or `endpoints:` (running servers)",
         ));
     };
-    let device = dflash_model::nn::device::select(&p.device)
-        .map_err(|(what, hint)| StageError::new(what).with_help(hint))?;
+    let device = dflash_model::nn::device::select(&p.device)?;
     let path = ctx.cwd.join(target_path);
     let target = Target::load(&path, &device).map_err(nn("loading the target"))?;
     let mut log = StageLog::open(ctx.log_path).ok();

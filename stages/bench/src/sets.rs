@@ -27,6 +27,10 @@ pub struct Prompt {
     pub later: Vec<String>,
 }
 
+/// The reference harness's instruction for maths problems (GSM8K, MATH-500).
+const REASON_STEP_BY_STEP: &str =
+    "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.";
+
 /// The reference harness's instruction wrappers (z-lab's `benchmark.py`), by preset name;
 /// `{prompt}` stands for the row's user turn.
 pub const PRESETS: &[(&str, &str)] = &[
@@ -34,14 +38,8 @@ pub const PRESETS: &[(&str, &str)] = &[
         "humaneval",
         "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```",
     ),
-    (
-        "gsm8k",
-        "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
-    ),
-    (
-        "math",
-        "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
-    ),
+    ("gsm8k", REASON_STEP_BY_STEP),
+    ("math", REASON_STEP_BY_STEP),
 ];
 
 /// How a set's user turns are put to the model: as they are, or inside an instruction.
@@ -104,18 +102,23 @@ impl Rendering {
         self.0.prompt(messages)
     }
 
-    /// The first turn of a conversation (its turns up to the first user turn, formatted),
+    /// Row `id`'s prompt: its first turn (its turns up to the first user turn, formatted),
     /// rendered, and its later user turns; `None` when it holds no user turn.
     fn prompt(
         &mut self,
+        id: String,
         messages: &[dataset::Message],
         format: &Format,
-    ) -> Result<Option<(Vec<u32>, Vec<dataset::Message>, Vec<String>)>, StageError> {
+    ) -> Result<Option<Prompt>, StageError> {
         let Some((first, later)) = user_turns(messages, format) else {
             return Ok(None);
         };
-        let ids = self.0.prompt(&first)?;
-        Ok(Some((ids, first, later)))
+        Ok(Some(Prompt {
+            id,
+            ids: self.0.prompt(&first)?,
+            messages: first,
+            later,
+        }))
     }
 }
 
@@ -231,13 +234,8 @@ pub fn read_set(
             if set.prompts.len() >= limit {
                 break 'files;
             }
-            match rendering.prompt(&row.messages, format)? {
-                Some((ids, messages, later)) => set.prompts.push(Prompt {
-                    id: row.id,
-                    ids,
-                    messages,
-                    later,
-                }),
+            match rendering.prompt(row.id, &row.messages, format)? {
+                Some(prompt) => set.prompts.push(prompt),
                 None => set.skipped += 1,
             }
         }

@@ -74,6 +74,8 @@ impl Endpoint {
     fn failed(&self, down: bool) {
         self.errors.fetch_add(1, Ordering::Relaxed);
         if !down {
+            // An answer, even an error, says the server is up: the run of failures ends.
+            self.consecutive.store(0, Ordering::Relaxed);
             return;
         }
         if self.consecutive.fetch_add(1, Ordering::Relaxed) + 1 >= DRAIN_AFTER {
@@ -138,14 +140,6 @@ pub struct Client {
     attempts: u32,
     /// Wakes one waiting request whenever a request gives its endpoint's slot back.
     freed: tokio::sync::Notify,
-}
-
-/// What [`Client::reserve`] found.
-enum Slot {
-    /// A slot of this endpoint, taken.
-    Taken(usize),
-    /// Every candidate full.
-    Full,
 }
 
 /// A URL as it may be shown (no credentials or query).
@@ -254,8 +248,8 @@ impl Client {
     }
 
     /// Take a slot of the live endpoint with the most free capacity (by share) that has one,
-    /// preferring one other than `avoid`.
-    fn reserve(&self, avoid: Option<usize>) -> Slot {
+    /// preferring one other than `avoid`; `None` when every candidate is full.
+    fn reserve(&self, avoid: Option<usize>) -> Option<usize> {
         let mut live: Vec<usize> = (0..self.endpoints.len())
             .filter(|&i| !self.endpoints[i].is_drained())
             .collect();
@@ -288,10 +282,10 @@ impl Client {
                 })
                 .is_ok()
             {
-                return Slot::Taken(i);
+                return Some(i);
             }
         }
-        Slot::Full
+        None
     }
 
     /// Wait for a slot (see [`Self::reserve`]). Each freed slot wakes one waiter, which takes
@@ -303,12 +297,10 @@ impl Client {
             let freed = self.freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            match self.reserve(avoid) {
-                Slot::Taken(i) => return i,
-                Slot::Full => {
-                    let _ = tokio::time::timeout(Duration::from_millis(250), freed).await;
-                }
+            if let Some(i) = self.reserve(avoid) {
+                return i;
             }
+            let _ = tokio::time::timeout(Duration::from_millis(250), freed).await;
         }
     }
 

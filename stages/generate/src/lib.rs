@@ -265,8 +265,7 @@ impl StageKind for GenerateKind {
             started,
         };
         let (reports, endpoints) = if p.backend == "candle" {
-            let device = dflash_model::nn::device::select(&p.device)
-                .map_err(|(what, hint)| StageError::new(what).with_help(hint))?;
+            let device = dflash_model::nn::device::select(&p.device)?;
             let mut local = Local::load(&ctx.cwd.join(&p.model), &template_kwargs(&p), &device)?;
             log.line(&format!(
                 "loaded `{}` in {:.1} s",

@@ -47,8 +47,6 @@ fn err(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
 /// One conversation being decoded.
 struct Decoding {
     sampler: LogitsProcessor,
-    /// Whether the sampler takes the argmax (temperature 0).
-    greedy: bool,
     budget: usize,
     out: Vec<u32>,
     /// The finished reply (or why there is none).
@@ -95,7 +93,6 @@ impl Local {
             let prompt = self.chat.prompt(convo)?;
             let mut d = Decoding {
                 sampler: LogitsProcessor::new(seed, temperature, top_p),
-                greedy: temperature.is_none(),
                 budget: s.max_tokens.min(self.context.saturating_sub(prompt.len())),
                 out: Vec::new(),
                 result: None,
@@ -124,7 +121,7 @@ impl Local {
             if cancel.is_cancelled() {
                 return Err(StageError::cancelled());
             }
-            let picked = self.pick(&logits, &rows, &mut seqs)?;
+            let picked = pick(&logits, temperature.is_none(), &rows, &mut seqs)?;
             // Sample each live sequence's next token; finish those that end here.
             let mut next = vec![0u32; rows.len()];
             let mut live = false;
@@ -170,34 +167,6 @@ impl Local {
         Ok(finished(seqs))
     }
 
-    /// Each batch row's next token: the argmax on the device when greedy (only the ids cross
-    /// to the host), else each live sequence's own sampler over its row.
-    fn pick(
-        &self,
-        logits: &Tensor,
-        rows: &[usize],
-        seqs: &mut [Decoding],
-    ) -> Result<Vec<u32>, StageError> {
-        if rows.iter().all(|&i| seqs[i].greedy) {
-            return logits
-                .argmax(D::Minus1)
-                .and_then(|t| t.to_vec1::<u32>())
-                .map_err(err("sampling"));
-        }
-        let host = logits.to_device(&Device::Cpu).map_err(err("sampling"))?;
-        let mut out = vec![0u32; rows.len()];
-        for (j, &i) in rows.iter().enumerate() {
-            let d = &mut seqs[i];
-            if d.result.is_none() {
-                out[j] = host
-                    .get(j)
-                    .and_then(|l| d.sampler.sample(&l))
-                    .map_err(err("sampling"))?;
-            }
-        }
-        Ok(out)
-    }
-
     fn finish(&self, out: &[u32], reason: &str) -> Result<Reply, StageError> {
         Ok(split_reasoning(&self.decode(out)?, reason, out.len()))
     }
@@ -205,6 +174,34 @@ impl Local {
     fn decode(&self, ids: &[u32]) -> Result<String, StageError> {
         self.chat.decode(ids)
     }
+}
+
+/// Each batch row's next token: the argmax on the device when greedy (only the ids cross
+/// to the host), else each live sequence's own sampler over its row.
+fn pick(
+    logits: &Tensor,
+    greedy: bool,
+    rows: &[usize],
+    seqs: &mut [Decoding],
+) -> Result<Vec<u32>, StageError> {
+    if greedy {
+        return logits
+            .argmax(D::Minus1)
+            .and_then(|t| t.to_vec1::<u32>())
+            .map_err(err("sampling"));
+    }
+    let host = logits.to_device(&Device::Cpu).map_err(err("sampling"))?;
+    let mut out = vec![0u32; rows.len()];
+    for (j, &i) in rows.iter().enumerate() {
+        let d = &mut seqs[i];
+        if d.result.is_none() {
+            out[j] = host
+                .get(j)
+                .and_then(|l| d.sampler.sample(&l))
+                .map_err(err("sampling"))?;
+        }
+    }
+    Ok(out)
 }
 
 /// The replies of finished sequences, in order.

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use dflash_model::nn::objective::{self, Batch, StepMetrics};
 use dflash_model::nn::{AdamW, Drafter, DrafterConfig, Schedule, Target};
 use dflash_stage_api::tokens::{self, TokenRow};
@@ -34,12 +34,6 @@ fn sequences(ctx: &StageContext<'_>, max_length: usize) -> Result<Vec<TokenRow>,
     Ok(out)
 }
 
-/// Where to train ([`dflash_model::nn::device::select`]).
-fn device(choice: &str) -> Result<Device, StageError> {
-    dflash_model::nn::device::select(choice)
-        .map_err(|(what, hint)| StageError::new(what).with_help(hint))
-}
-
 /// A 64-bit mix of the seed and a position (SplitMix64's finaliser), for per-sequence streams.
 fn mix(seed: u64, a: u64, b: u64) -> u64 {
     let mut z =
@@ -63,7 +57,7 @@ const CKPT: &str = "ckpt-";
 /// Train; see the module docs.
 pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError> {
     let raw = ctx.params;
-    let device = device(raw["device"].as_str().unwrap_or("auto"))?;
+    let device = dflash_model::nn::device::select(raw["device"].as_str().unwrap_or("auto"))?;
     dflash_model::nn::fused::prepare_device(&device).map_err(nn("preparing the GPU"))?;
     let path = ctx.cwd.join(&p.target);
     if !path.exists() {

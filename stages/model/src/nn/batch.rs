@@ -29,6 +29,8 @@ pub struct BatchDecoder<'t> {
     /// Columns written so far.
     width: usize,
     capacity: usize,
+    /// The LM head in f32, made once: a bf16 target's would otherwise be cast every step.
+    lm_head: Linear,
 }
 
 impl<'t> BatchDecoder<'t> {
@@ -52,6 +54,7 @@ impl<'t> BatchDecoder<'t> {
             start: prompts.iter().map(|p| (longest - p.len()) as u32).collect(),
             width: 0,
             capacity,
+            lm_head: Linear::Dense(target.lm_head.to_dtype(DType::F32)?),
         };
         // Padding takes token 0: its rows are masked out of every real row's attention.
         let mut ids = Vec::with_capacity(batch * longest);
@@ -111,6 +114,11 @@ impl<'t> BatchDecoder<'t> {
         );
         let mask = self.mask(n, device)?;
         let scale = 1.0 / (c.head_dim as f64).sqrt();
+        let rope = if t.rope_interleaved {
+            candle_nn::rotary_emb::rope_i
+        } else {
+            candle_nn::rotary_emb::rope
+        };
         let mut x = t.embed(&ids.flatten_all()?)?;
         for (i, layer) in t.layers.iter().enumerate() {
             let h = super::target::fused_norm(&x, &layer.attn_norm, c.eps)?;
@@ -127,11 +135,6 @@ impl<'t> BatchDecoder<'t> {
                 q = super::target::fused_norm(&q, qn, c.eps)?;
                 k = super::target::fused_norm(&k, kn, c.eps)?;
             }
-            let rope = if t.rope_interleaved {
-                candle_nn::rotary_emb::rope_i
-            } else {
-                candle_nn::rotary_emb::rope
-            };
             let (q, k) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
             self.keys[i].slice_set(&k, 2, from)?;
             self.values[i].slice_set(&v, 2, from)?;
@@ -161,7 +164,7 @@ impl<'t> BatchDecoder<'t> {
             .narrow(1, n - 1, 1)?
             .squeeze(1)?;
         let h = super::target::fused_norm(&last, &t.norm, c.eps)?;
-        Linear::Dense(t.lm_head.to_dtype(DType::F32)?).forward(&h.to_dtype(DType::F32)?)
+        self.lm_head.forward(&h.to_dtype(DType::F32)?)
     }
 
     /// The additive mask `[batch, 1, 1, n, width + n]` (f32) for the next `n` columns: a row
