@@ -561,14 +561,11 @@ fn the_candle_backend_generates_in_process_and_tokenize_reads_it() {
     assert_ne!(two[1]["content"], "old");
     let s = stats(&env);
     assert!(s["completion_tokens"].as_u64().unwrap() > 5, "{s}");
-    // The model file is pinned by content.
+    // The model file is pinned by content, and its path stays out of the key.
     let o = env.dflash(&["show", "answers", "-p", "gen.yaml"]);
     let m: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(
-        m["fingerprint"]["pins"]
-            .to_string()
-            .contains("model:smollm2.gguf")
-    );
+    assert_eq!(m["fingerprint"]["pins"][0]["name"], "model", "{m}");
+    assert!(m["fingerprint"]["params"].get("model").is_none(), "{m}");
     // `dflash estimate` sizes a changed stage from the rate this run measured.
     env.write(
         "gen.yaml",
@@ -614,6 +611,11 @@ fn the_expansion_pipeline_validates_and_plan_explains_it() {
     env.write("expand.yaml", &text);
     // No Hub here: pinning fails fast against a closed port, and plan says so per stage.
     env.set("HF_ENDPOINT", &format!("http://127.0.0.1:{}", free_port()));
+    // The target's tokenizer is a local folder: without it, nothing is planned.
+    let out = env.dflash(&["plan", "expand.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`models/Qwen3-8B` does not exist"));
+    env.write("models/Qwen3-8B/tokenizer.json", "{}");
     let out = env.dflash(&["plan", "expand.yaml"]);
     assert!(
         out.status.success(),
@@ -731,7 +733,7 @@ fn a_hugging_face_folder_is_the_model_its_gguf_is() {
         "tokenizer_config.json",
     ] {
         assert!(
-            pins.contains(&format!("model:smollm2/{file}")),
+            pins.contains(&format!("\"model:{file}\"")),
             "{file} is not pinned: {pins}"
         );
     }

@@ -165,8 +165,7 @@ fn a_hugging_face_folder_target_trains_as_its_gguf_does() {
     let pins =
         serde_json::from_slice::<Value>(&o.stdout).unwrap()["fingerprint"]["pins"].to_string();
     assert!(
-        pins.contains("model:tiny-hf/model.safetensors")
-            && pins.contains("model:tiny-hf/config.json"),
+        pins.contains("\"target:model.safetensors\"") && pins.contains("\"target:config.json\""),
         "{pins}"
     );
 }

@@ -293,8 +293,23 @@ fn open_store(arg: &StoreArg, pipeline: Option<&Pipeline>) -> Result<Store, Fail
     Ok(Store::open(&loc)?)
 }
 
+/// Load a pipeline for a command that only reads or sizes it (types and ranges checked).
 fn load(path: &Path, registry: &Registry) -> Result<(Arc<Pipeline>, Graph), Failure> {
-    let p = pipeline::load(path, registry)?;
+    load_checked(path, registry, None)
+}
+
+/// Load a pipeline with every check, as `plan` and `run` do: the kinds' own checks, against
+/// local files, before anything runs.
+fn load_for_running(path: &Path, registry: &Registry) -> Result<(Arc<Pipeline>, Graph), Failure> {
+    load_checked(path, registry, Some(&cwd()))
+}
+
+fn load_checked(
+    path: &Path,
+    registry: &Registry,
+    kind_checks: Option<&Path>,
+) -> Result<(Arc<Pipeline>, Graph), Failure> {
+    let p = pipeline::load(path, registry, kind_checks)?;
     let g = Graph::build(&p).map_err(|e| Failure::from(*e))?;
     Ok((Arc::new(p), g))
 }
@@ -335,7 +350,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             allow_overwriting_store,
             store,
         } => {
-            let (p, g) = load(&pipeline, &registry)?;
+            let (p, g) = load_for_running(&pipeline, &registry)?;
             let store = open_store(&store, Some(&p))?;
             let opts = RunOptions {
                 jobs,
@@ -393,7 +408,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             json,
             store,
         } => {
-            let (p, g) = load(&pipeline, &registry)?;
+            let (p, g) = load_for_running(&pipeline, &registry)?;
             let store = open_store(&store, Some(&p))?;
             let hashes = HashCache::load(&work_dir(), &cwd());
             let plan =
@@ -700,8 +715,14 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                             .as_ref()
                             .map_or_else(|| "optional".to_owned(), |d| format!("default {d}"))
                     };
+                    if let Some(b) = &p.bounds {
+                        req = format!("{req}; {}", b.describe());
+                    }
                     if !p.keyed {
                         req.push_str("; operational, not in the key");
+                    }
+                    if p.content {
+                        req.push_str("; its content, not its path, in the key");
                     }
                     out(&format!(
                         "  {:<10} {} ({req}): {}",

@@ -56,6 +56,14 @@ fn finished_line(
     line
 }
 
+/// A stage that a check against upstream data refused, said as soon as it is known.
+fn doomed_line(pipeline: &Pipeline, stage: usize, error: &str) -> String {
+    format!(
+        "refused  {}: it will not run: {error}\n         the stages it reads from keep running; their work is kept\n",
+        pipeline.stages[stage].id
+    )
+}
+
 /// One line per event, for logs and CI.
 pub struct Lines;
 
@@ -76,6 +84,9 @@ impl Reporter for Lines {
                 "{}",
                 finished_line(pipeline, *stage, result, log.as_deref())
             ),
+            Event::Doomed { stage, error } => {
+                writeln!(err, "{}", doomed_line(pipeline, *stage, error))
+            }
             Event::Cancelling => writeln!(
                 err,
                 "cancelling: stopping running stages; finished shards are kept"
@@ -134,6 +145,9 @@ impl Reporter for Bars {
                 let _ = self
                     .multi
                     .println(finished_line(pipeline, *stage, result, log.as_deref()));
+            }
+            Event::Doomed { stage, error } => {
+                let _ = self.multi.println(doomed_line(pipeline, *stage, error));
             }
             Event::Cancelling => {
                 let _ = self

@@ -128,8 +128,16 @@ fn expect_schema() -> Vec<dflash_stage_api::Param> {
 /// generated file can't exhaust memory.
 const MAX_FILE_BYTES: u64 = 64 << 20;
 
-/// Read and validate a pipeline file.
-pub fn load(path: &Path, registry: &Registry) -> Result<Pipeline, LoadError> {
+/// Read and validate a pipeline file. With `kind_checks` (the directory relative paths in params
+/// resolve against), the stage kinds' own checks run too — relations, upstream params, files
+/// that must exist — as `plan` and `run` need; commands that only read the store or size the
+/// plan (`show`, `diff`, `estimate`) leave them out, so a model not on this machine yet is no
+/// obstacle to them.
+pub fn load(
+    path: &Path,
+    registry: &Registry,
+    kind_checks: Option<&Path>,
+) -> Result<Pipeline, LoadError> {
     let shown = path.display().to_string();
     let unreadable = |source| LoadError::Unreadable {
         path: shown.clone(),
@@ -150,15 +158,16 @@ pub fn load(path: &Path, registry: &Registry) -> Result<Pipeline, LoadError> {
         path: shown.clone(),
         offset: e.utf8_error().valid_up_to(),
     })?;
-    parse(&shown, path, text, registry).map_err(|p| LoadError::Invalid(Box::new(p)))
+    parse(&shown, path, text, registry, kind_checks).map_err(|p| LoadError::Invalid(Box::new(p)))
 }
 
-/// Validate pipeline text; `name` labels errors.
+/// Validate pipeline text; `name` labels errors; `kind_checks` as for [`load`].
 pub fn parse(
     name: &str,
     path: &Path,
     text: String,
     registry: &Registry,
+    kind_checks: Option<&Path>,
 ) -> Result<Pipeline, Problems> {
     let text = Arc::new(text);
     let fail = |problems: Vec<Problem>| Problems {
@@ -173,9 +182,15 @@ pub fn parse(
     let mut v = Validator {
         spans: &spans,
         problems: Vec::new(),
+        unchecked: std::collections::HashSet::new(),
     };
     let doc = v.yaml_to_json(&doc, &[]);
     let pipeline = v.pipeline(&doc, path, registry);
+    // The kinds' own checks see resolved params: they run for every stage whose params have
+    // the right types and ranges, so all problems are reported at once, none twice.
+    if let (Some((_, _, stages)), Some(cwd)) = (&pipeline, kind_checks) {
+        v.kind_checks(stages, registry, cwd);
+    }
     if !v.problems.is_empty() {
         let mut problems = v.problems;
         problems.sort_by_key(|p| p.span.start);
@@ -202,6 +217,17 @@ impl Pipeline {
                 .with_language("yaml"),
             problems,
         }
+    }
+
+    /// A kind's issue with a stage's params, found once upstream data existed
+    /// ([`dflash_stage_api::StageKind::check_input`]), as one line that says where in the file
+    /// (`path:line:col`), what, and against whose output.
+    pub fn issue_line(&self, id: &str, issue: &dflash_stage_api::Issue, from: &str) -> String {
+        let p = issue_problem(&self.spans, id, issue, Some(from));
+        let before = &self.text[..p.span.start.min(self.text.len())];
+        let line = before.matches('\n').count() + 1;
+        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        format!("{}:{line}:{col}: {}", self.path.display(), p.message)
     }
 
     /// The byte range of a stage's key, for labels.
@@ -251,6 +277,9 @@ fn syntax_problem(text: &str, e: &serde_yaml::Error) -> Problem {
 struct Validator<'a> {
     spans: &'a Spans,
     problems: Vec<Problem>,
+    /// Stages whose params have problems of type or range: their kind's checks would only
+    /// repeat them.
+    unchecked: std::collections::HashSet<String>,
 }
 
 type Parsed = (String, Option<String>, Vec<StageSpec>);
@@ -531,7 +560,15 @@ impl Validator<'_> {
             );
             return None;
         };
+        let before = self.problems.len();
         let params = self.section(id, &kind_name, "params", &kind.params(), map.get("params"));
+        // A missing param leaves the others worth checking; a wrong type or range does not.
+        if self.problems[before..]
+            .iter()
+            .any(|p| p.code != "dflash::pipeline::missing_param")
+        {
+            self.unchecked.insert(id.to_owned());
+        }
         let expect = self.section(
             id,
             &kind_name,
@@ -642,6 +679,9 @@ impl Validator<'_> {
             match given.get(param.name) {
                 Some(value) if !value.is_null() => match param.ty.check(value) {
                     Ok(v) => {
+                        if let Some(bounds) = &param.bounds {
+                            self.out_of_bounds(id, section, param, bounds, &v);
+                        }
                         resolved.insert(param.name.to_owned(), v);
                     }
                     Err(m) => {
@@ -699,6 +739,73 @@ impl Validator<'_> {
         Value::Object(resolved)
     }
 
+    /// A problem when a number in `value` lies outside the param's range.
+    fn out_of_bounds(
+        &mut self,
+        id: &str,
+        section: &str,
+        param: &dflash_stage_api::Param,
+        bounds: &dflash_stage_api::Bounds,
+        value: &Value,
+    ) {
+        let Some((below, found)) = bounds.first_outside(value) else {
+            return;
+        };
+        let mut path = vec![param.name.to_owned()];
+        path.extend(below.iter().map(seg_name));
+        let shown = path.join(".");
+        let mut full = vec!["stages", id, section];
+        full.extend(path.iter().map(String::as_str));
+        let span = self.at(&full);
+        let found = serde_json::Number::from_f64(found)
+            .map_or_else(|| found.to_string(), |n| n.to_string());
+        let found = found.strip_suffix(".0").unwrap_or(&found);
+        self.push(
+            Problem::new(
+                "dflash::pipeline::param_range",
+                format!(
+                    "param `{shown}` of `{id}` must be {}, found `{found}`",
+                    bounds.describe()
+                ),
+                span,
+                format!("must be {}", bounds.describe()),
+            )
+            .help(format!("`{}`: {}", param.name, param.help)),
+        );
+    }
+
+    /// Run every stage kind's own checks ([`dflash_stage_api::StageKind::check`]): relations
+    /// between params, against upstream stages, and files that must exist.
+    fn kind_checks(&mut self, stages: &[StageSpec], registry: &Registry, cwd: &Path) {
+        for spec in stages {
+            let Some(kind) = registry.get(&spec.kind) else {
+                continue;
+            };
+            if self.unchecked.contains(&spec.id) {
+                continue;
+            }
+            let upstream = upstream_of(spec, stages);
+            let inputs: Vec<&str> = spec.inputs.iter().map(|i| i.name.as_str()).collect();
+            let env = dflash_stage_api::CheckEnv {
+                cwd,
+                inputs: &inputs,
+                upstream: &upstream,
+            };
+            for issue in kind.check(&spec.params, &env) {
+                self.push(self.issue_problem(&spec.id, &issue, None));
+            }
+        }
+    }
+
+    fn issue_problem(
+        &self,
+        id: &str,
+        issue: &dflash_stage_api::Issue,
+        from: Option<&str>,
+    ) -> Problem {
+        issue_problem(self.spans, id, issue, from)
+    }
+
     /// `ids`: every declared stage id, including stages that failed validation.
     fn check_inputs(&mut self, stages: &[StageSpec], ids: &[&str]) {
         for s in stages {
@@ -737,6 +844,76 @@ impl Validator<'_> {
             }
         }
     }
+}
+
+fn seg_name(s: &PathSeg) -> String {
+    match s {
+        PathSeg::Key(k) => k.clone(),
+        PathSeg::Index(i) => i.to_string(),
+    }
+}
+
+/// Every stage upstream of `spec` (through any number of others), nearest first; a cycle (found
+/// and reported later) only stops the walk.
+fn upstream_of<'a>(
+    spec: &StageSpec,
+    stages: &'a [StageSpec],
+) -> Vec<dflash_stage_api::Upstream<'a>> {
+    let mut out: Vec<dflash_stage_api::Upstream<'a>> = Vec::new();
+    let mut queue: std::collections::VecDeque<&str> =
+        spec.inputs.iter().map(|i| i.stage.as_str()).collect();
+    while let Some(id) = queue.pop_front() {
+        if id == spec.id || out.iter().any(|u| u.id == id) {
+            continue;
+        }
+        let Some(s) = stages.iter().find(|s| s.id == id) else {
+            continue;
+        };
+        out.push(dflash_stage_api::Upstream {
+            id: &s.id,
+            kind: &s.kind,
+            params: &s.params,
+        });
+        queue.extend(s.inputs.iter().map(|i| i.stage.as_str()));
+    }
+    out
+}
+
+/// A kind's [`dflash_stage_api::Issue`] as a located problem; `from` names the upstream stage
+/// whose output made the value invalid, when the check read one.
+fn issue_problem(
+    spans: &Spans,
+    id: &str,
+    issue: &dflash_stage_api::Issue,
+    from: Option<&str>,
+) -> Problem {
+    let below: Vec<String> = issue.at.iter().map(seg_name).collect();
+    let mut path = vec!["stages", id, "params"];
+    path.extend(below.iter().map(String::as_str));
+    // The whole params map: its key (or the stage's, when it has none), not every line of it.
+    let span = if below.is_empty() {
+        spans.key(&path)
+    } else {
+        spans.value(&path)
+    };
+    let message = match (below.is_empty(), from) {
+        (true, None) => format!("stage `{id}`: {}", issue.message),
+        (false, None) => format!("param `{}` of `{id}`: {}", below.join("."), issue.message),
+        (true, Some(f)) => format!(
+            "stage `{id}`, against the output of `{f}`: {}",
+            issue.message
+        ),
+        (false, Some(f)) => format!(
+            "param `{}` of `{id}`, against the output of `{f}`: {}",
+            below.join("."),
+            issue.message
+        ),
+    };
+    let mut p = Problem::new("dflash::pipeline::param_check", message, span, "here");
+    if let Some(h) = &issue.help {
+        p = p.help(h.clone());
+    }
+    p
 }
 
 fn list(items: &[&str]) -> String {

@@ -70,6 +70,14 @@ pub enum Event {
         /// Its log, when it failed and has one.
         log: Option<PathBuf>,
     },
+    /// A check against an upstream artifact found that a stage cannot run; it fails when it
+    /// would have started, and stages that only feed it keep their (cached) work.
+    Doomed {
+        /// Stage index.
+        stage: usize,
+        /// Why, one line per problem with `file:line:col`.
+        error: String,
+    },
     /// Ctrl-C was pressed; running stages are being stopped.
     Cancelling,
 }
@@ -130,10 +138,23 @@ pub fn fingerprint(
     };
     // Operational params (servers, limits, retries, shard sizes) say how the work is done, not
     // what it produces: they stay out of the key, so changing one resumes what is saved.
+    // A content path (a model file or folder) enters by its pinned bytes, not its name: a
+    // renamed copy keeps the key. Only when the kind pinned it, so a value is never dropped
+    // without what it stands for.
+    let is_pinned = |param: &str| {
+        pins.iter().any(|p| {
+            p.name == param
+                || p.name
+                    .strip_prefix(param)
+                    .is_some_and(|rest| rest.starts_with(':'))
+        })
+    };
     let mut params = spec.params.clone();
     if let Some(map) = params.as_object_mut() {
-        for p in kind.params().iter().filter(|p| !p.keyed) {
-            map.remove(p.name);
+        for p in kind.params() {
+            if !p.keyed || (p.content && is_pinned(p.name)) {
+                map.remove(p.name);
+            }
         }
     }
     Ok(Fingerprint {
@@ -260,6 +281,9 @@ pub async fn execute(
         .copied()
         .filter(|&i| waiting[i] == 0)
         .collect();
+    // Stages found unable to run by a check against an upstream artifact: the failure, kept
+    // until the stage would have started.
+    let mut doomed: Vec<Option<StageResult>> = vec![None; n];
     let mut tasks: JoinSet<(usize, f64, Outcome)> = JoinSet::new();
     let mut cancelled = false;
     let ctrl_c = tokio::signal::ctrl_c();
@@ -287,6 +311,10 @@ pub async fn execute(
             let spec = &pipeline.stages[i];
             if !selected[i] {
                 finish(i, skipped(spec, None), None, &mut results, reporter);
+                continue;
+            }
+            if let Some(result) = doomed[i].take() {
+                finish(i, result, None, &mut results, reporter);
                 continue;
             }
             let upstream: Vec<Digest> = graph.inputs[i]
@@ -331,6 +359,20 @@ pub async fn execute(
                 finish(i, result, log, &mut results, reporter);
                 if ok {
                     digests[i] = outcome.digest;
+                    if let Some(key) = outcome.key {
+                        for d in graph.downstream(i) {
+                            if selected[d] && doomed[d].is_none() {
+                                doomed[d] = check_against(&shared, d, i, &key).await;
+                                if let Some(r) = &doomed[d] {
+                                    // Said now, not when the stage would have started.
+                                    reporter.event(&pipeline, &Event::Doomed {
+                                        stage: d,
+                                        error: r.error.clone().unwrap_or_default(),
+                                    });
+                                }
+                            }
+                        }
+                    }
                     for d in graph.downstream(i) {
                         waiting[d] -= 1;
                         if waiting[d] == 0 {
@@ -386,6 +428,55 @@ pub async fn execute(
     };
     store.end_run(&record).await?;
     Ok(record)
+}
+
+/// Check stage `d`'s params against the artifact upstream stage `u` just committed under `key`
+/// ([`dflash_stage_api::StageKind::check_input`]); the failed result `d` will have, if any.
+/// A file that can't be read is left to the stage itself, which reads it again.
+async fn check_against(shared: &Shared, d: usize, u: usize, key: &Key) -> Option<StageResult> {
+    let spec = &shared.pipeline.stages[d];
+    let kind = shared.registry.get(&spec.kind)?;
+    let wanted = kind.input_files();
+    if wanted.is_empty() {
+        return None;
+    }
+    let upstream = &shared.pipeline.stages[u];
+    let manifest = shared.store.manifest(key).await.ok()??;
+    let mut files = std::collections::BTreeMap::new();
+    for f in manifest
+        .files
+        .iter()
+        .filter(|f| wanted.contains(&f.path.as_str()))
+    {
+        if let Ok(bytes) = shared.store.get_blob(&f.digest).await {
+            files.insert(f.path.clone(), bytes.to_vec());
+        }
+    }
+    let mut issues = Vec::new();
+    for input in spec.inputs.iter().filter(|i| i.stage == upstream.id) {
+        let output = dflash_stage_api::UpstreamOutput {
+            name: &input.name,
+            stage_id: &upstream.id,
+            files: files.clone(),
+        };
+        issues.extend(kind.check_input(&spec.params, &shared.opts.cwd, &output));
+    }
+    let first = issues.first()?;
+    let lines: Vec<String> = issues
+        .iter()
+        .map(|issue| shared.pipeline.issue_line(&spec.id, issue, &upstream.id))
+        .collect();
+    Some(StageResult {
+        id: spec.id.clone(),
+        kind: spec.kind.clone(),
+        key: None,
+        status: Status::Failed,
+        digest: None,
+        seconds: 0.0,
+        error: Some(lines.join("\n")),
+        hint: first.help.clone(),
+        summary: None,
+    })
 }
 
 /// The result of a stage that did not run.

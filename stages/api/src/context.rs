@@ -38,24 +38,27 @@ pub trait Pinner: Sync {
     fn file_digest(&self, path: &Path) -> Result<Digest, StageError>;
 }
 
-/// The pins of a local model (`model:<file name>` = its content digest; `model:<folder>/<file>`
-/// for a folder's files), so another model
-/// under the same name reruns the stage: one for a file (a GGUF), one per file that defines the
-/// model for a Hugging Face folder (configs, tokenizer, chat template, weights); `help` says
-/// what the param should name when nothing is there.
-pub fn pin_model(path: &str, pinner: &dyn Pinner, help: &str) -> Result<Vec<Pin>, StageError> {
+/// The pins of a local model given by param `param`, by content alone, so another model under
+/// the same name reruns the stage and the same model under another name does not: one pin named
+/// `<param>` for a file (a GGUF), one named `<param>:<file>` per file that defines the model for
+/// a Hugging Face folder (configs, tokenizer, chat template, weights). Declare the param
+/// [`crate::Param::content`] so its path stays out of the key. `help` says what the param should
+/// name when nothing is there.
+pub fn pin_model(
+    param: &str,
+    path: &str,
+    pinner: &dyn Pinner,
+    help: &str,
+) -> Result<Vec<Pin>, StageError> {
     let p = Path::new(path);
     let pin = |file: &Path, name: String| -> Result<Pin, StageError> {
         Ok(Pin {
-            name: format!("model:{name}"),
+            name,
             identity: pinner.file_digest(file)?.to_hex(),
         })
     };
     if p.is_file() {
-        let name = p
-            .file_name()
-            .map_or_else(|| path.to_owned(), |n| n.to_string_lossy().into_owned());
-        return Ok(vec![pin(p, name)?]);
+        return Ok(vec![pin(p, param.to_owned())?]);
     }
     if p.join("config.json").is_file() {
         let mut files: Vec<String> = std::fs::read_dir(p)
@@ -66,12 +69,9 @@ pub fn pin_model(path: &str, pinner: &dyn Pinner, help: &str) -> Result<Vec<Pin>
             .filter(|n| defines_model(n))
             .collect();
         files.sort();
-        let folder = p
-            .file_name()
-            .map_or_else(|| path.to_owned(), |n| n.to_string_lossy().into_owned());
         return files
             .into_iter()
-            .map(|n| pin(&p.join(&n), format!("{folder}/{n}")))
+            .map(|n| pin(&p.join(&n), format!("{param}:{n}")))
             .collect();
     }
     let what = if p.is_dir() {

@@ -8,6 +8,7 @@
 //! never-overwrite promise.
 
 mod cancel;
+mod check;
 mod context;
 #[cfg(feature = "dataset")]
 pub mod dataset;
@@ -23,11 +24,12 @@ pub mod remote;
 pub mod tokens;
 
 pub use cancel::Cancel;
+pub use check::{CheckEnv, Issue, Upstream, UpstreamOutput};
 pub use context::{Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput, pin_model};
 pub use digest::{Digest, DigestParseError};
 pub use error::StageError;
 pub use log::StageLog;
-pub use params::{Mismatch, Param, ParamType, PathSeg, describe_value};
+pub use params::{Bounds, Mismatch, Param, ParamType, PathSeg, describe_value};
 
 /// One kind of stage (`command`, `download`, `mix`, ...): its schema, version and behaviour.
 ///
@@ -53,6 +55,33 @@ pub trait StageKind: Send + Sync {
     fn pin(&self, params: &serde_json::Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
         let _ = (params, pinner);
         Ok(Vec::new())
+    }
+
+    /// Check the params before any stage runs (`dflash plan`, `dflash run`, `dflash estimate`):
+    /// relations between them, against the stages upstream, and local files that must exist
+    /// (a model's header may be read; nothing is downloaded or computed). Single numbers'
+    /// ranges are declared on the params instead. Every issue is reported at once.
+    fn check(&self, params: &serde_json::Value, env: &CheckEnv<'_>) -> Vec<Issue> {
+        let _ = (params, env);
+        Vec::new()
+    }
+
+    /// Small files of an upstream artifact that [`StageKind::check_input`] reads (e.g.
+    /// `tokenize.json`).
+    fn input_files(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// Check the params against one upstream artifact as soon as it is committed, before this
+    /// stage (or anything else waiting for it) runs: for facts only the data holds.
+    fn check_input(
+        &self,
+        params: &serde_json::Value,
+        cwd: &std::path::Path,
+        input: &UpstreamOutput<'_>,
+    ) -> Vec<Issue> {
+        let _ = (params, cwd, input);
+        Vec::new()
     }
 
     /// Produce the output files in `ctx.out_dir`.

@@ -160,6 +160,82 @@ pub struct Param {
     /// done, not what it produces (servers, limits, retries, shard sizes), so changing one
     /// after a failure reuses everything already saved.
     pub keyed: bool,
+    /// The range every number in it must lie in (the value itself, or each item of a list or
+    /// map of numbers), checked with the types before anything runs.
+    pub bounds: Option<Bounds>,
+    /// A path whose content, not its name, decides the output (a model file or folder): when
+    /// the kind pins it (pins named `<param>` or `<param>:<file>`), the path itself stays out of
+    /// the key, so a renamed or moved copy with the same bytes keeps everything cached.
+    pub content: bool,
+}
+
+/// An allowed range of numbers: each end inclusive or exclusive, or open.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bounds {
+    /// The lower end and whether it is allowed itself.
+    pub low: Option<(f64, bool)>,
+    /// The upper end and whether it is allowed itself.
+    pub high: Option<(f64, bool)>,
+}
+
+impl Bounds {
+    /// Whether `x` lies in the range.
+    pub fn contains(&self, x: f64) -> bool {
+        let above = self
+            .low
+            .is_none_or(|(lo, incl)| if incl { x >= lo } else { x > lo });
+        let below = self
+            .high
+            .is_none_or(|(hi, incl)| if incl { x <= hi } else { x < hi });
+        above && below
+    }
+
+    /// How the range reads in an error message, e.g. "at least 1", "between 0 and 1".
+    pub fn describe(&self) -> String {
+        let n = |x: f64| {
+            serde_json::Number::from_f64(x).map_or_else(|| x.to_string(), |n| n.to_string())
+        };
+        let n = |x: f64| n(x).trim_end_matches(".0").to_owned();
+        match (self.low, self.high) {
+            (Some((lo, true)), Some((hi, true))) => format!("between {} and {}", n(lo), n(hi)),
+            (Some((lo, li)), Some((hi, hi_incl))) => format!(
+                "{} {} and {} {}",
+                if li { "at least" } else { "above" },
+                n(lo),
+                if hi_incl { "at most" } else { "below" },
+                n(hi)
+            ),
+            (Some((lo, true)), None) => format!("at least {}", n(lo)),
+            (Some((lo, false)), None) => format!("above {}", n(lo)),
+            (None, Some((hi, true))) => format!("at most {}", n(hi)),
+            (None, Some((hi, false))) => format!("below {}", n(hi)),
+            (None, None) => "any number".into(),
+        }
+    }
+
+    /// The first number in `value` (itself, or an item of a list or map) outside the range:
+    /// where it is below `value` and the number.
+    pub fn first_outside(&self, value: &Value) -> Option<(Vec<PathSeg>, f64)> {
+        match value {
+            Value::Number(n) => n
+                .as_f64()
+                .filter(|&x| !self.contains(x))
+                .map(|x| (Vec::new(), x)),
+            Value::Array(items) => items.iter().enumerate().find_map(|(i, v)| {
+                self.first_outside(v).map(|(mut p, x)| {
+                    p.insert(0, PathSeg::Index(i));
+                    (p, x)
+                })
+            }),
+            Value::Object(map) => map.iter().find_map(|(k, v)| {
+                self.first_outside(v).map(|(mut p, x)| {
+                    p.insert(0, PathSeg::Key(k.clone()));
+                    (p, x)
+                })
+            }),
+            _ => None,
+        }
+    }
 }
 
 impl Param {
@@ -172,7 +248,53 @@ impl Param {
             required: false,
             help,
             keyed: true,
+            bounds: None,
+            content: false,
         }
+    }
+
+    /// Every number in it must be at least `low`.
+    #[must_use]
+    pub fn at_least(mut self, low: f64) -> Self {
+        self.bounds = Some(Bounds {
+            low: Some((low, true)),
+            high: None,
+        });
+        self
+    }
+
+    /// Every number in it must be above `low` (exclusive).
+    #[must_use]
+    pub fn above(mut self, low: f64) -> Self {
+        self.bounds = Some(Bounds {
+            low: Some((low, false)),
+            high: None,
+        });
+        self
+    }
+
+    /// Every number in it must lie between `low` and `high`, both included.
+    #[must_use]
+    pub fn between(mut self, low: f64, high: f64) -> Self {
+        self.bounds = Some(Bounds {
+            low: Some((low, true)),
+            high: Some((high, true)),
+        });
+        self
+    }
+
+    /// Every number in it must lie in `bounds`.
+    #[must_use]
+    pub fn within(mut self, bounds: Bounds) -> Self {
+        self.bounds = Some(bounds);
+        self
+    }
+
+    /// Mark it a content path (see [`Param::content`]).
+    #[must_use]
+    pub fn content(mut self) -> Self {
+        self.content = true;
+        self
     }
 
     /// Mark it operational: how the work is done, not what it produces. It is left out of the
@@ -227,6 +349,34 @@ mod tests {
         assert_eq!(
             t.check(&json!("x")).unwrap_err().expected,
             "one of `keep`, `drop`"
+        );
+    }
+
+    #[test]
+    fn bounds_find_the_first_number_outside() {
+        let b = Param::new("w", ParamType::Float, "")
+            .at_least(0.0)
+            .bounds
+            .unwrap();
+        assert_eq!(b.describe(), "at least 0");
+        assert_eq!(
+            b.first_outside(&json!({"a": 1.0, "b": -2})),
+            Some((vec![PathSeg::Key("b".into())], -2.0))
+        );
+        assert_eq!(b.first_outside(&json!([0, 3])), None);
+        let f = Bounds {
+            low: Some((0.0, true)),
+            high: Some((1.0, false)),
+        };
+        assert_eq!(f.describe(), "at least 0 and below 1");
+        assert!(!f.contains(1.0));
+        assert!(
+            Param::new("lr", ParamType::Float, "")
+                .above(0.0)
+                .bounds
+                .unwrap()
+                .first_outside(&json!(0.0))
+                .is_some()
         );
     }
 

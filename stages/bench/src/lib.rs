@@ -23,7 +23,8 @@ mod run;
 mod sets;
 
 use dflash_stage_api::{
-    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
+    CheckEnv, Issue, Param, ParamType, PathSeg, Pin, Pinner, StageContext, StageError, StageKind,
+    StageOutput,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -80,16 +81,16 @@ impl StageKind for BenchKind {
     fn params(&self) -> Vec<Param> {
         let int = || ParamType::Int;
         vec![
-            Param::new("target", ParamType::Str, "the frozen target the drafters were trained against: a `.gguf` file or Hugging Face model folder (in-process mode)"),
+            Param::new("target", ParamType::Str, "the frozen target the drafters were trained against: a `.gguf` file or Hugging Face model folder (in-process mode); its content, not its path, enters the key").content(),
             Param::new("endpoints", ParamType::Map(Box::new(ParamType::Str)), "endpoint mode: running OpenAI-compatible servers by name, e.g. {plain: 'http://127.0.0.1:30000/v1', dflash: 'http://127.0.0.1:30001/v1'}; the first is the speedup's reference").default(json!({})),
             Param::new("model", ParamType::Str, "endpoint mode: the model name sent (null: what the first endpoint lists)"),
-            Param::new("prompts", int(), "prompts per set (the first ones)").default(80),
-            Param::new("max_new_tokens", int(), "the most output tokens per prompt").default(256),
-            Param::new("temperature", ParamType::Float, "0: greedy (the papers' T = 0); above 0, sampled with lossless verification").default(0.0),
-            Param::new("seed", int(), "seed for sampled decoding").default(0),
+            Param::new("prompts", int(), "prompts per set (the first ones)").default(80).at_least(1.0),
+            Param::new("max_new_tokens", int(), "the most output tokens per prompt").default(256).at_least(1.0),
+            Param::new("temperature", ParamType::Float, "0: greedy (the papers' T = 0); above 0, sampled with lossless verification").default(0.0).at_least(0.0),
+            Param::new("seed", int(), "seed for sampled decoding").default(0).at_least(0.0),
             Param::new("baselines", ParamType::List(Box::new(ParamType::Enum(&["ngram"]))), "baselines besides autoregressive decoding, which always runs: `ngram` is prompt lookup").default(json!(["ngram"])),
-            Param::new("ngram", int(), "the longest suffix prompt lookup matches").default(3),
-            Param::new("block_size", int(), "the n-gram baseline's block size (null: the first drafter's, else 16)"),
+            Param::new("ngram", int(), "the longest suffix prompt lookup matches").default(3).at_least(1.0),
+            Param::new("block_size", int(), "the n-gram baseline's block size (null: the first drafter's, else 16)").at_least(2.0),
             Param::new("template_kwargs", ParamType::Map(Box::new(ParamType::Any)), "passed to the chat template, e.g. {enable_thinking: false}; must match what the drafter was trained with").default(json!({})),
             Param::new("prompt_format", ParamType::Map(Box::new(ParamType::Str)), "per prompt set, how each user turn is asked: a preset of z-lab's benchmark harness (humaneval, gsm8k, math) or a template holding {prompt}, e.g. {humaneval: humaneval, gsm8k: gsm8k}; sets not named are asked as they are").default(json!({})),
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where the in-process decoding runs (`auto`: GPU 0 when this build and machine have one); every method runs on it").default("auto"),
@@ -103,10 +104,88 @@ impl StageKind for BenchKind {
             return Ok(Vec::new());
         };
         dflash_stage_api::pin_model(
+            "target",
             target,
             pinner,
             "`target:` is the model the drafters were trained against: a .gguf file or a Hugging Face model folder",
         )
+    }
+
+    fn check(&self, params: &serde_json::Value, env: &CheckEnv<'_>) -> Vec<Issue> {
+        let mut issues = Vec::new();
+        let endpoints = params["endpoints"].as_object().cloned().unwrap_or_default();
+        match (params["target"].as_str(), endpoints.is_empty()) {
+            (None, true) => issues.push(Issue {
+                at: Vec::new(),
+                message: "bench has nothing to decode with".into(),
+                help: Some("give `target:` (a GGUF file or model folder, decoded in process) or `endpoints:` (running servers)".into()),
+            }),
+            (Some(_), false) => issues.push(
+                Issue::new("endpoints", "both `target:` and `endpoints:` are given; bench decodes in process or on servers, not both")
+                    .help("drop `endpoints:` to decode the target in process, or `target:` to measure the servers"),
+            ),
+            (Some(_), true) => issues.extend(env.must_exist(
+                params,
+                "target",
+                "the model the drafters were trained against: a .gguf file or a Hugging Face model folder",
+            )),
+            (None, false) => {}
+        }
+        for (name, url) in &endpoints {
+            if !url
+                .as_str()
+                .is_some_and(|u| u.starts_with("http://") || u.starts_with("https://"))
+            {
+                issues.push(
+                    Issue::new(
+                        "endpoints",
+                        format!("endpoint `{name}` is {url}, not an http(s) URL"),
+                    )
+                    .below(PathSeg::Key(name.clone()))
+                    .help("endpoints are base URLs ending in /v1, e.g. http://127.0.0.1:30000/v1"),
+                );
+            }
+        }
+        for (set, format) in params["prompt_format"].as_object().into_iter().flatten() {
+            if !env.inputs.contains(&set.as_str()) {
+                issues.push(
+                    Issue::new(
+                        "prompt_format",
+                        format!("`{set}` is not a prompt set among the inputs"),
+                    )
+                    .below(PathSeg::Key(set.clone()))
+                    .help(format!(
+                        "its keys are the input names: {}",
+                        env.inputs.join(", ")
+                    )),
+                );
+            } else if format.as_str().and_then(sets::Format::parse).is_none() {
+                issues.push(
+                    Issue::new(
+                        "prompt_format",
+                        format!("{format} is neither a preset nor a template holding {{prompt}}"),
+                    )
+                    .below(PathSeg::Key(set.clone()))
+                    .help(format!(
+                        "use a preset ({}) or a template such as \"Answer briefly: {{prompt}}\"",
+                        sets::preset_names()
+                    )),
+                );
+            }
+        }
+        // Prompt lookup measured at another block size than the drafter would compare two
+        // things at once.
+        if let Some(b) = params["block_size"].as_u64()
+            && let Some(train) = env.upstream_of_kind("train").next()
+            && let Some(trained) = train.params["block_size"].as_u64()
+            && trained != b
+        {
+            issues.push(
+                Issue::new("block_size", format!("{b}, but drafter `{}` was trained with blocks of {trained}", train.id))
+                    .help("leave `block_size` out: prompt lookup then drafts as many tokens per round as the drafter"),
+            );
+        }
+        issues
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {

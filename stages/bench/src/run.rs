@@ -433,13 +433,7 @@ fn decode_turns(
 /// Each prompt set's format (`prompt_format`), checked: a preset or a template with `{prompt}`,
 /// for a set that is among the inputs.
 fn formats(p: &Params, sets: &[&Input]) -> Result<Vec<sets::Format>, StageError> {
-    let presets = || {
-        sets::PRESETS
-            .iter()
-            .map(|(n, _)| *n)
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let presets = sets::preset_names;
     if let Some(name) = p
         .prompt_format
         .keys()

@@ -42,6 +42,15 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("math", REASON_STEP_BY_STEP),
 ];
 
+/// The presets' names, for messages.
+pub fn preset_names() -> String {
+    PRESETS
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// How a set's user turns are put to the model: as they are, or inside an instruction.
 #[derive(Clone, Debug, Default)]
 pub struct Format(Option<String>);

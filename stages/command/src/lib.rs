@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use dflash_stage_api::process::{SIGKILL, SIGTERM, kill_group};
 use dflash_stage_api::{
-    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
+    CheckEnv, Issue, Param, ParamType, PathSeg, Pin, Pinner, StageContext, StageError, StageKind,
+    StageOutput,
 };
 use serde::Deserialize;
 
@@ -79,8 +80,72 @@ impl StageKind for CommandKind {
                 "local files the command reads (scripts, configs); their content digests enter the key",
             )
             .default(serde_json::json!([])),
-            Param::new("shards", ParamType::Int, "run the command this many times with $DFLASH_SHARD = 0..N-1, committing each run as it finishes"),
+            Param::new("shards", ParamType::Int, "run the command this many times with $DFLASH_SHARD = 0..N-1, committing each run as it finishes").at_least(1.0),
         ]
+    }
+
+    fn check(&self, params: &serde_json::Value, env: &CheckEnv<'_>) -> Vec<Issue> {
+        let mut issues = Vec::new();
+        if params["run"].as_str().is_some_and(|r| r.trim().is_empty()) {
+            issues.push(
+                Issue::new("run", "the command is empty")
+                    .help("e.g. `run: python scripts/prep.py`"),
+            );
+        }
+        for (i, f) in params["files"].as_array().into_iter().flatten().enumerate() {
+            let f = f.as_str().unwrap_or_default();
+            if !env.path(f).is_file() {
+                issues.push(
+                    Issue::new("files", format!("`{f}` is not a file"))
+                        .below(PathSeg::Index(i))
+                        .help("`files` lists the local files the command reads, relative to where dflash runs"),
+                );
+            }
+        }
+        let bad_name = |n: &str| n.is_empty() || n.contains('=') || n.contains('\0');
+        let shown = |n: &str| {
+            if n.is_empty() {
+                "an empty name".to_owned()
+            } else {
+                format!("`{n}`")
+            }
+        };
+        for name in params["env"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, _)| k)
+        {
+            if bad_name(name) {
+                issues.push(
+                    Issue::new(
+                        "env",
+                        format!("{} cannot name an environment variable", shown(name)),
+                    )
+                    .below(PathSeg::Key(name.clone()))
+                    .help("names hold no `=`, e.g. `HF_HOME`"),
+                );
+            }
+        }
+        for (i, name) in params["pass_env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let name = name.as_str().unwrap_or_default();
+            if bad_name(name) {
+                issues.push(
+                    Issue::new(
+                        "pass_env",
+                        format!("{} cannot name an environment variable", shown(name)),
+                    )
+                    .below(PathSeg::Index(i))
+                    .help("list names only, e.g. `[HF_TOKEN]`; the values never enter the key"),
+                );
+            }
+        }
+        issues
     }
 
     fn pin(&self, params: &serde_json::Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {

@@ -21,7 +21,8 @@ use std::path::{Path, PathBuf};
 use dflash_stage_api::dataset::{self, Writer};
 use dflash_stage_api::remote;
 use dflash_stage_api::{
-    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageLog, StageOutput,
+    CheckEnv, Issue, Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageLog,
+    StageOutput,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -137,8 +138,54 @@ impl StageKind for DownloadKind {
             Param::new("category", s(), "the category of every row (when the data has no category field)"),
             Param::new("source", s(), "the rows' `source` (default: the stage id)"),
             Param::new("keep", ParamType::List(Box::new(s())), "fields kept as metadata").default(json!([])),
-            Param::new("limit", ParamType::Int, "at most this many rows (files are read in order)"),
+            Param::new("limit", ParamType::Int, "at most this many rows (files are read in order)").at_least(1.0),
         ]
+    }
+
+    fn check(&self, params: &Value, env: &CheckEnv<'_>) -> Vec<Issue> {
+        let mut issues = Vec::new();
+        let given: Vec<&str> = ["hf", "url", "object", "path"]
+            .into_iter()
+            .filter(|k| !params[*k].is_null())
+            .collect();
+        if given.len() != 1 {
+            let at = given.get(1).copied();
+            issues.push(Issue {
+                at: at.map(|k| vec![dflash_stage_api::PathSeg::Key(k.to_owned())]).unwrap_or_default(),
+                message: format!("a download needs exactly one source, and this one has {}", given.len()),
+                help: Some("give one of `hf:` (a Hub dataset id), `url:`, `object:` (s3://, gs://, az://) or `path:`".into()),
+            });
+        }
+        if let Some(url) = params["url"].as_str()
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            issues.push(
+                Issue::new("url", format!("`{url}` is not an http(s) URL"))
+                    .help("`url:` downloads over HTTP; use `object:` for s3://, gs:// or az://, `path:` for local files"),
+            );
+        }
+        if let Some(url) = params["object"].as_str()
+            && !remote::is_object_url(url)
+        {
+            issues.push(
+                Issue::new("object", format!("`{url}` is not an object-store URL"))
+                    .help("`object:` takes s3://, gs:// or az:// URLs; use `url:` for http(s), `path:` for local files"),
+            );
+        }
+        issues.extend(env.must_exist(
+            params,
+            "path",
+            "a local file or folder of .parquet, .jsonl or .json files",
+        ));
+        if let Some(hf) = params["hf"].as_str()
+            && hf.split('/').filter(|p| !p.is_empty()).count() != 2
+        {
+            issues.push(
+                Issue::new("hf", format!("`{hf}` is not a Hub dataset id"))
+                    .help("Hub ids are `owner/name`, e.g. `openai/gsm8k`"),
+            );
+        }
+        issues
     }
 
     fn pin(&self, params: &Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {

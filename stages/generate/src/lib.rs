@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 
 use dflash_stage_api::dataset::{self, Conversation, Message};
 use dflash_stage_api::{
-    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageLog, StageOutput,
+    CheckEnv, Issue, Param, ParamType, PathSeg, Pin, Pinner, StageContext, StageError, StageKind,
+    StageLog, StageOutput,
 };
 use futures::StreamExt;
 use serde::Deserialize;
@@ -92,9 +93,11 @@ impl StageKind for GenerateKind {
                 "model",
                 ParamType::Str,
                 "the served model name, checked against each endpoint's /v1/models; with \
-                 `backend: candle`, a GGUF file or a Hugging Face model folder",
+                 `backend: candle`, a GGUF file or a Hugging Face model folder (its content, not \
+                 its path, enters the key)",
             )
-            .required(),
+            .required()
+            .content(),
             Param::new(
                 "endpoints",
                 strs(),
@@ -108,7 +111,8 @@ impl StageKind for GenerateKind {
                 "requests each endpoint holds at once",
             )
             .default(64)
-            .operational(),
+            .operational()
+            .at_least(1.0),
             Param::new(
                 "launch",
                 ParamType::Any,
@@ -116,16 +120,21 @@ impl StageKind for GenerateKind {
                  ready_path: /v1/models, ready_timeout_s: 1800}",
             )
             .operational(),
-            Param::new("max_tokens", ParamType::Int, "the most tokens per reply").default(2048),
-            Param::new("temperature", ParamType::Float, "sampling temperature").default(0.0),
-            Param::new("top_p", ParamType::Float, "nucleus sampling").default(1.0),
+            Param::new("max_tokens", ParamType::Int, "the most tokens per reply").default(2048).at_least(1.0),
+            Param::new("temperature", ParamType::Float, "sampling temperature").default(0.0).at_least(0.0),
+            Param::new("top_p", ParamType::Float, "nucleus sampling").default(1.0).within(
+                dflash_stage_api::Bounds {
+                    low: Some((0.0, false)),
+                    high: Some((1.0, true)),
+                },
+            ),
             Param::new(
                 "seed",
                 ParamType::Int,
                 "a base seed; each request gets its own, derived from it and the prompt",
             ),
             Param::new("stop", strs(), "stop strings").default(json!([])),
-            Param::new("n", ParamType::Int, "samples per prompt").default(1),
+            Param::new("n", ParamType::Int, "samples per prompt").default(1).at_least(1.0),
             Param::new(
                 "thinking",
                 ParamType::Bool,
@@ -168,34 +177,39 @@ impl StageKind for GenerateKind {
                 "seconds one request may take",
             )
             .default(1800)
-            .operational(),
+            .operational()
+            .at_least(1.0),
             Param::new(
                 "attempts",
                 ParamType::Int,
                 "tries per request before the stage gives up",
             )
             .default(8)
-            .operational(),
+            .operational()
+            .at_least(1.0),
             Param::new(
                 "shard_rows",
                 ParamType::Int,
                 "save a shard after this many rows...",
             )
             .default(2000)
-            .operational(),
+            .operational()
+            .at_least(1.0),
             Param::new(
                 "shard_seconds",
                 ParamType::Float,
                 "...or after this many seconds",
             )
             .default(60.0)
-            .operational(),
+            .operational()
+            .above(0.0),
             Param::new(
                 "batch_size",
                 ParamType::Int,
                 "candle backend: conversations decoded together (one pass reads the weights once for all of them)",
             )
-            .default(8),
+            .default(8)
+            .at_least(1.0),
             Param::new(
                 "device",
                 ParamType::Enum(dflash_model::nn::device::CHOICES),
@@ -203,6 +217,49 @@ impl StageKind for GenerateKind {
             )
             .default("auto"),
         ]
+    }
+
+    fn check(&self, params: &Json, env: &CheckEnv<'_>) -> Vec<Issue> {
+        let mut issues = Vec::new();
+        if params["backend"] == "candle" {
+            issues.extend(env.must_exist(
+                params,
+                "model",
+                "with `backend: candle`, the model itself: a GGUF file or a Hugging Face model folder",
+            ));
+            return issues;
+        }
+        let endpoints = params["endpoints"].as_array().cloned().unwrap_or_default();
+        if endpoints.is_empty() && params["launch"].is_null() {
+            issues.push(Issue {
+                at: Vec::new(),
+                message: "generate has no server".into(),
+                help: Some("list `endpoints:` of running servers, say how to `launch:` them, or decode in process with `backend: candle`".into()),
+            });
+        }
+        for (i, url) in endpoints.iter().enumerate() {
+            if !url
+                .as_str()
+                .is_some_and(|u| u.starts_with("http://") || u.starts_with("https://"))
+            {
+                issues.push(
+                    Issue::new("endpoints", format!("{url} is not an http(s) URL"))
+                        .below(PathSeg::Index(i))
+                        .help(
+                            "endpoints are base URLs ending in /v1, e.g. http://10.0.0.5:30000/v1",
+                        ),
+                );
+            }
+        }
+        if !params["launch"].is_null()
+            && let Err(e) = serde_json::from_value::<launch::Launch>(params["launch"].clone())
+        {
+            issues.push(
+                Issue::new("launch", format!("does not fit: {e}"))
+                    .help("launch: {command: \"sglang ... --port {port}\", gpus: [0, 1]}"),
+            );
+        }
+        issues
     }
 
     fn pin(&self, params: &Json, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
@@ -213,6 +270,7 @@ impl StageKind for GenerateKind {
         }
         let model = params["model"].as_str().unwrap_or_default();
         dflash_stage_api::pin_model(
+            "model",
             model,
             pinner,
             "with `backend: candle`, `model:` is a GGUF file or a Hugging Face model folder",

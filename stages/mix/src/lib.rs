@@ -18,7 +18,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 
 use dflash_stage_api::dataset::{self, BatchView, Conversation, Writer};
-use dflash_stage_api::{Param, ParamType, StageContext, StageError, StageKind, StageOutput};
+use dflash_stage_api::{
+    CheckEnv, Issue, Param, ParamType, PathSeg, StageContext, StageError, StageKind, StageOutput,
+};
 use serde::Deserialize;
 use serde_json::json;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
@@ -84,18 +86,21 @@ impl StageKind for MixKind {
                 num_map(),
                 "shares of `total` per group (normalised); groups not listed are left out",
             )
-            .default(json!({})),
+            .default(json!({}))
+            .at_least(0.0),
             Param::new(
                 "quotas",
                 ParamType::Map(Box::new(ParamType::Int)),
                 "rows per group; groups not listed are left out",
             )
-            .default(json!({})),
+            .default(json!({}))
+            .at_least(0.0),
             Param::new(
                 "total",
                 ParamType::Int,
                 "rows wanted in all (with `weights`, or alone for a uniform sample)",
-            ),
+            )
+            .at_least(1.0),
             Param::new("seed", ParamType::Int, "the sampling seed").default(0),
             Param::new(
                 "dedup",
@@ -114,18 +119,24 @@ impl StageKind for MixKind {
                 ParamType::Int,
                 "drop rows whose prompt is shorter (characters)",
             )
-            .default(1),
+            .default(1)
+            .at_least(0.0),
             Param::new(
                 "max_chars",
                 ParamType::Int,
                 "drop rows whose prompt is longer (characters)",
-            ),
+            )
+            .at_least(1.0),
             Param::new(
                 "eval_fraction",
                 ParamType::Float,
                 "this share of each group's rows goes to the `eval` split",
             )
-            .default(0.0),
+            .default(0.0)
+            .within(dflash_stage_api::Bounds {
+                low: Some((0.0, true)),
+                high: Some((1.0, false)),
+            }),
             Param::new(
                 "strict",
                 ParamType::Bool,
@@ -139,6 +150,70 @@ impl StageKind for MixKind {
             )
             .default(json!([])),
         ]
+    }
+
+    fn check(&self, params: &serde_json::Value, env: &CheckEnv<'_>) -> Vec<Issue> {
+        let mut issues = Vec::new();
+        let weights = params["weights"].as_object().cloned().unwrap_or_default();
+        let quotas = params["quotas"].as_object().cloned().unwrap_or_default();
+        if !weights.is_empty() && !quotas.is_empty() {
+            issues.push(
+                Issue::new("quotas", "`weights` and `quotas` are both given")
+                    .help("use one: weights are shares of `total`, quotas are row counts"),
+            );
+        }
+        if !weights.is_empty() && params["total"].is_null() {
+            issues.push(
+                Issue::new("weights", "`weights` need a `total`")
+                    .help("say how many rows the mix should have, e.g. `total: 200000`"),
+            );
+        }
+        let sum: f64 = weights.values().filter_map(serde_json::Value::as_f64).sum();
+        if !weights.is_empty() && sum <= 0.0 {
+            issues.push(
+                Issue::new("weights", "every weight is 0, so nothing would be taken")
+                    .help("give at least one group a positive share"),
+            );
+        }
+        if let (Some(lo), Some(hi)) = (params["min_chars"].as_u64(), params["max_chars"].as_u64())
+            && hi < lo
+        {
+            issues.push(
+                Issue::new(
+                    "max_chars",
+                    format!("{hi} is below `min_chars` ({lo}): every row would be dropped"),
+                )
+                .help("`max_chars` must be at least `min_chars`"),
+            );
+        }
+        for (i, name) in params["exclude"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let name = name.as_str().unwrap_or_default();
+            if !env.inputs.contains(&name) {
+                issues.push(
+                    Issue::new("exclude", format!("`{name}` is not an input of this stage"))
+                        .below(PathSeg::Index(i))
+                        .help("list the held-out sets among `inputs:` too, so their prompts can be matched"),
+                );
+            } else if env.inputs.iter().all(|i| {
+                *i == name
+                    || params["exclude"]
+                        .as_array()
+                        .is_some_and(|e| e.iter().any(|e| e == *i))
+            }) {
+                issues.push(
+                    Issue::new("exclude", "every input is held out: nothing is left to mix")
+                        .below(PathSeg::Index(i))
+                        .help("hold out the benchmark sets only, and mix the training data"),
+                );
+                break;
+            }
+        }
+        issues
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {

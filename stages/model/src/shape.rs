@@ -301,7 +301,15 @@ impl ModelShape {
         };
         let hidden = need("embedding_length")?;
         let heads = need("attention.head_count")?;
-        let vocab = int("vocab_size")
+        // The embedding table's rows are the vocabulary the model computes with (innermost
+        // dimension first in GGUF: [hidden, vocab]); the metadata says the same when present.
+        let embedding_rows = header
+            .tensors
+            .iter()
+            .find(|(n, _)| n == "token_embd.weight")
+            .and_then(|(_, dims)| dims.get(1).copied());
+        let vocab = embedding_rows
+            .or_else(|| int("vocab_size"))
             .or_else(|| match m.get("tokenizer.ggml.tokens") {
                 Some(Meta::Strs(t)) => Some(t.len() as u64),
                 _ => None,

@@ -26,8 +26,8 @@ use std::time::Instant;
 use arrow_array::Array as _;
 use dflash_stage_api::dataset::{self, BatchView};
 use dflash_stage_api::{
-    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageLog, StageOutput,
-    remote,
+    CheckEnv, Issue, Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageLog,
+    StageOutput, remote,
 };
 use rayon::prelude::*;
 use serde::Deserialize;
@@ -77,14 +77,18 @@ impl StageKind for TokenizeKind {
                 "tokenizer",
                 ParamType::Str,
                 "a model folder (`tokenizer.json`, `tokenizer_config.json`) or a `.gguf` file; \
-                 local, or in an object store (`s3://bucket/models/Qwen3-8B`)",
+                 local, or in an object store (`s3://bucket/models/Qwen3-8B`); its content, not \
+                 its path, enters the key",
             )
-            .required(),
+            .required()
+            .content(),
             Param::new(
                 "chat_template",
                 ParamType::Str,
-                "a Jinja file that replaces the model's chat template",
-            ),
+                "a Jinja file that replaces the model's chat template (its content, not its path, \
+                 enters the key)",
+            )
+            .content(),
             Param::new(
                 "template_kwargs",
                 ParamType::Map(Box::new(ParamType::Any)),
@@ -112,7 +116,8 @@ impl StageKind for TokenizeKind {
                 "max_length",
                 ParamType::Int,
                 "the most tokens per row (see `overflow`)",
-            ),
+            )
+            .at_least(1.0),
             Param::new(
                 "overflow",
                 ParamType::Enum(&["truncate", "drop"]),
@@ -127,6 +132,31 @@ impl StageKind for TokenizeKind {
             )
             .default("drop"),
         ]
+    }
+
+    fn check(&self, params: &Json, env: &CheckEnv<'_>) -> Vec<Issue> {
+        let mut issues = Vec::new();
+        if let Some(t) = params["tokenizer"].as_str()
+            && !remote::is_object_url(t)
+        {
+            let path = env.path(t);
+            if !path.exists() {
+                issues.extend(env.must_exist(
+                    params,
+                    "tokenizer",
+                    "a model folder (tokenizer.json, tokenizer_config.json), a .gguf file, or an object-store URL",
+                ));
+            } else if path.is_dir() && !path.join("tokenizer.json").is_file() {
+                let e = missing_tokenizer(Path::new(t));
+                let mut issue = Issue::new("tokenizer", e.message);
+                if let Some(h) = e.help {
+                    issue = issue.help(h);
+                }
+                issues.push(issue);
+            }
+        }
+        issues.extend(env.must_exist(params, "chat_template", "a Jinja file"));
+        issues
     }
 
     fn pin(&self, params: &Json, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
@@ -153,28 +183,36 @@ impl StageKind for TokenizeKind {
                 .with_help("give the prefix of a model folder, or the URL of a `.gguf` object"));
             }
         }
-        let mut files = if pins.is_empty() {
-            model::identity_files(Path::new(&p.tokenizer))
-        } else {
-            Vec::new()
-        };
-        if files.is_empty() && pins.is_empty() {
-            return Err(missing_tokenizer(Path::new(&p.tokenizer)));
+        // Local files by content alone, so a renamed copy keeps the key: `tokenizer` for one
+        // file (a GGUF), `tokenizer:<file>` for a folder's files, `chat_template` for the
+        // template.
+        let path = Path::new(&p.tokenizer);
+        let mut local: Vec<(String, PathBuf)> = Vec::new();
+        if pins.is_empty() {
+            if path.is_file() {
+                local.push(("tokenizer".to_owned(), path.to_owned()));
+            } else {
+                for f in model::identity_files(path) {
+                    let name = f.file_name().map_or_else(
+                        || f.display().to_string(),
+                        |n| n.to_string_lossy().into_owned(),
+                    );
+                    local.push((format!("tokenizer:{name}"), f));
+                }
+            }
+            if local.is_empty() {
+                return Err(missing_tokenizer(path));
+            }
         }
         if let Some(t) = &p.chat_template {
-            files.push(PathBuf::from(t));
+            local.push(("chat_template".to_owned(), PathBuf::from(t)));
         }
-        // Names without the folder: the content decides the key, not where it lies.
-        let local: Vec<Pin> = files
-            .iter()
-            .map(|f| {
-                let name = f.file_name().map_or_else(
-                    || f.display().to_string(),
-                    |n| n.to_string_lossy().into_owned(),
-                );
+        let local: Vec<Pin> = local
+            .into_iter()
+            .map(|(name, f)| {
                 Ok(Pin {
-                    name: format!("tokenizer:{name}"),
-                    identity: pinner.file_digest(f)?.to_hex(),
+                    name,
+                    identity: pinner.file_digest(&f)?.to_hex(),
                 })
             })
             .collect::<Result<_, StageError>>()?;

@@ -8,8 +8,10 @@
 
 mod train_loop;
 
+use dflash_model::ModelShape;
 use dflash_stage_api::{
-    Param, ParamType, Pin, Pinner, StageContext, StageError, StageKind, StageOutput,
+    CheckEnv, Issue, Param, ParamType, PathSeg, Pin, Pinner, StageContext, StageError, StageKind,
+    StageOutput, UpstreamOutput, tokens,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -57,6 +59,61 @@ impl Params {
     }
 }
 
+/// What the target's shape makes wrong: tapped layers it does not have, a mask token past its
+/// vocabulary.
+fn target_issues(params: &serde_json::Value, shape: &ModelShape, target: &str) -> Vec<Issue> {
+    let mut issues = Vec::new();
+    let layers = shape.layers;
+    let listed: Vec<u64> = params["target_layers"]
+        .as_array()
+        .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
+        .unwrap_or_default();
+    for (i, &l) in listed.iter().enumerate() {
+        if l >= layers {
+            issues.push(
+                Issue::new(
+                    "target_layers",
+                    format!("layer {l} does not exist: `{target}` has {layers} layers"),
+                )
+                .below(PathSeg::Index(i))
+                .help(format!("`target_layers` are 0-based, below {layers}")),
+            );
+        } else if listed[..i].contains(&l) {
+            issues.push(
+                Issue::new("target_layers", format!("layer {l} is listed twice"))
+                    .below(PathSeg::Index(i))
+                    .help("each tapped layer feeds the drafter once"),
+            );
+        }
+    }
+    if listed.is_empty()
+        && let Some(taps) = params["taps"].as_u64()
+        && taps > layers
+    {
+        issues.push(
+            Issue::new(
+                "taps",
+                format!("{taps} taps, but `{target}` has only {layers} layers"),
+            )
+            .help(format!(
+                "tap at most {layers} layers (the reference taps 5)"
+            )),
+        );
+    }
+    if let Some(m) = params["mask_token_id"].as_u64()
+        && m >= shape.vocab
+    {
+        issues.push(
+            Issue::new(
+                "mask_token_id",
+                format!("{m} is past the target's vocabulary: `{target}` has {} tokens", shape.vocab),
+            )
+            .help("pick a token the data never uses, below the vocabulary size (a reserved or special token)"),
+        );
+    }
+    issues
+}
+
 impl StageKind for TrainKind {
     fn name(&self) -> &'static str {
         "train"
@@ -76,26 +133,26 @@ impl StageKind for TrainKind {
         let int = || ParamType::Int;
         let float = || ParamType::Float;
         vec![
-            Param::new("target", ParamType::Str, "the frozen target: a `.gguf` file or a Hugging Face model folder (config.json + safetensors)").required(),
-            Param::new("draft_layers", int(), "decoder layers of the drafter").default(5),
-            Param::new("block_size", int(), "block size B: the anchor token and B-1 masked positions").default(16),
-            Param::new("target_layers", ParamType::List(Box::new(int())), "target decoder layers (0-based) whose outputs feed the drafter; empty: `taps` layers spread from 1 to L-3").default(json!([])),
-            Param::new("taps", int(), "how many target layers to tap when `target_layers` is empty").default(5),
-            Param::new("mask_token_id", int(), "the mask token's id (null: the first id past the target's vocabulary in use)"),
-            Param::new("anchors", int(), "blocks sampled per sequence, among positions whose next token is trained on").default(512),
-            Param::new("gamma", float(), "loss weight decay over block positions, exp(-(k-1)/gamma) (null: 7 for B=16, 4 for B=8)"),
-            Param::new("epochs", int(), "passes over the data").default(6),
-            Param::new("max_length", int(), "longer sequences are cut to this many tokens").default(3072),
-            Param::new("batch_size", int(), "sequences per micro-step").default(1),
-            Param::new("grad_accum", int(), "micro-steps per optimizer step").default(1),
-            Param::new("lr", float(), "AdamW peak learning rate").default(6e-4),
-            Param::new("warmup", float(), "share of steps spent warming up").default(0.04),
+            Param::new("target", ParamType::Str, "the frozen target: a `.gguf` file or a Hugging Face model folder (config.json + safetensors); its content, not its path, enters the key").required().content(),
+            Param::new("draft_layers", int(), "decoder layers of the drafter").default(5).at_least(1.0),
+            Param::new("block_size", int(), "block size B: the anchor token and B-1 masked positions").default(16).at_least(2.0),
+            Param::new("target_layers", ParamType::List(Box::new(int())), "target decoder layers (0-based) whose outputs feed the drafter; empty: `taps` layers spread from 1 to L-3").default(json!([])).at_least(0.0),
+            Param::new("taps", int(), "how many target layers to tap when `target_layers` is empty").default(5).at_least(1.0),
+            Param::new("mask_token_id", int(), "the mask token's id: a token the data never uses, below the target's vocabulary size (Qwen3: 151669)").required().at_least(0.0),
+            Param::new("anchors", int(), "blocks sampled per sequence, among positions whose next token is trained on").default(512).at_least(1.0),
+            Param::new("gamma", float(), "loss weight decay over block positions, exp(-(k-1)/gamma) (null: 7 for B=16, 4 for B=8)").above(0.0),
+            Param::new("epochs", int(), "passes over the data").default(6).at_least(1.0),
+            Param::new("max_length", int(), "longer sequences are cut to this many tokens").default(3072).at_least(2.0),
+            Param::new("batch_size", int(), "sequences per micro-step").default(1).at_least(1.0),
+            Param::new("grad_accum", int(), "micro-steps per optimizer step").default(1).at_least(1.0),
+            Param::new("lr", float(), "AdamW peak learning rate").default(6e-4).above(0.0),
+            Param::new("warmup", float(), "share of steps spent warming up").default(0.04).between(0.0, 1.0),
             Param::new("schedule", ParamType::Enum(&["cosine", "constant"]), "learning-rate schedule after warmup").default("cosine"),
-            Param::new("weight_decay", float(), "AdamW weight decay").default(0.0),
-            Param::new("grad_clip", float(), "clip the gradients' global norm to this").default(1.0),
-            Param::new("seed", int(), "seed for anchor sampling, data order and initialisation").default(0),
-            Param::new("checkpoint_every", int(), "optimizer steps between checkpoints (operational: a resume is exact whatever it is)").default(1000).operational(),
-            Param::new("max_steps", int(), "stop after this many optimizer steps (null: all epochs)"),
+            Param::new("weight_decay", float(), "AdamW weight decay").default(0.0).at_least(0.0),
+            Param::new("grad_clip", float(), "clip the gradients' global norm to this").default(1.0).above(0.0),
+            Param::new("seed", int(), "seed for anchor sampling, data order and initialisation").default(0).at_least(0.0),
+            Param::new("checkpoint_every", int(), "optimizer steps between checkpoints (operational: a resume is exact whatever it is)").default(1000).operational().at_least(1.0),
+            Param::new("max_steps", int(), "stop after this many optimizer steps (null: all epochs)").at_least(1.0),
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where to train").default("auto"),
         ]
     }
@@ -108,10 +165,84 @@ impl StageKind for TrainKind {
             return Ok(Vec::new());
         }
         dflash_stage_api::pin_model(
+            "target",
             target,
             pinner,
             "`target:` is the frozen target: a .gguf file or a Hugging Face model folder",
         )
+    }
+
+    fn check(&self, params: &serde_json::Value, env: &CheckEnv<'_>) -> Vec<Issue> {
+        let mut issues = Vec::new();
+        let (block, max_length) = (params["block_size"].as_u64(), params["max_length"].as_u64());
+        if let (Some(b), Some(m)) = (block, max_length)
+            && m <= b
+        {
+            issues.push(
+                Issue::new("max_length", format!("{m} leaves no room for a block of {b} after an anchor"))
+                    .help("`max_length` must exceed `block_size`; the story trains at 3072 with blocks of 16"),
+            );
+        }
+        if let Some(missing) = env.must_exist(
+            params,
+            "target",
+            "the frozen target: a .gguf file or a Hugging Face model folder",
+        ) {
+            issues.push(missing);
+            return issues;
+        }
+        let target = params["target"].as_str().unwrap_or_default();
+        // The target's header (GGUF metadata or config.json), never its weights.
+        let shape = match ModelShape::locate(target, env.cwd) {
+            Ok(s) => s,
+            Err(e) => {
+                let mut issue = Issue::new("target", e.message);
+                if let Some(h) = e.help {
+                    issue = issue.help(h);
+                }
+                issues.push(issue);
+                return issues;
+            }
+        };
+        issues.extend(target_issues(params, &shape, target));
+        issues
+    }
+
+    fn input_files(&self) -> &'static [&'static str] {
+        &[tokens::RENDERING_FILE]
+    }
+
+    fn check_input(
+        &self,
+        params: &serde_json::Value,
+        cwd: &std::path::Path,
+        input: &UpstreamOutput<'_>,
+    ) -> Vec<Issue> {
+        // Tokens from another tokenizer than the target's: ids past its embedding table.
+        let Some(vocab) = input
+            .json(tokens::RENDERING_FILE)
+            .and_then(|r| r["vocab_size"].as_u64())
+        else {
+            return Vec::new();
+        };
+        let target = params["target"].as_str().unwrap_or_default();
+        let Ok(shape) = ModelShape::locate(target, cwd) else {
+            return Vec::new();
+        };
+        if vocab <= shape.vocab {
+            return Vec::new();
+        }
+        vec![Issue::new(
+            "target",
+            format!(
+                "the data was tokenized with a vocabulary of {vocab} tokens, but the target `{target}` has {} embedding rows",
+                shape.vocab
+            ),
+        )
+        .help(format!(
+            "tokenize `{}` with the target's own tokenizer (the same model file), or train against the model that tokenizer belongs to",
+            input.stage_id
+        ))]
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
