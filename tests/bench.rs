@@ -344,10 +344,14 @@ fn multi_turn_sets_are_asked_turn_by_turn_and_formats_wrap_the_prompts() {
     );
     assert_ne!(wrapped[..raw.len()], raw[..]);
 
-    // A format for a set that is not an input, or one without {prompt}, is refused, naming it.
+    // A format for a set that is not an input, or one without {prompt}, is refused before
+    // anything runs, naming it.
     for (format, says) in [
-        ("{gsm8k: gsm8k}", "`prompt_format` names `gsm8k`"),
-        ("{humaneval: 'Solve it'}", "neither a preset nor a template"),
+        (
+            "{gsm8k: gsm8k}",
+            "param `prompt_format.gsm8k` of `bench`: `gsm8k` is not a prompt set",
+        ),
+        ("{humaneval: 'Solve it'}", "neither a preset"),
     ] {
         env.write(
             "q.yaml",
@@ -359,7 +363,8 @@ fn multi_turn_sets_are_asked_turn_by_turn_and_formats_wrap_the_prompts() {
         );
         let out = env.dflash(&["run", "q.yaml"]);
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
         assert!(stderr.contains(says), "{stderr}");
+        assert!(!stderr.contains("started"), "{stderr}");
     }
 }

@@ -460,12 +460,16 @@ fn excluded_inputs_and_copies_of_their_prompts_never_enter_the_mix() {
     open.run("mix.yaml", 0);
     assert_eq!(mix_stats(&open)["sources"]["copies"], 20);
 
-    // A held-out name that is not an input is refused, naming it.
+    // A held-out name that is not an input is refused before anything runs, naming it.
     let bad = mix_env("{weights: {code: 1}, total: 10, exclude: [gsm8k]}");
     let out = bad.dflash(&["run", "mix.yaml"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("`exclude` names `gsm8k`"), "{stderr}");
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("param `exclude.0` of `prompts`: `gsm8k` is not an input of this stage"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("started"), "{stderr}");
 }
 
 /// Exact dedup removes a row only because a kept row has its text: rows left out over quota

@@ -777,6 +777,17 @@ impl Validator<'_> {
     /// Run every stage kind's own checks ([`dflash_stage_api::StageKind::check`]): relations
     /// between params, against upstream stages, and files that must exist.
     fn kind_checks(&mut self, stages: &[StageSpec], registry: &Registry, cwd: &Path) {
+        let all = dflash_stage_api::Stages::new(
+            stages
+                .iter()
+                .map(|s| dflash_stage_api::Upstream {
+                    id: &s.id,
+                    kind: &s.kind,
+                    params: &s.params,
+                    inputs: s.inputs.iter().map(|i| i.stage.as_str()).collect(),
+                })
+                .collect(),
+        );
         for spec in stages {
             let Some(kind) = registry.get(&spec.kind) else {
                 continue;
@@ -784,12 +795,18 @@ impl Validator<'_> {
             if self.unchecked.contains(&spec.id) {
                 continue;
             }
-            let upstream = upstream_of(spec, stages);
             let inputs: Vec<&str> = spec.inputs.iter().map(|i| i.name.as_str()).collect();
+            let input_stages: Vec<&str> = spec
+                .inputs
+                .iter()
+                .map(|i| i.stage.as_str())
+                .filter(|&i| i != spec.id)
+                .collect();
             let env = dflash_stage_api::CheckEnv {
                 cwd,
                 inputs: &inputs,
-                upstream: &upstream,
+                input_stages: &input_stages,
+                stages: &all,
             };
             for issue in kind.check(&spec.params, &env) {
                 self.push(self.issue_problem(&spec.id, &issue, None));
@@ -851,32 +868,6 @@ fn seg_name(s: &PathSeg) -> String {
         PathSeg::Key(k) => k.clone(),
         PathSeg::Index(i) => i.to_string(),
     }
-}
-
-/// Every stage upstream of `spec` (through any number of others), nearest first; a cycle (found
-/// and reported later) only stops the walk.
-fn upstream_of<'a>(
-    spec: &StageSpec,
-    stages: &'a [StageSpec],
-) -> Vec<dflash_stage_api::Upstream<'a>> {
-    let mut out: Vec<dflash_stage_api::Upstream<'a>> = Vec::new();
-    let mut queue: std::collections::VecDeque<&str> =
-        spec.inputs.iter().map(|i| i.stage.as_str()).collect();
-    while let Some(id) = queue.pop_front() {
-        if id == spec.id || out.iter().any(|u| u.id == id) {
-            continue;
-        }
-        let Some(s) = stages.iter().find(|s| s.id == id) else {
-            continue;
-        };
-        out.push(dflash_stage_api::Upstream {
-            id: &s.id,
-            kind: &s.kind,
-            params: &s.params,
-        });
-        queue.extend(s.inputs.iter().map(|i| i.stage.as_str()));
-    }
-    out
 }
 
 /// A kind's [`dflash_stage_api::Issue`] as a located problem; `from` names the upstream stage

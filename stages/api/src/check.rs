@@ -7,7 +7,7 @@
 //! and the stages it reads from, and files that must exist. [`crate::StageKind::check_input`]
 //! runs as soon as one upstream artifact exists, for facts only its data holds.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -51,8 +51,8 @@ impl Issue {
     }
 }
 
-/// A stage upstream of the one being checked (directly or through others).
-#[derive(Clone, Copy, Debug)]
+/// One stage of the pipeline, as another stage's check may see it.
+#[derive(Clone, Debug)]
 pub struct Upstream<'a> {
     /// Its id.
     pub id: &'a str,
@@ -60,6 +60,28 @@ pub struct Upstream<'a> {
     pub kind: &'a str,
     /// Its resolved params.
     pub params: &'a Value,
+    /// The ids of the stages it reads from.
+    pub inputs: Vec<&'a str>,
+}
+
+/// Every stage of a pipeline by id, built once for all the checks.
+#[derive(Clone, Debug, Default)]
+pub struct Stages<'a> {
+    list: Vec<Upstream<'a>>,
+    index: HashMap<&'a str, usize>,
+}
+
+impl<'a> Stages<'a> {
+    /// Index `list`.
+    pub fn new(list: Vec<Upstream<'a>>) -> Self {
+        let index = list.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
+        Self { list, index }
+    }
+
+    /// The stage with id `id`.
+    pub fn get(&self, id: &str) -> Option<&Upstream<'a>> {
+        self.index.get(id).map(|&i| &self.list[i])
+    }
 }
 
 /// What a kind's [`crate::StageKind::check`] may look at.
@@ -69,14 +91,37 @@ pub struct CheckEnv<'a> {
     pub cwd: &'a Path,
     /// The names this stage sees its inputs by, in order.
     pub inputs: &'a [&'a str],
-    /// Every stage upstream of this one, nearest first.
-    pub upstream: &'a [Upstream<'a>],
+    /// The ids of the stages those inputs come from, in the same order.
+    pub input_stages: &'a [&'a str],
+    /// Every stage of the pipeline.
+    pub stages: &'a Stages<'a>,
 }
 
-impl CheckEnv<'_> {
+impl<'a> CheckEnv<'a> {
+    /// Every stage upstream of this one (through any number of others), nearest first; walked
+    /// when asked, so checks that never ask cost nothing on a 10,000-stage pipeline.
+    pub fn upstream(&self) -> Vec<&'a Upstream<'a>> {
+        let mut seen: HashSet<&str> = HashSet::new();
+        let mut queue: VecDeque<&str> = self.input_stages.iter().copied().collect();
+        let mut out = Vec::new();
+        while let Some(id) = queue.pop_front() {
+            if !seen.insert(id) {
+                continue;
+            }
+            if let Some(s) = self.stages.get(id) {
+                out.push(s);
+                queue.extend(s.inputs.iter().copied());
+            }
+        }
+        out
+    }
+
     /// The upstream stages of kind `kind`, nearest first.
-    pub fn upstream_of_kind<'s>(&'s self, kind: &'s str) -> impl Iterator<Item = &'s Upstream<'s>> {
-        self.upstream.iter().filter(move |u| u.kind == kind)
+    pub fn upstream_of_kind(&self, kind: &str) -> Vec<&'a Upstream<'a>> {
+        self.upstream()
+            .into_iter()
+            .filter(|u| u.kind == kind)
+            .collect()
     }
 
     /// A param's path resolved against the working directory.

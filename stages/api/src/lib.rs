@@ -24,7 +24,7 @@ pub mod remote;
 pub mod tokens;
 
 pub use cancel::Cancel;
-pub use check::{CheckEnv, Issue, Upstream, UpstreamOutput};
+pub use check::{CheckEnv, Issue, Stages, Upstream, UpstreamOutput};
 pub use context::{Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput, pin_model};
 pub use digest::{Digest, DigestParseError};
 pub use error::StageError;

@@ -176,7 +176,7 @@ impl StageKind for BenchKind {
         // Prompt lookup measured at another block size than the drafter would compare two
         // things at once.
         if let Some(b) = params["block_size"].as_u64()
-            && let Some(train) = env.upstream_of_kind("train").next()
+            && let Some(train) = env.upstream_of_kind("train").first()
             && let Some(trained) = train.params["block_size"].as_u64()
             && trained != b
         {

@@ -6,8 +6,10 @@
 //! requests gets 16, also when the others are down); with every live endpoint full, the request
 //! waits for a slot to free. Failures that a retry can
 //! cure (connection errors, resets, timeouts, 5xx, 429, a body that is not the JSON promised) are
-//! retried with exponential backoff and jitter (or after the server's `Retry-After`), up to a
-//! bound, preferring another endpoint. An endpoint is drained only on evidence that the server
+//! retried up to a bound, preferring another endpoint: at once where another live endpoint has
+//! a free slot (the backoff spares the server that failed, and leaving a healthy server's slot
+//! empty would only slow the run), else after exponential backoff with jitter (or the server's
+//! `Retry-After`); a request that fails on the endpoint it hopped to backs off before the next. An endpoint is drained only on evidence that the server
 //! is down — three connection failures or timeouts in a row, not errors it answers quickly (a
 //! 503 or a malformed body come from a server that is up) — for a cool-down that doubles each
 //! time, so a dead server stops taking requests while the others carry on; and when every
@@ -288,6 +290,19 @@ impl Client {
         None
     }
 
+    /// A free slot on a live endpoint other than `avoid`, taken now, if there is one.
+    fn reserve_elsewhere(&self, avoid: Option<usize>) -> Option<usize> {
+        let avoid = avoid?;
+        let i = self.reserve(Some(avoid))?;
+        if i == avoid {
+            // Only the failed one had room: give the slot back and back off as usual.
+            self.endpoints[i].in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.freed.notify_one();
+            return None;
+        }
+        Some(i)
+    }
+
     /// Wait for a slot (see [`Self::reserve`]). Each freed slot wakes one waiter, which takes
     /// it; a waiter also looks again after a while, for a slot on an endpoint whose cool-down
     /// ended (no release announces that).
@@ -322,8 +337,20 @@ impl Client {
         let mut last = String::new();
         let mut avoid = None;
         let mut retry_after: Option<Duration> = None;
+        // Whether this attempt went straight to another server after a failure.
+        let mut hopped = false;
         for attempt in 0..self.attempts {
+            let mut now = None;
             if attempt > 0 {
+                // The backoff spares the server that failed, not the others: a free slot
+                // elsewhere takes the retry at once (once per failure, so a request every
+                // server refuses still backs off between rounds).
+                if !hopped {
+                    now = self.reserve_elsewhere(avoid);
+                }
+                hopped = now.is_some();
+            }
+            if attempt > 0 && now.is_none() {
                 // What the server asked for (`Retry-After`, at most 5 minutes), else exponential
                 // backoff with jitter in [0.5, 1.5), capped at 30 s.
                 let base = (0.25 * f64::from(1u32 << attempt.min(7))).min(30.0);
@@ -334,7 +361,10 @@ impl Client {
                     .unwrap_or_else(|| Duration::from_secs_f64(base * jitter));
                 tokio::time::sleep(wait).await;
             }
-            let i = self.slot(avoid).await;
+            let i = match now {
+                Some(i) => i,
+                None => self.slot(avoid).await,
+            };
             let e = &self.endpoints[i];
             e.sent.fetch_add(1, Ordering::Relaxed);
             let result = self.attempt(e, &body).await;

@@ -534,48 +534,65 @@ impl FastBpe {
 
     /// [`Self::merge`] in O(n log n) for long unbroken words (a 45K-character table rule):
     /// candidate pairs in a heap by (rank, position) — the order `tokenizers` merges in — over
-    /// a linked list of symbols; a popped pair whose symbols have changed since is skipped.
+    /// a linked list of symbols. A heap entry is one `u64` (rank above, left position below), so
+    /// the heap of a 320K-symbol word stays a few MB and its sifts stay in cache; a popped entry
+    /// is current when its left symbol is alive and still forms a pair of that rank (ranks are
+    /// unique per pair), else it is skipped.
     fn merge_long(&self, syms: &[u32]) -> Vec<u32> {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
-        const NONE: usize = usize::MAX;
-        let n = syms.len();
-        let mut id = syms.to_vec();
-        let mut next: Vec<usize> = (1..=n).map(|i| if i == n { NONE } else { i }).collect();
-        let mut prev: Vec<usize> = (0..n).map(|i| i.checked_sub(1).unwrap_or(NONE)).collect();
-        let mut alive = vec![true; n];
-        let mut heap = BinaryHeap::new();
-        let push = |heap: &mut BinaryHeap<_>, id: &[u32], l: usize, r: usize| {
-            if let Some(&(rank, new)) = self.merges.get(&(id[l], id[r])) {
-                heap.push(Reverse((rank, l, r, id[l], id[r], new)));
-            }
+        const NONE: u32 = u32::MAX;
+        let Ok(n) = u32::try_from(syms.len()) else {
+            // Beyond 4G symbols in one word: correct, if slow.
+            return self.merge_short(syms.to_vec());
         };
-        for i in 0..n.saturating_sub(1) {
-            push(&mut heap, &id, i, i + 1);
-        }
-        while let Some(Reverse((_, l, r, a, b, new))) = heap.pop() {
-            // Stale: a symbol of the pair was merged into another since it was queued.
-            if !alive[l] || !alive[r] || next[l] != r || id[l] != a || id[r] != b {
+        let mut id = syms.to_vec();
+        let mut next: Vec<u32> = (1..=n).map(|i| if i == n { NONE } else { i }).collect();
+        let mut prev: Vec<u32> = (0..n).map(|i| i.checked_sub(1).unwrap_or(NONE)).collect();
+        let mut alive = vec![true; n as usize];
+        let rank_of = |id: &[u32], l: u32, r: u32| {
+            self.merges
+                .get(&(id[l as usize], id[r as usize]))
+                .map(|&(rank, new)| (rank, new))
+        };
+        let entry = |rank: u32, l: u32| Reverse((u64::from(rank) << 32) | u64::from(l));
+        let mut heap: BinaryHeap<Reverse<u64>> = (0..n.saturating_sub(1))
+            .filter_map(|l| rank_of(&id, l, l + 1).map(|(rank, _)| entry(rank, l)))
+            .collect();
+        while let Some(Reverse(e)) = heap.pop() {
+            let (rank, l) = ((e >> 32) as u32, e as u32);
+            let r = next[l as usize];
+            if !alive[l as usize] || r == NONE {
                 continue;
             }
-            id[l] = new;
-            alive[r] = false;
-            next[l] = next[r];
-            if next[r] != NONE {
-                prev[next[r]] = l;
+            let Some((now, new)) = rank_of(&id, l, r) else {
+                continue;
+            };
+            if now != rank {
+                continue;
             }
-            if prev[l] != NONE {
-                push(&mut heap, &id, prev[l], l);
+            id[l as usize] = new;
+            alive[r as usize] = false;
+            let after = next[r as usize];
+            next[l as usize] = after;
+            if after != NONE {
+                prev[after as usize] = l;
+                if let Some((rank, _)) = rank_of(&id, l, after) {
+                    heap.push(entry(rank, l));
+                }
             }
-            if next[l] != NONE {
-                push(&mut heap, &id, l, next[l]);
+            let before = prev[l as usize];
+            if before != NONE
+                && let Some((rank, _)) = rank_of(&id, before, l)
+            {
+                heap.push(entry(rank, before));
             }
         }
         let mut out = Vec::new();
         let mut at = if n == 0 { NONE } else { 0 };
         while at != NONE {
-            out.push(id[at]);
-            at = next[at];
+            out.push(id[at as usize]);
+            at = next[at as usize];
         }
         out
     }

@@ -152,7 +152,7 @@ impl StageKind for TrainKind {
             Param::new("grad_clip", float(), "clip the gradients' global norm to this").default(1.0).above(0.0),
             Param::new("seed", int(), "seed for anchor sampling, data order and initialisation").default(0).at_least(0.0),
             Param::new("checkpoint_every", int(), "optimizer steps between checkpoints (operational: a resume is exact whatever it is)").default(1000).operational().at_least(1.0),
-            Param::new("max_steps", int(), "stop after this many optimizer steps (null: all epochs)").at_least(1.0),
+            Param::new("max_steps", int(), "stop after this many optimizer steps (null: all epochs; 0: the drafter as initialised, a baseline)").at_least(0.0),
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where to train").default("auto"),
         ]
     }
