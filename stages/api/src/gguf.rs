@@ -26,6 +26,8 @@ pub enum Meta {
     Ints(Vec<i64>),
     /// Anything else (arrays of floats, nested arrays).
     Other,
+    /// An array read past without its items (a header read for the model's shape): its length.
+    Skipped(u64),
 }
 
 const MAGIC: &[u8; 4] = b"GGUF";
@@ -33,11 +35,31 @@ const MAGIC: &[u8; 4] = b"GGUF";
 const MAX_ARRAY: u64 = 1 << 26;
 const MAX_STRING: u64 = 1 << 28;
 
-struct Reader<R> {
-    inner: R,
+struct Reader {
+    inner: BufReader<File>,
+    /// Read past arrays instead of into memory.
+    skip_arrays: bool,
 }
 
-impl<R: Read> Reader<R> {
+/// Bytes of one item of a fixed-size GGUF value type.
+fn item_size(ty: u32) -> Option<u64> {
+    match ty {
+        0 | 1 | 7 => Some(1),
+        2 | 3 => Some(2),
+        4..=6 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
+    }
+}
+
+impl Reader {
+    /// Read past `n` bytes (within the buffer when they are there; a truncated file fails at
+    /// the next read).
+    fn skip(&mut self, n: u64) -> std::io::Result<()> {
+        let n = i64::try_from(n).map_err(|_| invalid("an array past any file size"))?;
+        self.inner.seek_relative(n)
+    }
+
     fn bytes<const N: usize>(&mut self) -> std::io::Result<[u8; N]> {
         let mut b = [0u8; N];
         self.inner.read_exact(&mut b)?;
@@ -86,6 +108,25 @@ impl<R: Read> Reader<R> {
         let len = self.u64()?;
         if len > MAX_ARRAY {
             return Err(invalid("an array longer than 64M items"));
+        }
+        if self.skip_arrays {
+            match item {
+                8 => {
+                    for _ in 0..len {
+                        let n = self.u64()?;
+                        if n > MAX_STRING {
+                            return Err(invalid("a string longer than 256 MiB"));
+                        }
+                        self.skip(n)?;
+                    }
+                }
+                9 => return Err(invalid("nested arrays")),
+                t => self.skip(
+                    len * item_size(t)
+                        .ok_or_else(|| invalid(&format!("an unknown value type {t}")))?,
+                )?,
+            }
+            return Ok(Meta::Skipped(len));
         }
         let len = len as usize;
         match item {
@@ -141,15 +182,22 @@ const MAX_DIMS: u32 = 8;
 
 /// The metadata of the GGUF file at `path` (the tensors are never read).
 pub fn read_metadata(path: &Path) -> Result<BTreeMap<String, Meta>, StageError> {
-    read(path, false).map(|h| h.metadata)
+    read(path, false, false).map(|h| h.metadata)
 }
 
 /// The metadata and the tensor list of the GGUF file at `path` (never the tensor data).
 pub fn read_header(path: &Path) -> Result<Header, StageError> {
-    read(path, true)
+    read(path, true, false)
 }
 
-fn read(path: &Path, with_tensors: bool) -> Result<Header, StageError> {
+/// [`read_header`] without the arrays' items (the vocabulary, the merges): each is
+/// [`Meta::Skipped`] with its length. What a model's shape needs, in a fraction of the time
+/// (`dflash plan` reads it for every stage that names a model).
+pub fn read_shape_header(path: &Path) -> Result<Header, StageError> {
+    read(path, true, true)
+}
+
+fn read(path: &Path, with_tensors: bool, skip_arrays: bool) -> Result<Header, StageError> {
     let err = |e: std::io::Error| {
         StageError::new(format!(
             "cannot read GGUF metadata of `{}`: {e}",
@@ -159,6 +207,7 @@ fn read(path: &Path, with_tensors: bool) -> Result<Header, StageError> {
     let file = File::open(path).map_err(err)?;
     let mut r = Reader {
         inner: BufReader::with_capacity(1 << 20, file),
+        skip_arrays,
     };
     let magic = r.bytes::<4>().map_err(err)?;
     if &magic != MAGIC {
@@ -204,4 +253,75 @@ fn read(path: &Path, with_tensors: bool) -> Result<Header, StageError> {
         }
     }
     Ok(header)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GGUF v3 header by hand: a string array, an int array, a scalar, one tensor.
+    fn tiny() -> Vec<u8> {
+        let mut b = Vec::new();
+        let s = |b: &mut Vec<u8>, t: &str| {
+            b.extend((t.len() as u64).to_le_bytes());
+            b.extend(t.as_bytes());
+        };
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend(3u64.to_le_bytes());
+        s(&mut b, "tokenizer.ggml.tokens");
+        b.extend(9u32.to_le_bytes());
+        b.extend(8u32.to_le_bytes());
+        b.extend(2u64.to_le_bytes());
+        s(&mut b, "a");
+        s(&mut b, "bc");
+        s(&mut b, "tokenizer.ggml.token_type");
+        b.extend(9u32.to_le_bytes());
+        b.extend(4u32.to_le_bytes());
+        b.extend(3u64.to_le_bytes());
+        for v in [1u32, 2, 3] {
+            b.extend(v.to_le_bytes());
+        }
+        s(&mut b, "llama.block_count");
+        b.extend(4u32.to_le_bytes());
+        b.extend(7u32.to_le_bytes());
+        s(&mut b, "token_embd.weight");
+        b.extend(2u32.to_le_bytes());
+        b.extend(4u64.to_le_bytes());
+        b.extend(2u64.to_le_bytes());
+        b.extend(0u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b
+    }
+
+    #[test]
+    fn a_shape_read_skips_arrays_and_sees_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        std::fs::write(&path, tiny()).unwrap();
+        let full = read_header(&path).unwrap();
+        let lean = read_shape_header(&path).unwrap();
+        assert_eq!(
+            full.metadata["tokenizer.ggml.tokens"],
+            Meta::Strs(vec!["a".into(), "bc".into()])
+        );
+        assert_eq!(
+            full.metadata["tokenizer.ggml.token_type"],
+            Meta::Ints(vec![1, 2, 3])
+        );
+        assert_eq!(lean.metadata["tokenizer.ggml.tokens"], Meta::Skipped(2));
+        assert_eq!(lean.metadata["tokenizer.ggml.token_type"], Meta::Skipped(3));
+        assert_eq!(lean.metadata["llama.block_count"], Meta::Int(7));
+        assert_eq!(lean.tensors, full.tensors);
+        assert_eq!(
+            lean.tensors,
+            vec![("token_embd.weight".to_owned(), vec![4, 2])]
+        );
+        // Cut inside the skipped array: an error, not a panic or a wrong header.
+        let mut cut = tiny();
+        cut.truncate(75);
+        std::fs::write(&path, cut).unwrap();
+        assert!(read_shape_header(&path).is_err());
+    }
 }

@@ -6,8 +6,11 @@
 //! downloads — from a small table of well-known models. [`ShapeSource`] says which, so a user sees
 //! whether a figure rests on their files or on dflash's table.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+use std::time::SystemTime;
 
 use dflash_stage_api::StageError;
 use dflash_stage_api::gguf::{self, Meta};
@@ -218,7 +221,7 @@ impl ModelShape {
         }
         if path.is_file() {
             if reference.ends_with(".gguf") {
-                return Self::from_gguf(&path);
+                return Self::from_gguf_cached(&path);
             }
             return Self::from_config_json(&path);
         }
@@ -278,9 +281,28 @@ impl ModelShape {
         })
     }
 
+    /// [`Self::from_gguf`], read once per file (and size and modification time) in this
+    /// process: `dflash plan` checks every stage that names the target, often several.
+    fn from_gguf_cached(path: &Path) -> Result<Self, StageError> {
+        type Seen = HashMap<(PathBuf, u64, Option<SystemTime>), ModelShape>;
+        static SEEN: OnceLock<Mutex<Seen>> = OnceLock::new();
+        let meta = std::fs::metadata(path)
+            .map_err(|e| StageError::new(format!("cannot read `{}`: {e}", path.display())))?;
+        let id = (path.to_owned(), meta.len(), meta.modified().ok());
+        let seen = SEEN.get_or_init(Mutex::default);
+        if let Some(shape) = seen.lock().ok().and_then(|m| m.get(&id).cloned()) {
+            return Ok(shape);
+        }
+        let shape = Self::from_gguf(path)?;
+        if let Ok(mut m) = seen.lock() {
+            m.insert(id, shape.clone());
+        }
+        Ok(shape)
+    }
+
     /// Read a GGUF file's metadata and tensor list.
     pub fn from_gguf(path: &Path) -> Result<Self, StageError> {
-        let header = gguf::read_header(path)?;
+        let header = gguf::read_shape_header(path)?;
         let m = &header.metadata;
         let shown = path.display();
         let arch = match m.get("general.architecture") {
@@ -312,6 +334,7 @@ impl ModelShape {
             .or_else(|| int("vocab_size"))
             .or_else(|| match m.get("tokenizer.ggml.tokens") {
                 Some(Meta::Strs(t)) => Some(t.len() as u64),
+                Some(Meta::Skipped(n)) => Some(*n),
                 _ => None,
             })
             .ok_or_else(|| StageError::new(format!("`{shown}` says nothing of its vocabulary")))?;
