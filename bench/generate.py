@@ -95,12 +95,23 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=20000)
     ap.add_argument("--in-flight", type=int, default=256)
+    ap.add_argument("--only", choices=["overhead", "saturation", "faults"],
+                    help="run one section (the first needs `pip install openai`)")
     a = ap.parse_args()
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
     subprocess.run(["cargo", "build", "--release", "--quiet", "-p", "dflash-stage-generate", "--example",
                     "instant_server"], cwd=ROOT, check=True)
 
-    # 1. Client overhead.
+    if a.only in (None, "overhead"):
+        overhead(a)
+    if a.only in (None, "saturation"):
+        saturation()
+    if a.only in (None, "faults"):
+        faults()
+
+
+def overhead(a):
+    """1. Client overhead."""
     port = free_port()
     server = start_server(port, "1")
     try:
@@ -116,7 +127,9 @@ def main():
           f"| dflash `generate`: {d_rate:,.0f}/s ({d_s:.2f} s, shards committed) "
           f"| openai AsyncOpenAI + asyncio: {p_rate:,.0f}/s ({py['seconds']:.2f} s) | {d_rate / p_rate:.1f}x |")
 
-    # 2. Saturation: 4 servers, 50 ms per request, capacity 16 each.
+
+def saturation():
+    """2. Saturation: 4 servers, 50 ms per request, capacity 16 each."""
     k, cap, n = 4, 16, 4 * 16 * 100
     ports = [free_port() for _ in range(k)]
     servers = [start_server(pt, "1", "--delay-ms", "50", "--capacity", str(cap)) for pt in ports]
@@ -132,8 +145,11 @@ def main():
           f"| each server full {', '.join(f'{s:.1%}' for s in shares)} of the time; "
           f"{secs:.2f} s against {ideal:.2f} s at perfect saturation | |")
 
-    # 3. Under faults: 2 servers x 16 slots, 50 ms per request, one answering every 4th request
-    #    with a quick 503 (up, but shedding load): both must stay busy (none drained, none idle).
+
+def faults():
+    """3. Under faults: 2 servers x 16 slots, 50 ms per request, one answering every 4th request
+    with a quick 503 (up, but shedding load): both must stay busy (none drained, none idle)."""
+    cap = 16
     ports = [free_port() for _ in range(2)]
     servers = [start_server(ports[0], "1", "--delay-ms", "50", "--capacity", str(cap)),
                start_server(ports[1], "1", "--delay-ms", "50", "--capacity", str(cap), "--fail-every", "4")]

@@ -265,6 +265,51 @@ fn a_dead_endpoint_is_drained_and_its_requests_go_elsewhere() {
     assert!(drained >= 1, "the dead server was drained");
 }
 
+/// A retry never waits out a backoff while another server has room: with one of two servers
+/// shedding every request with `Retry-After: 600`, every prompt it refuses is answered by the
+/// other in the same run — waiting out the ten minutes would not finish before the guard below.
+#[test]
+fn a_retry_goes_to_a_server_with_room_instead_of_waiting() {
+    let env = Env::new();
+    let shedding = Mock::start(env.path(), &["--fault", "shed", "--every", "1"]);
+    let live = Mock::start(env.path(), &["--delay", "0.02"]);
+    prompts(&env, 30);
+    env.write(
+        "gen.yaml",
+        &pipeline(&[shedding.url(), live.url()], "attempts: 3"),
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["run", "gen.yaml", "--json"])
+        .current_dir(env.path())
+        .env("DFLASH_WORK", env.path().join(".work"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // A liveness guard, not a timing: the run takes about a second; a retry that waited for
+    // the shedding server would hold it for ten minutes.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("retries waited out the shedding server's Retry-After");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success());
+    assert_eq!(rows(&env).len(), 31, "every prompt answered");
+    let shed = shedding.requests().len();
+    assert!(shed > 0, "the shedding server was tried");
+    assert_eq!(
+        stats(&env)["endpoints"][0]["drained"].as_u64().unwrap(),
+        0,
+        "a server that answers is not drained"
+    );
+}
+
 /// `max_in_flight` is per endpoint, and held: with one of two endpoints down, the survivor never
 /// holds more requests than its limit, though the stage dispatches for both; and it is kept full.
 #[test]

@@ -10,6 +10,7 @@ turn was generated from. `--fault` injects one failure kind into every `--every`
   reset      sends the status line and headers, then closes the connection mid-body
   malformed  answers 200 with a body that is not JSON
   refuse     answers 400 to prompts containing "REFUSE" (the request's own fault)
+  shed       answers 503 with `Retry-After: 600` (up, but shedding load for ten minutes)
 
 `--delay` slows every answer. Every request is appended to `--log` as one JSON line
 `{"last": ..., "status": ..., "concurrent": ...}`, `concurrent` counting the requests the server
@@ -54,9 +55,11 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def send(self, status, body, ctype="application/json"):
+    def send(self, status, body, ctype="application/json", headers=()):
         data = body.encode() if isinstance(body, str) else body
         self.send_response(status)
+        for k, v in headers:
+            self.send_header(k, v)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -92,6 +95,9 @@ class Handler(BaseHTTPRequestHandler):
         if a.fault == "burst5xx" and n <= a.burst:
             log({"last": last, "status": 503})
             return self.send(503, '{"error": "overloaded"}')
+        if a.fault == "shed" and faulty:
+            log({"last": last, "status": 503})
+            return self.send(503, '{"error": "overloaded"}', headers=[("Retry-After", "600")])
         if a.fault == "hang" and faulty:
             log({"last": last, "status": "hang"})
             time.sleep(a.hang)

@@ -6,10 +6,11 @@
 //! requests gets 16, also when the others are down); with every live endpoint full, the request
 //! waits for a slot to free. Failures that a retry can
 //! cure (connection errors, resets, timeouts, 5xx, 429, a body that is not the JSON promised) are
-//! retried up to a bound, preferring another endpoint: at once where another live endpoint has
-//! a free slot (the backoff spares the server that failed, and leaving a healthy server's slot
-//! empty would only slow the run), else after exponential backoff with jitter (or the server's
-//! `Retry-After`); a request that fails on the endpoint it hopped to backs off before the next. An endpoint is drained only on evidence that the server
+//! retried up to a bound, preferring another endpoint. The backoff (exponential with jitter, or
+//! the server's `Retry-After`) spares the servers that failed the request, not the others:
+//! during it, the retry takes the first free slot of a live endpoint that has not failed it, so
+//! a healthy server never idles while retries wait; once every live endpoint has failed it, it
+//! waits the backoff out. An endpoint is drained only on evidence that the server
 //! is down — three connection failures or timeouts in a row, not errors it answers quickly (a
 //! 503 or a malformed body come from a server that is up) — for a cool-down that doubles each
 //! time, so a dead server stops taking requests while the others carry on; and when every
@@ -263,10 +264,7 @@ impl Client {
                 .expect("at least one endpoint");
             live.push(first);
         }
-        let load = |i: usize| {
-            let e = &self.endpoints[i];
-            e.in_flight.load(Ordering::Relaxed) as f64 / e.capacity as f64
-        };
+        let load = |i: usize| self.load(i);
         // Another endpoint than the one that just failed first; that one too if it alone has
         // room (a free slot is never left unused for a preference).
         live.sort_by(|&a, &b| {
@@ -274,33 +272,58 @@ impl Client {
                 .cmp(&(Some(b) == avoid))
                 .then(load(a).total_cmp(&load(b)))
         });
-        for i in live {
-            let e = &self.endpoints[i];
-            // Taken only below the limit, atomically: requests racing for the last slot
-            // cannot both get it.
-            if e.in_flight
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                    (n < e.capacity).then_some(n + 1)
-                })
-                .is_ok()
-            {
-                return Some(i);
-            }
-        }
-        None
+        live.into_iter().find(|&i| self.take(i))
     }
 
-    /// A free slot on a live endpoint other than `avoid`, taken now, if there is one.
-    fn reserve_elsewhere(&self, avoid: Option<usize>) -> Option<usize> {
-        let avoid = avoid?;
-        let i = self.reserve(Some(avoid))?;
-        if i == avoid {
-            // Only the failed one had room: give the slot back and back off as usual.
-            self.endpoints[i].in_flight.fetch_sub(1, Ordering::AcqRel);
-            self.freed.notify_one();
+    /// Take a slot of the endpoint, among those `allowed`, with the most free capacity (by
+    /// share) that has one.
+    fn reserve_among(&self, allowed: &dyn Fn(&usize) -> bool) -> Option<usize> {
+        let mut candidates: Vec<usize> = (0..self.endpoints.len()).filter(allowed).collect();
+        candidates.sort_by(|&a, &b| self.load(a).total_cmp(&self.load(b)));
+        candidates.into_iter().find(|&i| self.take(i))
+    }
+
+    /// The share of an endpoint's slots in use.
+    fn load(&self, i: usize) -> f64 {
+        let e = &self.endpoints[i];
+        e.in_flight.load(Ordering::Relaxed) as f64 / e.capacity as f64
+    }
+
+    /// Take one slot of endpoint `i` if it has a free one. Taken only below the limit,
+    /// atomically: requests racing for the last slot cannot both get it.
+    fn take(&self, i: usize) -> bool {
+        let e = &self.endpoints[i];
+        e.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < e.capacity).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// Within `wait`, a slot on a live endpoint that has not failed this request since its last
+    /// backoff (`failed`), taken as soon as one frees; `None` when there is no such endpoint or
+    /// none freed in time (the caller then backs off from them all: `wait` has passed). A retry
+    /// never waits out a backoff while a healthy server has room for it, and one every server
+    /// refuses still backs off between rounds.
+    async fn slot_elsewhere(&self, failed: &[usize], wait: Duration) -> Option<usize> {
+        let deadline = Instant::now() + wait;
+        let others = |i: &usize| !failed.contains(i) && !self.endpoints[*i].is_drained();
+        if !(0..self.endpoints.len()).any(|i| others(&i)) {
+            tokio::time::sleep(wait).await;
             return None;
         }
-        Some(i)
+        loop {
+            if let Some(i) = self.reserve_among(&others) {
+                return Some(i);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            // Polled, not woken: a waiter that takes a wake-up for a slot it may not use would
+            // leave that slot to the next poll of a request that may.
+            tokio::time::sleep((deadline - now).min(Duration::from_millis(10))).await;
+        }
     }
 
     /// Wait for a slot (see [`Self::reserve`]). Each freed slot wakes one waiter, which takes
@@ -337,20 +360,12 @@ impl Client {
         let mut last = String::new();
         let mut avoid = None;
         let mut retry_after: Option<Duration> = None;
-        // Whether this attempt went straight to another server after a failure.
-        let mut hopped = false;
+        // The endpoints that failed this request since its last backoff: the backoff spares
+        // them, not the others.
+        let mut failed_here: Vec<usize> = Vec::new();
         for attempt in 0..self.attempts {
-            let mut now = None;
+            let mut slot = None;
             if attempt > 0 {
-                // The backoff spares the server that failed, not the others: a free slot
-                // elsewhere takes the retry at once (once per failure, so a request every
-                // server refuses still backs off between rounds).
-                if !hopped {
-                    now = self.reserve_elsewhere(avoid);
-                }
-                hopped = now.is_some();
-            }
-            if attempt > 0 && now.is_none() {
                 // What the server asked for (`Retry-After`, at most 5 minutes), else exponential
                 // backoff with jitter in [0.5, 1.5), capped at 30 s.
                 let base = (0.25 * f64::from(1u32 << attempt.min(7))).min(30.0);
@@ -359,9 +374,12 @@ impl Client {
                 let wait = retry_after
                     .take()
                     .unwrap_or_else(|| Duration::from_secs_f64(base * jitter));
-                tokio::time::sleep(wait).await;
+                slot = self.slot_elsewhere(&failed_here, wait).await;
+                if slot.is_none() {
+                    failed_here.clear();
+                }
             }
-            let i = match now {
+            let i = match slot {
                 Some(i) => i,
                 None => self.slot(avoid).await,
             };
@@ -384,6 +402,7 @@ impl Client {
                     last = format!("{}: {why}", shown(&e.url));
                     avoid = Some(i);
                     retry_after = after;
+                    failed_here.push(i);
                 }
             }
         }
