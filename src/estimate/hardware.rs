@@ -198,6 +198,22 @@ impl Assumptions {
                     .into(),
             },
             Assumption {
+                name: "gpu_candle_decode_tokens_per_s",
+                value: (3_544.0 * g.bandwidth_tbs / 4.8).round(),
+                meaning: "output tokens/s of the in-process candle backend on one GPU for a 135M model, batched (scaled by 135M / parameters)",
+                source: format!(
+                    "measured: pipelines/smollm2.yaml on one H200, 643,872 tokens in 181.8 s at batch 512 (README); x{:.2} memory bandwidth of the {}",
+                    g.bandwidth_tbs / 4.8,
+                    g.name
+                ),
+            },
+            Assumption {
+                name: "train_launch_s_per_layer",
+                value: 0.0008,
+                meaning: "seconds a training step spends per sequence and layer pass (target layers forward, drafter layers x3) on kernel launches and small ops; a step takes the longer of this and its FLOPs",
+                source: "measured: pipelines/smollm2.yaml on one H200, 0.26 s per step of 8 sequences (30 + 3x3 layer passes each), 0.011 s of it FLOPs (README)".into(),
+            },
+            Assumption {
                 name: "tokenize_tokens_per_s",
                 value: 3_279_000.0,
                 meaning: "tokens/s `tokenize` sustains per CPU core, loading included",

@@ -223,11 +223,22 @@ impl Sizer<'_> {
 
     /// Output tokens/s of one server (or the in-process backend) for `model`, measured by the
     /// latest earlier `generate` artifact of the same model and backend.
-    fn measured_decode(&self, model: &str, backend: &str) -> Option<(f64, String)> {
+    /// `device` tells the in-process backend's runs apart (`cpu`, `cuda`; artifacts from before
+    /// it was recorded count as `cpu`).
+    fn measured_decode(
+        &self,
+        model: &str,
+        backend: &str,
+        device: Option<&str>,
+    ) -> Option<(f64, String)> {
         self.generated
             .iter()
             .filter(|m| m.stats.get("model").and_then(Value::as_str) == Some(model))
             .filter(|m| m.stats["throughput"]["backend"].as_str() == Some(backend))
+            .filter(|m| {
+                device.is_none()
+                    || m.stats["throughput"]["device"].as_str().unwrap_or("cpu") == device.unwrap_or_default()
+            })
             .max_by(|a, b| a.lineage.started.cmp(&b.lineage.started))
             .and_then(|m| {
                 let t = &m.stats["throughput"];
@@ -305,7 +316,32 @@ impl Sizer<'_> {
         };
         let p = model.parameters() as f64;
         let backend = spec.params["backend"].as_str().unwrap_or("openai");
-        let measured = self.measured_decode(&model_ref, backend);
+        // `auto` takes GPU 0 where there is one, and an estimate is for `--gpus`.
+        let on_gpu = backend == "candle" && spec.params["device"].as_str() != Some("cpu");
+        if on_gpu {
+            if let Some((rate, source)) = self.measured_decode(&model_ref, backend, Some("cuda")) {
+                let at_anchor = rate * p / CPU_ANCHOR_PARAMS;
+                let _ = self.assumptions.set(
+                    "gpu_candle_decode_tokens_per_s",
+                    at_anchor.round(),
+                    source,
+                );
+            }
+            let rate =
+                self.assumptions.get("gpu_candle_decode_tokens_per_s") * CPU_ANCHOR_PARAMS / p;
+            s.resource = Resource::Gpu;
+            s.gpus = 1;
+            s.gpu_hours = total_out.value / rate / 3600.0;
+            s.wall_hours = Some(s.gpu_hours);
+            s.notes.push(format!(
+                "in-process on one GPU at {} tokens/s ({} parameters; the candle backend uses GPU 0 only)",
+                count(rate),
+                count(p)
+            ));
+            return;
+        }
+        let measured =
+            self.measured_decode(&model_ref, backend, (backend == "candle").then_some("cpu"));
         if backend == "candle" {
             s.resource = Resource::Cpu;
             if let Some((rate, source)) = measured {
@@ -524,7 +560,20 @@ impl Sizer<'_> {
         let peak = hw.gpu.tflops * 1e12;
         let mfu = self.assumptions.get("train_mfu");
         let prefill_mfu = self.assumptions.get("prefill_mfu");
-        let gpu_s = sequences * (f_target + f_drafter) / (peak * mfu);
+        // A step is bound by its FLOPs or, for small models, by its kernel launches and small
+        // ops (per sequence and layer pass: the target's layers forward, the drafter's forward
+        // and backward), whichever is longer.
+        let flops_s = (f_target + f_drafter) / (peak * mfu);
+        let launch_s = self.assumptions.get("train_launch_s_per_layer")
+            * (target.layers + 3 * p.draft_layers) as f64;
+        let gpu_s = sequences * flops_s.max(launch_s);
+        if launch_s > flops_s {
+            s.notes.push(format!(
+                "launch-bound: {:.1} ms of kernel launches per sequence against {:.1} ms of FLOPs (a small target)",
+                launch_s * 1e3,
+                flops_s * 1e3
+            ));
+        }
         let basis = rows.basis.weaker(len.basis);
         s.resource = Resource::Gpu;
         s.gpus = hw.count;

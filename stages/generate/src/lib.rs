@@ -322,8 +322,11 @@ impl StageKind for GenerateKind {
             total: todo.len() as u64,
             started,
         };
+        // Where the in-process backend decoded (`cpu` or `cuda`), for `dflash estimate`.
+        let mut ran_on = None;
         let (reports, endpoints) = if p.backend == "candle" {
             let device = dflash_model::nn::device::select(&p.device)?;
+            ran_on = Some(if device.is_cuda() { "cuda" } else { "cpu" });
             let mut local = Local::load(&ctx.cwd.join(&p.model), &template_kwargs(&p), &device)?;
             log.line(&format!(
                 "loaded `{}` in {:.1} s",
@@ -406,7 +409,7 @@ impl StageKind for GenerateKind {
         // `dflash estimate` uses for later stages with the same model.
         stats.insert(
             "throughput".into(),
-            json!({"backend": p.backend, "servers": servers,
+            json!({"backend": p.backend, "device": ran_on, "servers": servers,
                    "tokens": tokens.load(Ordering::Relaxed), "seconds": secs}),
         );
         let summary = format!(
