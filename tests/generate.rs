@@ -586,7 +586,7 @@ fn the_candle_backend_generates_in_process_and_tokenize_reads_it() {
     env.write(
         "gen.yaml",
         &pipeline_with(
-            "{backend: candle, model: smollm2.gguf, max_tokens: 12}",
+            "{backend: candle, model: smollm2.gguf, max_tokens: 12, device: cpu}",
             "  tokens:\n    kind: tokenize\n    inputs: [answers]\n    params: {tokenizer: smollm2.gguf}\n",
         ),
     );
@@ -606,12 +606,14 @@ fn the_candle_backend_generates_in_process_and_tokenize_reads_it() {
     assert_ne!(two[1]["content"], "old");
     let s = stats(&env);
     assert!(s["completion_tokens"].as_u64().unwrap() > 5, "{s}");
+    assert_eq!(s["throughput"]["device"], "cpu", "{s}");
     // The model file is pinned by content, and its path stays out of the key.
     let o = env.dflash(&["show", "answers", "-p", "gen.yaml"]);
     let m: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(m["fingerprint"]["pins"][0]["name"], "model", "{m}");
     assert!(m["fingerprint"]["params"].get("model").is_none(), "{m}");
-    // `dflash estimate` sizes a changed stage from the rate this run measured.
+    // `dflash estimate` sizes a changed stage from the rate this run measured on this CPU (with
+    // `device: auto` it would size it on the GPU of `--gpus`).
     env.write(
         "gen.yaml",
         &std::fs::read_to_string(env.path().join("gen.yaml"))
