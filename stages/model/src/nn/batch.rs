@@ -250,4 +250,27 @@ mod tests {
             assert!(batch.step(&[1, 2, 3]).is_err(), "past the capacity");
         }
     }
+
+    /// The target's taps for a micro-batch in one pass equal each sequence's taps alone, to
+    /// rounding (a matmul over more rows may sum in another order).
+    #[test]
+    fn stacked_taps_equal_each_sequence_alone() {
+        let target = tiny("qwen3", true);
+        let seqs: [&[u32]; 3] = [&[5, 9, 2, 7, 1], &[3], &[8, 8, 4, 1]];
+        let stacked = target.tapped_batch(&seqs, &[0, 1]).expect("batch");
+        assert_eq!(stacked.len(), 3);
+        for (ids, got) in seqs.iter().zip(&stacked) {
+            let alone = target.tapped(ids, &[0, 1]).expect("alone");
+            assert_eq!(got.dims(), alone.dims());
+            let diff: f32 = (got - &alone)
+                .expect("diff")
+                .abs()
+                .expect("abs")
+                .max_all()
+                .expect("max")
+                .to_scalar()
+                .expect("scalar");
+            assert!(diff < 1e-6, "{ids:?}: {diff}");
+        }
+    }
 }

@@ -448,6 +448,25 @@ impl Target {
         tapped.ok_or_else(|| candle_core::Error::Msg("no taps asked for".into()))
     }
 
+    /// [`Self::tapped`] for several sequences in one pass: their rows stacked, so every matmul,
+    /// norm and MLP runs once for all of them (attention stays per sequence). On a GPU a small
+    /// target's step is bound by kernel launches, and this launches them once per micro-batch,
+    /// not once per sequence. One tensor per sequence, in order.
+    pub fn tapped_batch(&self, seqs: &[&[u32]], taps: &[usize]) -> Result<Vec<Tensor>> {
+        let last = *taps.iter().max().unwrap_or(&0);
+        let mut stacked: Vec<Seq<'_>> = seqs.iter().map(|ids| Seq { ids, cache: None }).collect();
+        let (_, tapped) = self.run_layers(&mut stacked, taps, last + 1)?;
+        let tapped = tapped.ok_or_else(|| candle_core::Error::Msg("no taps asked for".into()))?;
+        let mut at = 0;
+        seqs.iter()
+            .map(|ids| {
+                let t = tapped.narrow(0, at, ids.len());
+                at += ids.len();
+                t
+            })
+            .collect()
+    }
+
     /// Extend `cache` by `ids` (at the positions after what it holds) and return the next-token
     /// logits at every new position, `[n, vocab]` (f32), and the taps' outputs there when
     /// `taps` is not empty. The caller crops the cache to what it keeps ([`KvCache::truncate`]).
