@@ -133,3 +133,74 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
     assert!(dom.matches("<rect x=").count() >= 7, "{dom}");
     assert!(dom.contains("<polyline"), "no loss curve in the DOM");
 }
+
+/// `--against`: two runs of the story side by side — the drafter trained longer, so the train
+/// and bench artifacts differ while the mix is the same bytes — and each bench's tau in both.
+#[test]
+fn a_report_sets_two_runs_side_by_side() {
+    let env = Env::new();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for f in ["code.jsonl", "chat.jsonl"] {
+        std::fs::copy(
+            root.join("pipelines/quickstart").join(f),
+            env.path().join(f),
+        )
+        .unwrap();
+    }
+    support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "10", "24"]);
+    let pipeline = PIPELINE.replace(
+        "  broken:\n    kind: command\n    inputs: [prompts]\n    params: {run: \"echo '<script>alert(1)</script>' >&2; exit 3\"}\n",
+        "",
+    );
+    assert_ne!(pipeline, PIPELINE);
+    env.write("p.yaml", &pipeline);
+    let (_, first) = env.run("p.yaml", 0);
+    env.write("q.yaml", &pipeline.replace("epochs: 2", "epochs: 6"));
+    let (st, second) = env.run("q.yaml", 0);
+    assert_eq!(st["drafter"], "ran");
+    assert_eq!(st["prompts"], "cached");
+    let (a, b) = (
+        second["run_id"].as_str().unwrap(),
+        first["run_id"].as_str().unwrap(),
+    );
+    let o = env.dflash(&["report", a, "--against", b, "-o", "both.html"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let html = std::fs::read_to_string(env.path().join("both.html")).unwrap();
+    assert!(
+        html.contains(&format!("This run ({a}) against run {b}")),
+        "{html}"
+    );
+    let row = |stage: &str| {
+        let at = html
+            .find(&format!("<tr><td>{stage}</td>"))
+            .unwrap_or_else(|| panic!("no row for {stage}"));
+        html[at..at + html[at..].find("</tr>").unwrap()].to_owned()
+    };
+    assert!(
+        row("prompts").contains("the same bytes"),
+        "{}",
+        row("prompts")
+    );
+    assert!(row("drafter").contains("differs"), "{}", row("drafter"));
+    assert!(html.contains("tau of <code>bench</code>, this run against that one"));
+    // Each method's tau in both runs: autoregressive decoding commits one token per round.
+    let ar = html
+        .find("<td>autoregressive</td>")
+        .expect("an autoregressive row");
+    assert!(
+        html[ar..].starts_with(
+            "<td>autoregressive</td><td class=\"n\">1.00</td><td class=\"n\">1.00</td><td class=\"n\">+0.0%</td>"
+        ),
+        "{}",
+        &html[ar..ar + 200]
+    );
+    // An unknown run is refused, naming it.
+    let o = env.dflash(&["report", a, "--against", "nope", "-o", "x.html"]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!env.path().join("x.html").exists());
+}

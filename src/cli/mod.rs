@@ -160,6 +160,10 @@ enum Command {
         /// The HTML file to write
         #[arg(long, short, default_value = "report.html")]
         output: PathBuf,
+        /// Another run to set beside it: which stages made other artifacts, and each bench's
+        /// tau in both runs
+        #[arg(long)]
+        against: Option<String>,
         #[command(flatten)]
         store: StoreArg,
     },
@@ -638,13 +642,29 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             }
             Ok(0)
         }
-        Command::Report { run, output, store } => {
+        Command::Report {
+            run,
+            output,
+            against,
+            store,
+        } => {
             let store = open_store(&store, None)?;
             let html = runtime()?.block_on(async {
                 let runs = store.runs().await?;
                 let record = find_run(&runs, &run)?;
                 let stages = crate::html::gather(&store, &record).await?;
-                Ok::<_, Failure>(crate::html::render(&record, &stages))
+                let other = match &against {
+                    Some(a) => {
+                        let r = find_run(&runs, a)?;
+                        let s = crate::html::gather(&store, &r).await?;
+                        Some((r, s))
+                    }
+                    None => None,
+                };
+                let against = other
+                    .as_ref()
+                    .map(|(run, stages)| crate::html::Against { run, stages });
+                Ok::<_, Failure>(crate::html::render(&record, &stages, against.as_ref()))
             })?;
             std::fs::write(&output, html)
                 .map_err(|e| Failure::from(CliError::Write(output.display().to_string(), e)))?;

@@ -1,7 +1,9 @@
 //! `dflash report RUN -o report.html`: one run as a single self-contained HTML page — the
 //! stage graph coloured by status, each stage's timings, key, error and data summaries, and
 //! charts where a picture reads faster than numbers: a mix's composition before and after, a
-//! training loss curve, tau per method and prompt set. No scripts, no external resources.
+//! training loss curve, tau per method and prompt set. With `--against OTHER`, a first section
+//! sets the two runs side by side: which stages produced other artifacts, and each bench's tau
+//! per set and method in both. No scripts, no external resources.
 
 mod charts;
 
@@ -76,8 +78,16 @@ td.n{text-align:right;font-variant-numeric:tabular-nums}.status{font-weight:600}
 .ran{color:#2e7d32}.resumed{color:#1565c0}.cached{color:#607d8b}.failed{color:#c62828}.skipped{color:#9e9e9e}\
 pre{background:#f6f8fa;padding:8px;font-size:12px;overflow-x:auto}.err{color:#c62828}";
 
+/// Another run to set beside the page's.
+pub struct Against<'a> {
+    /// Its record.
+    pub run: &'a RunRecord,
+    /// Its stages.
+    pub stages: &'a [StageView],
+}
+
 /// The page.
-pub fn render(run: &RunRecord, stages: &[StageView]) -> String {
+pub fn render(run: &RunRecord, stages: &[StageView], against: Option<&Against<'_>>) -> String {
     let mut h = String::new();
     let title = format!("dflash run {} · {}", run.run_id, run.pipeline);
     let _ = write!(
@@ -123,6 +133,9 @@ pub fn render(run: &RunRecord, stages: &[StageView]) -> String {
                 .unwrap_or_default(),
         })
         .collect();
+    if let Some(other) = against {
+        comparison(&mut h, run, stages, other);
+    }
     h.push_str(&charts::dag(&nodes));
     h.push_str("<table><tr><th>stage</th><th>kind</th><th>status</th><th>seconds</th><th>key</th><th>files</th><th>bytes</th></tr>");
     for v in stages {
@@ -275,4 +288,84 @@ fn bench_chart(h: &mut String, stats: &serde_json::Map<String, Value>) {
         .collect();
     h.push_str("<p>tau (tokens committed per verification round) by prompt set</p>");
     h.push_str(&charts::bars(&labels, &series, &|v| format!("{v:.2}")));
+}
+
+/// The two runs side by side: each stage's artifact in both (the same bytes or not), and each
+/// bench's tau per set and method in both, with the change.
+fn comparison(h: &mut String, run: &RunRecord, stages: &[StageView], other: &Against<'_>) {
+    let _ = write!(
+        h,
+        "<h2 id=\"against\">This run ({}) against run {}</h2><p>that run: pipeline <code>{}</code> · started {} · {:.2} s</p>",
+        esc(&run.run_id),
+        esc(&other.run.run_id),
+        esc(&other.run.pipeline_path),
+        esc(&other.run.started),
+        other.run.seconds
+    );
+    h.push_str("<table><tr><th>stage</th><th>this run</th><th>that run</th><th>artifact</th></tr>");
+    let theirs = |id: &str| other.stages.iter().find(|v| v.result.id == id);
+    for v in stages {
+        let r = &v.result;
+        let o = theirs(&r.id);
+        let same = match (r.digest, o.and_then(|o| o.result.digest)) {
+            (Some(a), Some(b)) if a == b => "the same bytes",
+            (Some(_), Some(_)) => "differs",
+            _ => "-",
+        };
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td class=\"status {st}\">{st}</td><td class=\"status {ot}\">{ot}</td><td>{same}</td></tr>",
+            esc(&r.id),
+            st = r.status.as_str(),
+            ot = o.map_or("absent", |o| o.result.status.as_str()),
+        );
+    }
+    h.push_str("</table>");
+    for v in stages.iter().filter(|v| v.result.kind == "bench") {
+        let (Some(mine), Some(o)) = (
+            v.manifest.as_ref().map(|m| &m.stats),
+            theirs(&v.result.id)
+                .and_then(|o| o.manifest.as_ref())
+                .map(|m| &m.stats),
+        ) else {
+            continue;
+        };
+        let Some(sets) = mine.get("sets").and_then(Value::as_object) else {
+            continue;
+        };
+        let _ = write!(
+            h,
+            "<p>tau of <code>{}</code>, this run against that one</p><table><tr><th>set</th><th>method</th><th>this run</th><th>that run</th><th>change</th></tr>",
+            esc(&v.result.id)
+        );
+        let mut labels = Vec::new();
+        let mut this_tau = Vec::new();
+        let mut that_tau = Vec::new();
+        for (set, s) in sets {
+            for (method, m) in s["methods"].as_object().into_iter().flatten() {
+                let a = m["tau"].as_f64();
+                let b = o["sets"][set]["methods"][method]["tau"].as_f64();
+                let shown =
+                    |t: Option<f64>| t.map_or_else(|| "-".to_owned(), |t| format!("{t:.2}"));
+                let change = match (a, b) {
+                    (Some(a), Some(b)) if b > 0.0 => format!("{:+.1}%", (a / b - 1.0) * 100.0),
+                    _ => "-".to_owned(),
+                };
+                let _ = write!(
+                    h,
+                    "<tr><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{change}</td></tr>",
+                    esc(set),
+                    esc(method),
+                    shown(a),
+                    shown(b)
+                );
+                labels.push(format!("{set} {method}"));
+                this_tau.push(a.unwrap_or(0.0));
+                that_tau.push(b.unwrap_or(0.0));
+            }
+        }
+        h.push_str("</table>");
+        let series = [("this run", this_tau), ("that run", that_tau)];
+        h.push_str(&charts::bars(&labels, &series, &|v| format!("{v:.2}")));
+    }
 }
