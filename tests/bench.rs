@@ -156,6 +156,31 @@ fn diff_shows_the_tau_change_per_set() {
     );
 }
 
+/// The drafter's record names its target by content: benchmarked against a renamed copy of the
+/// same file, no warning says it was trained against another model.
+#[test]
+fn a_renamed_copy_of_the_target_is_the_same_target() {
+    let env = Env::new();
+    setup(&env);
+    std::fs::copy(env.path().join("tiny.gguf"), env.path().join("copy.gguf")).unwrap();
+    env.write(
+        "p.yaml",
+        &PIPELINE.replace(
+            "params: {target: tiny.gguf, prompts: 4",
+            "params: {target: copy.gguf, prompts: 4",
+        ),
+    );
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["bench"], "ran");
+    let m = env.show("bench", "p.yaml");
+    let warnings = m["stats"]["warnings"].to_string();
+    assert!(!warnings.contains("trained against"), "{warnings}");
+    assert!(
+        warnings.contains("thinking mode"),
+        "the other warnings stay: {warnings}"
+    );
+}
+
 #[test]
 fn a_drafter_for_another_target_is_refused_with_the_reason() {
     let env = Env::new();

@@ -166,19 +166,44 @@ fn load_drafter(input: &Input, target: &Target) -> Result<(Drafter, Value), Stag
 }
 
 /// The warnings a drafter's training record raises against this bench.
-fn mismatches(name: &str, training: &Value, p: &Params, sets: &[PromptSet]) -> Vec<String> {
+fn mismatches(
+    name: &str,
+    training: &Value,
+    p: &Params,
+    pins: &[dflash_stage_api::Pin],
+    sets: &[PromptSet],
+) -> Vec<String> {
     let mut out = Vec::new();
     let file = |s: &str| {
         std::path::Path::new(s)
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
     };
-    if let Some(t) = training["target"].as_str()
+    // By content where the drafter's record has it (a renamed copy is the same target), else
+    // by file name.
+    let ours: serde_json::Map<String, Value> = pins
+        .iter()
+        .filter(|pin| pin.name == "target" || pin.name.starts_with("target:"))
+        .map(|pin| (pin.name.clone(), Value::String(pin.identity.clone())))
+        .collect();
+    let other_target = match training["target_content"].as_object() {
+        Some(theirs) if !theirs.is_empty() && !ours.is_empty() => theirs != &ours,
+        _ => match (training["target"].as_str(), &p.target) {
+            (Some(t), Some(b)) => file(t) != file(b),
+            _ => false,
+        },
+    };
+    if other_target
+        && let Some(t) = training["target"].as_str()
         && let Some(bench_target) = &p.target
-        && file(t) != file(bench_target)
     {
+        let how = if file(t) == file(bench_target) {
+            " (the same name, other bytes)"
+        } else {
+            ""
+        };
         out.push(format!(
-            "drafter `{name}` was trained against `{t}`; it is benchmarked against `{bench_target}`"
+            "drafter `{name}` was trained against `{t}`; it is benchmarked against `{bench_target}`{how}"
         ));
     }
     let trained = training["data"].as_array().and_then(|d| {
@@ -253,7 +278,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     }
     let mut warnings = Vec::new();
     for (name, (_, training)) in &drafters {
-        warnings.extend(mismatches(name, training, p, &prompt_sets));
+        warnings.extend(mismatches(name, training, p, ctx.pins, &prompt_sets));
     }
     for w in &warnings {
         say(&format!("warning: {w}"));

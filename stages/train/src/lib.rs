@@ -122,7 +122,8 @@ impl StageKind for TrainKind {
     fn version(&self) -> u32 {
         // 2: writes `training.json` (the target and the data's rendering) for `bench`.
         // The target file's content entered the key (a pin) with 2 as well.
-        2
+        // 3: `training.json` holds the target's content digests (`target_content`).
+        3
     }
 
     fn summary(&self) -> &'static str {

@@ -333,7 +333,17 @@ fn training_record(ctx: &StageContext<'_>, p: &Params) -> Result<Value, StageErr
             "template_kwargs": rendering.get("template_kwargs").cloned().unwrap_or(Value::Null)}),
         );
     }
-    Ok(json!({"target": p.target, "block_size": p.block_size, "data": data}))
+    // The target by content too (its pins, as they entered the key): `bench` compares these,
+    // so a renamed copy of the same model is not reported as another target.
+    let target_pins: serde_json::Map<String, Value> = ctx
+        .pins
+        .iter()
+        .filter(|pin| pin.name == "target" || pin.name.starts_with("target:"))
+        .map(|pin| (pin.name.clone(), Value::String(pin.identity.clone())))
+        .collect();
+    Ok(
+        json!({"target": p.target, "target_content": target_pins, "block_size": p.block_size, "data": data}),
+    )
 }
 
 /// Commit weights, moments and the metrics since the last checkpoint as shard `ckpt-<step>`.
