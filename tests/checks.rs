@@ -267,6 +267,38 @@ fn train_refuses_data_from_another_tokenizer_as_soon_as_it_exists() {
     );
 }
 
+/// A refused stage keeps its reason in the run's record even when another of its inputs fails
+/// too (it would otherwise read "an upstream stage failed").
+#[test]
+fn the_refusal_stays_the_record_when_another_input_fails() {
+    let env = Env::new();
+    support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "8", "16"]);
+    let text = TINY
+        .replace(
+            "  drafter:\n    kind: train\n    inputs: [tokens]",
+            "  broken:\n    kind: command\n    params: {run: \"exit 3\"}\n  drafter:\n    kind: train\n    inputs: [tokens, broken]",
+        );
+    assert_ne!(text, TINY);
+    env.write("p.yaml", &text);
+    let out = env.dflash(&["run", "p.yaml", "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let run: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let drafter = run["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == "drafter")
+        .unwrap();
+    assert_eq!(drafter["status"], "failed", "{drafter}");
+    assert!(
+        drafter["error"]
+            .as_str()
+            .unwrap()
+            .contains("against the output of `tokens`"),
+        "{drafter}"
+    );
+}
+
 #[test]
 fn a_renamed_model_with_the_same_bytes_stays_cached() {
     let env = Env::new();

@@ -394,7 +394,8 @@ pub async fn execute(
     }
     shared.hashes.save();
 
-    // Whatever never became ready was blocked by a failure, or by cancellation.
+    // Whatever never became ready was refused by a check against upstream data (that reason
+    // stays its record), blocked by a failure, or by cancellation.
     let mut stages = Vec::with_capacity(n);
     for (i, r) in results.into_iter().enumerate() {
         let r = r.unwrap_or_else(|| {
@@ -404,7 +405,7 @@ pub async fn execute(
             } else {
                 "an upstream stage failed"
             };
-            let result = skipped(spec, Some(why));
+            let result = doomed[i].take().unwrap_or_else(|| skipped(spec, Some(why)));
             reporter.event(
                 &pipeline,
                 &Event::Finished {
