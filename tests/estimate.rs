@@ -211,3 +211,41 @@ fn bad_options_say_what_is_wrong() {
         "{warnings:?}"
     );
 }
+
+/// A bench is sized from its prompts, its methods and the target's step: 10 prompts (the set's
+/// `limit`, below `prompts`) x 100 tokens x 64 layers' steps x (autoregressive 1 + prompt lookup
+/// 1.6 + one drafter 2.3 rounds a step), at tau 1.
+#[test]
+fn a_bench_is_sized_from_its_prompts_methods_and_target() {
+    let env = story();
+    env.write(
+        "bench.yaml",
+        &(std::fs::read_to_string(env.path().join("story.yaml")).unwrap()
+            + "  gsm8k:\n    kind: download\n    params: {hf: openai/gsm8k, limit: 10}\n  bench:\n    kind: bench\n    inputs: [drafter, gsm8k]\n    params: {target: target-27b, prompts: 80, max_new_tokens: 100}\n"),
+    );
+    let e = json(
+        &env,
+        &["bench.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+    );
+    let b = stage(&e, "bench");
+    let expected = 10.0 * 100.0 * 64.0 * 0.000_23 * (1.0 + 1.6 + 2.3) / 3600.0;
+    let got = b["wall_hours"].as_f64().unwrap();
+    assert!(
+        (got / expected - 1.0).abs() < 1e-9,
+        "{got} vs {expected}: {b}"
+    );
+    assert_eq!(b["gpus"], 1);
+    // Endpoint mode is the servers' business.
+    env.write(
+        "served.yaml",
+        &std::fs::read_to_string(env.path().join("bench.yaml"))
+            .unwrap()
+            .replace(
+                "params: {target: target-27b, prompts: 80, max_new_tokens: 100}",
+                "params: {endpoints: {plain: 'http://127.0.0.1:30000/v1'}}",
+            )
+            .replace("inputs: [drafter, gsm8k]", "inputs: [gsm8k]"),
+    );
+    let e = json(&env, &["served.yaml", PINNED[0], PINNED[1]]);
+    assert!(stage(&e, "bench")["wall_hours"].is_null());
+}

@@ -214,6 +214,24 @@ impl Assumptions {
                 source: "measured: pipelines/smollm2.yaml on one H200, 0.26 s per step of 8 sequences (30 + 3x3 layer passes each), 0.011 s of it FLOPs (README)".into(),
             },
             Assumption {
+                name: "decode_step_s_per_layer",
+                value: 0.000_23,
+                meaning: "seconds one in-process decoding step (one token, batch 1) spends per target layer on a GPU",
+                source: "measured: pipelines/smollm2.yaml's bench on one H200, 7.0 ms per step of the 30-layer target (README)".into(),
+            },
+            Assumption {
+                name: "bench_verify_step_ratio",
+                value: 1.6,
+                meaning: "a verification round of up to 16 tokens, in target steps (prompt lookup's round)",
+                source: "measured: the same bench, 11.2-11.7 ms against 7.0 ms (README)".into(),
+            },
+            Assumption {
+                name: "bench_drafter_round_ratio",
+                value: 2.3,
+                meaning: "a drafter's round (its pass and the verification), in target steps",
+                source: "measured: the same bench, a 3-layer drafter's round 15.2-16.9 ms against 7.0 ms (README)".into(),
+            },
+            Assumption {
                 name: "tokenize_tokens_per_s",
                 value: 3_279_000.0,
                 meaning: "tokens/s `tokenize` sustains per CPU core, loading included",

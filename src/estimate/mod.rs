@@ -283,7 +283,11 @@ pub async fn estimate(
             .iter()
             .find(|l| l.id == spec.id)
             .map_or(crate::plan::State::Pending, |l| l.state);
-        let sized = sizer.size(spec, &ups, state, manifests.get(&spec.id));
+        let up_kinds: Vec<&str> = graph.inputs[i]
+            .iter()
+            .map(|&u| pipeline.stages[u].kind.as_str())
+            .collect();
+        let sized = sizer.size(spec, &ups, &up_kinds, state, manifests.get(&spec.id));
         out[i] = Some(sized);
     }
     let (warnings, alternatives) = (sizer.warnings, sizer.alternatives);

@@ -97,6 +97,7 @@ impl Sizer<'_> {
         &mut self,
         spec: &StageSpec,
         ups: &[&Data],
+        up_kinds: &[&str],
         state: State,
         done: Option<&Manifest>,
     ) -> StageEstimate {
@@ -106,6 +107,7 @@ impl Sizer<'_> {
             "generate" => self.generate(spec, ups, done, &mut s),
             "tokenize" => self.tokenize(spec, ups, done, &mut s),
             "train" => self.train(spec, ups, done, &mut s),
+            "bench" => self.bench(spec, ups, up_kinds, &mut s),
             _ => {
                 s.data.rows = declared(spec, "rows");
                 s.rows = s.data.rows;
@@ -515,6 +517,68 @@ impl Sizer<'_> {
         } else {
             s.notes.push("sizes unknown upstream".into());
         }
+    }
+
+    /// In-process bench: every prompt set's turns decoded by every method, one token per
+    /// target step for autoregressive decoding, and at most one per verification round for the
+    /// speculative methods (tau 1: an upper bound, since tau is unknown before the drafter
+    /// exists). A round costs a multiple of a step, measured on the H200.
+    fn bench(&mut self, spec: &StageSpec, ups: &[&Data], up_kinds: &[&str], s: &mut StageEstimate) {
+        if spec.params["endpoints"]
+            .as_object()
+            .is_some_and(|e| !e.is_empty())
+        {
+            s.notes
+                .push("endpoint mode: the servers' speed decides; not sized".into());
+            return;
+        }
+        if spec.params["device"].as_str() == Some("cpu") {
+            s.notes.push("on CPU: not sized".into());
+            return;
+        }
+        let Some(target) = spec.params["target"]
+            .as_str()
+            .and_then(|t| self.shape(&s.id, t))
+        else {
+            return;
+        };
+        let prompts = param(spec, "prompts").unwrap_or(80.0);
+        let max_new = param(spec, "max_new_tokens").unwrap_or(256.0);
+        let drafters = up_kinds.iter().filter(|k| **k == "train").count() as f64;
+        let mut turns = 0.0;
+        let mut known = true;
+        for (d, kind) in ups.iter().zip(up_kinds) {
+            if *kind == "train" {
+                continue;
+            }
+            match d.rows {
+                Some(r) => turns += r.value.min(prompts),
+                None => {
+                    known = false;
+                    turns += prompts;
+                }
+            }
+        }
+        let ngram = spec.params["baselines"]
+            .as_array()
+            .is_some_and(|b| b.iter().any(|m| m == "ngram"));
+        let step = self.assumptions.get("decode_step_s_per_layer") * target.layers as f64;
+        let verify = self.assumptions.get("bench_verify_step_ratio");
+        let draft = self.assumptions.get("bench_drafter_round_ratio");
+        let factor = 1.0 + if ngram { verify } else { 0.0 } + drafters * draft;
+        let seconds = turns * max_new * step * factor;
+        s.resource = Resource::Gpu;
+        s.gpus = 1;
+        s.gpu_hours = seconds / 3600.0;
+        s.wall_hours = Some(s.gpu_hours);
+        s.notes.push(format!(
+            "{} turns ({} prompts per set{}; a multi-turn set asks more) x {} tokens: a target step of {:.1} ms, rounds of {verify:.1}x (prompt lookup) and {draft:.1}x (a drafter) a step, counted at tau 1 (an upper bound)",
+            count(turns),
+            count(prompts),
+            if known { "" } else { ", sets of unknown size taken as full" },
+            count(max_new),
+            step * 1e3
+        ));
     }
 
     fn train(
