@@ -79,6 +79,24 @@ for f in sorted(glob.glob(sys.argv[1] + "/manifests/*.json")):
 PY
     rm pipelines/smoke.yaml
     ;;
+train-speed)
+    # There, after `smoke` (its store holds the tokens): the training step with the target
+    # stacked per micro-batch (batch_size 8) against the same 8 sequences a step one at a time
+    # (batch_size 1, grad_accum 8), 5 and 45 steps each; the difference over 40 steps is the
+    # step time without loading and start-up.
+    cuda_env
+    for cfg in "stacked|batch_size: 8" "alone|batch_size: 1\n      grad_accum: 8"; do
+        name=${cfg%%|*}
+        for steps in 5 45; do
+            sed -e 's/total: 2400/total: 256/' -e 's/limit: 12000/limit: 600/' \
+                -e "s/max_steps: 1400/max_steps: $steps/" -e "s/      batch_size: 8/      ${cfg#*|}/" \
+                -e 's/epochs: 4/epochs: 40/' pipelines/smollm2.yaml > pipelines/speed.yaml
+            $STASH/dflash run pipelines/speed.yaml --store $STASH/smoke --only drafter --json > /tmp/speed.json
+            python3 -c "import json;d=json.load(open('/tmp/speed.json'));print('$name', $steps, 'steps:', [s['seconds'] for s in d['stages'] if s['id']=='drafter'][0], 's')"
+        done
+    done
+    rm -f pipelines/speed.yaml
+    ;;
 dflash)
     cuda_env
     $STASH/dflash "$@"
@@ -100,7 +118,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN | stash | setup | run SECONDS | dflash ARGS | bring-back" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN | stash | setup | smoke SECONDS | train-speed | run SECONDS | dflash ARGS | bring-back" >&2
     exit 2
     ;;
 esac
