@@ -299,6 +299,27 @@ fn the_refusal_stays_the_record_when_another_input_fails() {
     );
 }
 
+/// `run --only` checks the stages it runs and what they need: the night's generation can start
+/// before the model a later stage trains against is on this machine; `plan` still says it is
+/// missing.
+#[test]
+fn run_only_checks_the_stages_it_runs() {
+    let env = Env::new();
+    support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "8", "16"]);
+    let text = TINY.replace("target: tiny.gguf", "target: models/later.gguf");
+    env.write("p.yaml", &text);
+    assert_eq!(env.dflash(&["run", "p.yaml"]).status.code(), Some(2));
+    let out = env.dflash(&["run", "p.yaml", "--only", "tokens"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = env.dflash(&["plan", "p.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`models/later.gguf` does not exist"));
+}
+
 #[test]
 fn a_renamed_model_with_the_same_bytes_stays_cached() {
     let env = Env::new();

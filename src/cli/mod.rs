@@ -303,15 +303,24 @@ fn load(path: &Path, registry: &Registry) -> Result<(Arc<Pipeline>, Graph), Fail
 }
 
 /// Load a pipeline with every check, as `plan` and `run` do: the kinds' own checks, against
-/// local files, before anything runs.
-fn load_for_running(path: &Path, registry: &Registry) -> Result<(Arc<Pipeline>, Graph), Failure> {
-    load_checked(path, registry, Some(&cwd()))
+/// local files, before anything runs; `only` narrows them to the stages `run --only` runs.
+fn load_for_running(
+    path: &Path,
+    registry: &Registry,
+    only: &[String],
+) -> Result<(Arc<Pipeline>, Graph), Failure> {
+    let cwd = cwd();
+    load_checked(
+        path,
+        registry,
+        Some(pipeline::KindChecks { cwd: &cwd, only }),
+    )
 }
 
 fn load_checked(
     path: &Path,
     registry: &Registry,
-    kind_checks: Option<&Path>,
+    kind_checks: Option<pipeline::KindChecks<'_>>,
 ) -> Result<(Arc<Pipeline>, Graph), Failure> {
     let p = pipeline::load(path, registry, kind_checks)?;
     let g = Graph::build(&p).map_err(|e| Failure::from(*e))?;
@@ -354,7 +363,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             allow_overwriting_store,
             store,
         } => {
-            let (p, g) = load_for_running(&pipeline, &registry)?;
+            let (p, g) = load_for_running(&pipeline, &registry, &only)?;
             let store = open_store(&store, Some(&p))?;
             let opts = RunOptions {
                 jobs,
@@ -412,7 +421,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             json,
             store,
         } => {
-            let (p, g) = load_for_running(&pipeline, &registry)?;
+            let (p, g) = load_for_running(&pipeline, &registry, &[])?;
             let store = open_store(&store, Some(&p))?;
             let hashes = HashCache::load(&work_dir(), &cwd());
             let plan =

@@ -128,15 +128,23 @@ fn expect_schema() -> Vec<dflash_stage_api::Param> {
 /// generated file can't exhaust memory.
 const MAX_FILE_BYTES: u64 = 64 << 20;
 
-/// Read and validate a pipeline file. With `kind_checks` (the directory relative paths in params
-/// resolve against), the stage kinds' own checks run too — relations, upstream params, files
-/// that must exist — as `plan` and `run` need; commands that only read the store or size the
-/// plan (`show`, `diff`, `estimate`) leave them out, so a model not on this machine yet is no
-/// obstacle to them.
+/// Which stages the kinds' own checks cover, and where relative paths resolve.
+#[derive(Clone, Copy, Debug)]
+pub struct KindChecks<'a> {
+    /// The directory relative paths in params resolve against.
+    pub cwd: &'a Path,
+    /// `run --only`: these stages and what they need; empty: every stage.
+    pub only: &'a [String],
+}
+
+/// Read and validate a pipeline file. With `kind_checks`, the stage kinds' own checks run too —
+/// relations, upstream params, files that must exist — as `plan` and `run` need; commands that
+/// only read the store or size the plan (`show`, `diff`, `estimate`) leave them out, so a model
+/// not on this machine yet is no obstacle to them.
 pub fn load(
     path: &Path,
     registry: &Registry,
-    kind_checks: Option<&Path>,
+    kind_checks: Option<KindChecks<'_>>,
 ) -> Result<Pipeline, LoadError> {
     let shown = path.display().to_string();
     let unreadable = |source| LoadError::Unreadable {
@@ -167,7 +175,7 @@ pub fn parse(
     path: &Path,
     text: String,
     registry: &Registry,
-    kind_checks: Option<&Path>,
+    kind_checks: Option<KindChecks<'_>>,
 ) -> Result<Pipeline, Problems> {
     let text = Arc::new(text);
     let fail = |problems: Vec<Problem>| Problems {
@@ -188,8 +196,8 @@ pub fn parse(
     let pipeline = v.pipeline(&doc, path, registry);
     // The kinds' own checks see resolved params: they run for every stage whose params have
     // the right types and ranges, so all problems are reported at once, none twice.
-    if let (Some((_, _, stages)), Some(cwd)) = (&pipeline, kind_checks) {
-        v.kind_checks(stages, registry, cwd);
+    if let (Some((_, _, stages)), Some(checks)) = (&pipeline, kind_checks) {
+        v.kind_checks(stages, registry, checks);
     }
     if !v.problems.is_empty() {
         let mut problems = v.problems;
@@ -776,7 +784,19 @@ impl Validator<'_> {
 
     /// Run every stage kind's own checks ([`dflash_stage_api::StageKind::check`]): relations
     /// between params, against upstream stages, and files that must exist.
-    fn kind_checks(&mut self, stages: &[StageSpec], registry: &Registry, cwd: &Path) {
+    fn kind_checks(&mut self, stages: &[StageSpec], registry: &Registry, checks: KindChecks<'_>) {
+        let cwd = checks.cwd;
+        // With `--only`, the stages that will run: those named and everything upstream of them
+        // (a model that only a later stage needs may not be on this machine yet).
+        let mut selected: std::collections::HashSet<&str> = std::collections::HashSet::new();
+        let mut todo: Vec<&str> = checks.only.iter().map(String::as_str).collect();
+        while let Some(id) = todo.pop() {
+            if selected.insert(id)
+                && let Some(s) = stages.iter().find(|s| s.id == id)
+            {
+                todo.extend(s.inputs.iter().map(|i| i.stage.as_str()));
+            }
+        }
         let all = dflash_stage_api::Stages::new(
             stages
                 .iter()
@@ -792,7 +812,9 @@ impl Validator<'_> {
             let Some(kind) = registry.get(&spec.kind) else {
                 continue;
             };
-            if self.unchecked.contains(&spec.id) {
+            if self.unchecked.contains(&spec.id)
+                || (!checks.only.is_empty() && !selected.contains(spec.id.as_str()))
+            {
                 continue;
             }
             let inputs: Vec<&str> = spec.inputs.iter().map(|i| i.name.as_str()).collect();
