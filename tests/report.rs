@@ -39,9 +39,8 @@ stages:
     params: {run: "echo '<script>alert(1)</script>' >&2; exit 3"}
 "#;
 
-#[test]
-fn a_run_report_renders_in_a_real_browser_without_console_errors() {
-    let env = Env::new();
+/// The quickstart's prompt files and a tiny target with its tokens, in `env`.
+fn inputs(env: &Env) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     for f in ["code.jsonl", "chat.jsonl"] {
         std::fs::copy(
@@ -51,6 +50,12 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
         .unwrap();
     }
     support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "10", "24"]);
+}
+
+#[test]
+fn a_run_report_renders_in_a_real_browser_without_console_errors() {
+    let env = Env::new();
+    inputs(&env);
     env.write("p.yaml", PIPELINE);
     let (st, run) = env.run("p.yaml", 1);
     assert_eq!(st["broken"], "failed");
@@ -139,15 +144,7 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
 #[test]
 fn a_report_sets_two_runs_side_by_side() {
     let env = Env::new();
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    for f in ["code.jsonl", "chat.jsonl"] {
-        std::fs::copy(
-            root.join("pipelines/quickstart").join(f),
-            env.path().join(f),
-        )
-        .unwrap();
-    }
-    support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "10", "24"]);
+    inputs(&env);
     let pipeline = PIPELINE.replace(
         "  broken:\n    kind: command\n    inputs: [prompts]\n    params: {run: \"echo '<script>alert(1)</script>' >&2; exit 3\"}\n",
         "",

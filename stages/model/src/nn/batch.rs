@@ -210,6 +210,18 @@ mod tests {
         Target::random(config, 3, DType::F32, &Device::Cpu).expect("target")
     }
 
+    /// The largest absolute difference between two tensors of one shape.
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .expect("diff")
+            .abs()
+            .expect("abs")
+            .max_all()
+            .expect("max")
+            .to_scalar()
+            .expect("scalar")
+    }
+
     /// Each sequence of a padded batch gets the logits it gets decoded alone, at the prefill
     /// and at every step after it, prompts of different lengths together.
     #[test]
@@ -229,15 +241,7 @@ mod tests {
                 .collect();
             for step in 0..6u32 {
                 for (row, (_, l)) in alone.iter().enumerate() {
-                    let b = logits.narrow(0, row, 1).expect("row");
-                    let diff: f32 = (b - l)
-                        .expect("diff")
-                        .abs()
-                        .expect("abs")
-                        .max_all()
-                        .expect("max")
-                        .to_scalar()
-                        .expect("scalar");
+                    let diff = max_diff(&logits.narrow(0, row, 1).expect("row"), l);
                     assert!(diff < 1e-4, "{family}, step {step}, row {row}: {diff}");
                 }
                 let next: Vec<u32> = (0..3).map(|r| (step * 7 + r * 11) % 50).collect();
@@ -262,14 +266,7 @@ mod tests {
         for (ids, got) in seqs.iter().zip(&stacked) {
             let alone = target.tapped(ids, &[0, 1]).expect("alone");
             assert_eq!(got.dims(), alone.dims());
-            let diff: f32 = (got - &alone)
-                .expect("diff")
-                .abs()
-                .expect("abs")
-                .max_all()
-                .expect("max")
-                .to_scalar()
-                .expect("scalar");
+            let diff = max_diff(got, &alone);
             assert!(diff < 1e-6, "{ids:?}: {diff}");
         }
     }
