@@ -751,7 +751,9 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                         req.push_str("; operational, not in the key");
                     }
                     if p.content {
-                        req.push_str("; its content, not its path, in the key");
+                        req.push_str(
+                            "; a local file or folder: its content, not its path, in the key",
+                        );
                     }
                     out(&format!(
                         "  {:<10} {} ({req}): {}",

@@ -81,7 +81,7 @@ impl StageKind for BenchKind {
     fn params(&self) -> Vec<Param> {
         let int = || ParamType::Int;
         vec![
-            Param::new("target", ParamType::Str, "the frozen target the drafters were trained against: a `.gguf` file or Hugging Face model folder (in-process mode); its content, not its path, enters the key").content(),
+            Param::new("target", ParamType::Str, "the frozen target the drafters were trained against: a `.gguf` file or Hugging Face model folder (in-process mode)").content(),
             Param::new("endpoints", ParamType::Map(Box::new(ParamType::Str)), "endpoint mode: running OpenAI-compatible servers by name, e.g. {plain: 'http://127.0.0.1:30000/v1', dflash: 'http://127.0.0.1:30001/v1'}; the first is the speedup's reference").default(json!({})),
             Param::new("model", ParamType::Str, "endpoint mode: the model name sent (null: what the first endpoint lists)"),
             Param::new("prompts", int(), "prompts per set (the first ones)").default(80).at_least(1.0),

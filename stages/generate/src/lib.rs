@@ -93,8 +93,7 @@ impl StageKind for GenerateKind {
                 "model",
                 ParamType::Str,
                 "the served model name, checked against each endpoint's /v1/models; with \
-                 `backend: candle`, a GGUF file or a Hugging Face model folder (its content, not \
-                 its path, enters the key)",
+                 `backend: candle`, a GGUF file or a Hugging Face model folder",
             )
             .required()
             .content(),

@@ -77,16 +77,14 @@ impl StageKind for TokenizeKind {
                 "tokenizer",
                 ParamType::Str,
                 "a model folder (`tokenizer.json`, `tokenizer_config.json`) or a `.gguf` file; \
-                 local, or in an object store (`s3://bucket/models/Qwen3-8B`); its content, not \
-                 its path, enters the key",
+                 local, or in an object store (`s3://bucket/models/Qwen3-8B`)",
             )
             .required()
             .content(),
             Param::new(
                 "chat_template",
                 ParamType::Str,
-                "a Jinja file that replaces the model's chat template (its content, not its path, \
-                 enters the key)",
+                "a Jinja file that replaces the model's chat template",
             )
             .content(),
             Param::new(

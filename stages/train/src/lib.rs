@@ -127,14 +127,14 @@ impl StageKind for TrainKind {
     }
 
     fn summary(&self) -> &'static str {
-        "train a DFlash drafter online against the frozen target (CPU; GGUF targets)"
+        "train a DFlash drafter online against the frozen target (CPU or CUDA; GGUF or Hugging Face targets)"
     }
 
     fn params(&self) -> Vec<Param> {
         let int = || ParamType::Int;
         let float = || ParamType::Float;
         vec![
-            Param::new("target", ParamType::Str, "the frozen target: a `.gguf` file or a Hugging Face model folder (config.json + safetensors); its content, not its path, enters the key").required().content(),
+            Param::new("target", ParamType::Str, "the frozen target: a `.gguf` file or a Hugging Face model folder (config.json + safetensors)").required().content(),
             Param::new("draft_layers", int(), "decoder layers of the drafter").default(5).at_least(1.0),
             Param::new("block_size", int(), "block size B: the anchor token and B-1 masked positions").default(16).at_least(2.0),
             Param::new("target_layers", ParamType::List(Box::new(int())), "target decoder layers (0-based) whose outputs feed the drafter; empty: `taps` layers spread from 1 to L-3").default(json!([])).at_least(0.0),
