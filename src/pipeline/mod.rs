@@ -231,11 +231,20 @@ impl Pipeline {
     /// ([`dflash_stage_api::StageKind::check_input`]), as one line that says where in the file
     /// (`path:line:col`), what, and against whose output.
     pub fn issue_line(&self, id: &str, issue: &dflash_stage_api::Issue, from: &str) -> String {
+        use miette::SourceCode as _;
         let p = issue_problem(&self.spans, id, issue, Some(from));
-        let before = &self.text[..p.span.start.min(self.text.len())];
-        let line = before.matches('\n').count() + 1;
-        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-        format!("{}:{line}:{col}: {}", self.path.display(), p.message)
+        let (line, col) = self
+            .text
+            .as_str()
+            .read_span(&p.span.clone().into(), 0, 0)
+            .map_or((0, 0), |s| (s.line(), s.column()));
+        format!(
+            "{}:{}:{}: {}",
+            self.path.display(),
+            line + 1,
+            col + 1,
+            p.message
+        )
     }
 
     /// The byte range of a stage's key, for labels.
@@ -765,9 +774,7 @@ impl Validator<'_> {
         let mut full = vec!["stages", id, section];
         full.extend(path.iter().map(String::as_str));
         let span = self.at(&full);
-        let found = serde_json::Number::from_f64(found)
-            .map_or_else(|| found.to_string(), |n| n.to_string());
-        let found = found.strip_suffix(".0").unwrap_or(&found);
+        let found = dflash_stage_api::show_number(found);
         self.push(
             Problem::new(
                 "dflash::pipeline::param_range",
@@ -786,21 +793,10 @@ impl Validator<'_> {
     /// between params, against upstream stages, and files that must exist.
     fn kind_checks(&mut self, stages: &[StageSpec], registry: &Registry, checks: KindChecks<'_>) {
         let cwd = checks.cwd;
-        // With `--only`, the stages that will run: those named and everything upstream of them
-        // (a model that only a later stage needs may not be on this machine yet).
-        let mut selected: std::collections::HashSet<&str> = std::collections::HashSet::new();
-        let mut todo: Vec<&str> = checks.only.iter().map(String::as_str).collect();
-        while let Some(id) = todo.pop() {
-            if selected.insert(id)
-                && let Some(s) = stages.iter().find(|s| s.id == id)
-            {
-                todo.extend(s.inputs.iter().map(|i| i.stage.as_str()));
-            }
-        }
         let all = dflash_stage_api::Stages::new(
             stages
                 .iter()
-                .map(|s| dflash_stage_api::Upstream {
+                .map(|s| dflash_stage_api::PipelineStage {
                     id: &s.id,
                     kind: &s.kind,
                     params: &s.params,
@@ -808,6 +804,13 @@ impl Validator<'_> {
                 })
                 .collect(),
         );
+        // With `--only`, the stages that will run: those named and everything upstream of them
+        // (a model that only a later stage needs may not be on this machine yet).
+        let selected: std::collections::HashSet<&str> = all
+            .with_upstream(checks.only.iter().map(String::as_str))
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
         for spec in stages {
             let Some(kind) = registry.get(&spec.kind) else {
                 continue;

@@ -141,18 +141,10 @@ pub fn fingerprint(
     // A content path (a model file or folder) enters by its pinned bytes, not its name: a
     // renamed copy keeps the key. Only when the kind pinned it, so a value is never dropped
     // without what it stands for.
-    let is_pinned = |param: &str| {
-        pins.iter().any(|p| {
-            p.name == param
-                || p.name
-                    .strip_prefix(param)
-                    .is_some_and(|rest| rest.starts_with(':'))
-        })
-    };
     let mut params = spec.params.clone();
     if let Some(map) = params.as_object_mut() {
         for p in kind.params() {
-            if !p.keyed || (p.content && is_pinned(p.name)) {
+            if !p.keyed || (p.content && pins.iter().any(|pin| pin.stands_for(p.name))) {
                 map.remove(p.name);
             }
         }

@@ -53,7 +53,7 @@ impl Issue {
 
 /// One stage of the pipeline, as another stage's check may see it.
 #[derive(Clone, Debug)]
-pub struct Upstream<'a> {
+pub struct PipelineStage<'a> {
     /// Its id.
     pub id: &'a str,
     /// Its kind.
@@ -67,20 +67,41 @@ pub struct Upstream<'a> {
 /// Every stage of a pipeline by id, built once for all the checks.
 #[derive(Clone, Debug, Default)]
 pub struct Stages<'a> {
-    list: Vec<Upstream<'a>>,
+    list: Vec<PipelineStage<'a>>,
     index: HashMap<&'a str, usize>,
 }
 
 impl<'a> Stages<'a> {
     /// Index `list`.
-    pub fn new(list: Vec<Upstream<'a>>) -> Self {
+    pub fn new(list: Vec<PipelineStage<'a>>) -> Self {
         let index = list.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
         Self { list, index }
     }
 
     /// The stage with id `id`.
-    pub fn get(&self, id: &str) -> Option<&Upstream<'a>> {
+    pub fn get(&self, id: &str) -> Option<&PipelineStage<'a>> {
         self.index.get(id).map(|&i| &self.list[i])
+    }
+
+    /// The stages `ids` name and every stage upstream of them (through any number of others),
+    /// nearest first; each once, whatever cycles the file may hold.
+    pub fn with_upstream<'s>(
+        &'s self,
+        ids: impl IntoIterator<Item = &'s str>,
+    ) -> Vec<&'s PipelineStage<'a>> {
+        let mut seen: HashSet<&str> = HashSet::new();
+        let mut queue: VecDeque<&str> = ids.into_iter().collect();
+        let mut out = Vec::new();
+        while let Some(id) = queue.pop_front() {
+            if !seen.insert(id) {
+                continue;
+            }
+            if let Some(s) = self.get(id) {
+                out.push(s);
+                queue.extend(s.inputs.iter().copied());
+            }
+        }
+        out
     }
 }
 
@@ -100,24 +121,12 @@ pub struct CheckEnv<'a> {
 impl<'a> CheckEnv<'a> {
     /// Every stage upstream of this one (through any number of others), nearest first; walked
     /// when asked, so checks that never ask cost nothing on a 10,000-stage pipeline.
-    pub fn upstream(&self) -> Vec<&'a Upstream<'a>> {
-        let mut seen: HashSet<&str> = HashSet::new();
-        let mut queue: VecDeque<&str> = self.input_stages.iter().copied().collect();
-        let mut out = Vec::new();
-        while let Some(id) = queue.pop_front() {
-            if !seen.insert(id) {
-                continue;
-            }
-            if let Some(s) = self.stages.get(id) {
-                out.push(s);
-                queue.extend(s.inputs.iter().copied());
-            }
-        }
-        out
+    pub fn upstream(&self) -> Vec<&'a PipelineStage<'a>> {
+        self.stages.with_upstream(self.input_stages.iter().copied())
     }
 
     /// The upstream stages of kind `kind`, nearest first.
-    pub fn upstream_of_kind(&self, kind: &str) -> Vec<&'a Upstream<'a>> {
+    pub fn upstream_of_kind(&self, kind: &str) -> Vec<&'a PipelineStage<'a>> {
         self.upstream()
             .into_iter()
             .filter(|u| u.kind == kind)
@@ -142,6 +151,11 @@ impl<'a> CheckEnv<'a> {
             )),
         )
     }
+}
+
+/// Whether `url` is an http(s) URL (a server's base URL, a file to download).
+pub fn is_http_url(url: &str) -> bool {
+    url.starts_with("http://") || url.starts_with("https://")
 }
 
 /// Small files of one upstream artifact, read once it is committed, for

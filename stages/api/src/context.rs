@@ -31,6 +31,16 @@ pub struct Pin {
     pub identity: String,
 }
 
+impl Pin {
+    /// Whether it pins the content of param `param`: named `<param>` (a file) or
+    /// `<param>:<file>` (a folder's files), as [`pin_model`] names them.
+    pub fn stands_for(&self, param: &str) -> bool {
+        self.name
+            .strip_prefix(param)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(':'))
+    }
+}
+
 /// Services the runtime offers while a stage computes its pins.
 pub trait Pinner: Sync {
     /// The blake3 digest of a local file, relative to the working directory. Unchanged files are
@@ -163,4 +173,21 @@ pub struct StageOutput {
     /// A short report for the terminal, printed under the stage's line when it ran (e.g. a
     /// mix's composition table).
     pub summary: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pin;
+
+    #[test]
+    fn a_pin_stands_for_its_param_only() {
+        let pin = |name: &str| Pin {
+            name: name.into(),
+            identity: String::new(),
+        };
+        assert!(pin("target").stands_for("target"));
+        assert!(pin("target:config.json").stands_for("target"));
+        assert!(!pin("targets").stands_for("target"));
+        assert!(!pin("model").stands_for("target"));
+    }
 }

@@ -24,12 +24,12 @@ pub mod remote;
 pub mod tokens;
 
 pub use cancel::Cancel;
-pub use check::{CheckEnv, Issue, Stages, Upstream, UpstreamOutput};
+pub use check::{CheckEnv, Issue, PipelineStage, Stages, UpstreamOutput, is_http_url};
 pub use context::{Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput, pin_model};
 pub use digest::{Digest, DigestParseError};
 pub use error::StageError;
 pub use log::StageLog;
-pub use params::{Bounds, Mismatch, Param, ParamType, PathSeg, describe_value};
+pub use params::{Bounds, Mismatch, Param, ParamType, PathSeg, describe_value, show_number};
 
 /// One kind of stage (`command`, `download`, `mix`, ...): its schema, version and behaviour.
 ///

@@ -169,6 +169,13 @@ pub struct Param {
     pub content: bool,
 }
 
+/// A number as a message shows it: `1`, not `1.0`; `0.5`.
+pub fn show_number(x: f64) -> String {
+    let s = serde_json::Number::from_f64(x).map_or_else(|| x.to_string(), |n| n.to_string());
+    s.strip_suffix(".0")
+        .map_or_else(|| s.clone(), str::to_owned)
+}
+
 /// An allowed range of numbers: each end inclusive or exclusive, or open.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Bounds {
@@ -192,10 +199,7 @@ impl Bounds {
 
     /// How the range reads in an error message, e.g. "at least 1", "between 0 and 1".
     pub fn describe(&self) -> String {
-        let n = |x: f64| {
-            serde_json::Number::from_f64(x).map_or_else(|| x.to_string(), |n| n.to_string())
-        };
-        let n = |x: f64| n(x).trim_end_matches(".0").to_owned();
+        let n = show_number;
         match (self.low, self.high) {
             (Some((lo, true)), Some((hi, true))) => format!("between {} and {}", n(lo), n(hi)),
             (Some((lo, li)), Some((hi, hi_incl))) => format!(

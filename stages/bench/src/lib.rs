@@ -132,10 +132,7 @@ impl StageKind for BenchKind {
             (None, false) => {}
         }
         for (name, url) in &endpoints {
-            if !url
-                .as_str()
-                .is_some_and(|u| u.starts_with("http://") || u.starts_with("https://"))
-            {
+            if !url.as_str().is_some_and(dflash_stage_api::is_http_url) {
                 issues.push(
                     Issue::new(
                         "endpoints",

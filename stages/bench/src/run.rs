@@ -183,7 +183,7 @@ fn mismatches(
     // by file name.
     let ours: serde_json::Map<String, Value> = pins
         .iter()
-        .filter(|pin| pin.name == "target" || pin.name.starts_with("target:"))
+        .filter(|pin| pin.stands_for("target"))
         .map(|pin| (pin.name.clone(), Value::String(pin.identity.clone())))
         .collect();
     let other_target = match training["target_content"].as_object() {
@@ -497,7 +497,7 @@ fn run_endpoints(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, Stag
     if let Some((name, _)) = p
         .endpoints
         .iter()
-        .find(|(_, u)| !u.as_str().is_some_and(|u| u.starts_with("http")))
+        .find(|(_, u)| !u.as_str().is_some_and(dflash_stage_api::is_http_url))
     {
         return Err(
             StageError::new(format!("endpoint `{name}` is not an http(s) URL"))

@@ -157,7 +157,7 @@ impl StageKind for DownloadKind {
             });
         }
         if let Some(url) = params["url"].as_str()
-            && !(url.starts_with("http://") || url.starts_with("https://"))
+            && !dflash_stage_api::is_http_url(url)
         {
             issues.push(
                 Issue::new("url", format!("`{url}` is not an http(s) URL"))

@@ -237,10 +237,7 @@ impl StageKind for GenerateKind {
             });
         }
         for (i, url) in endpoints.iter().enumerate() {
-            if !url
-                .as_str()
-                .is_some_and(|u| u.starts_with("http://") || u.starts_with("https://"))
-            {
+            if !url.as_str().is_some_and(dflash_stage_api::is_http_url) {
                 issues.push(
                     Issue::new("endpoints", format!("{url} is not an http(s) URL"))
                         .below(PathSeg::Index(i))

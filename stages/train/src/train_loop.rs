@@ -338,7 +338,7 @@ fn training_record(ctx: &StageContext<'_>, p: &Params) -> Result<Value, StageErr
     let target_pins: serde_json::Map<String, Value> = ctx
         .pins
         .iter()
-        .filter(|pin| pin.name == "target" || pin.name.starts_with("target:"))
+        .filter(|pin| pin.stands_for("target"))
         .map(|pin| (pin.name.clone(), Value::String(pin.identity.clone())))
         .collect();
     Ok(
