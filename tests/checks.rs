@@ -110,6 +110,26 @@ fn mix_params_are_checked() {
     insta::assert_snapshot!(refused(&env, "mix.yaml", text));
 }
 
+/// Holding out every input leaves nothing to mix: said at plan time, at `exclude`.
+#[test]
+fn a_mix_that_holds_out_everything_is_refused() {
+    let env = Env::new();
+    let text = r"stages:
+  gsm8k:
+    kind: download
+    params: {hf: openai/gsm8k}
+  mixed:
+    kind: mix
+    inputs: [gsm8k]
+    params: {exclude: [gsm8k]}
+";
+    let err = refused(&env, "held.yaml", text);
+    assert!(
+        err.contains("param `exclude` of `mixed`: every input is held out"),
+        "{err}"
+    );
+}
+
 #[test]
 fn tokenize_params_are_checked() {
     let env = Env::new();

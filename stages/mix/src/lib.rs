@@ -186,32 +186,26 @@ impl StageKind for MixKind {
                 .help("`max_chars` must be at least `min_chars`"),
             );
         }
-        for (i, name) in params["exclude"]
+        let excluded: Vec<&str> = params["exclude"]
             .as_array()
             .into_iter()
             .flatten()
-            .enumerate()
-        {
-            let name = name.as_str().unwrap_or_default();
-            if !env.inputs.contains(&name) {
+            .filter_map(serde_json::Value::as_str)
+            .collect();
+        for (i, name) in excluded.iter().enumerate() {
+            if !env.inputs.contains(name) {
                 issues.push(
                     Issue::new("exclude", format!("`{name}` is not an input of this stage"))
                         .below(PathSeg::Index(i))
                         .help("list the held-out sets among `inputs:` too, so their prompts can be matched"),
                 );
-            } else if env.inputs.iter().all(|i| {
-                *i == name
-                    || params["exclude"]
-                        .as_array()
-                        .is_some_and(|e| e.iter().any(|e| e == *i))
-            }) {
-                issues.push(
-                    Issue::new("exclude", "every input is held out: nothing is left to mix")
-                        .below(PathSeg::Index(i))
-                        .help("hold out the benchmark sets only, and mix the training data"),
-                );
-                break;
             }
+        }
+        if !env.inputs.is_empty() && env.inputs.iter().all(|i| excluded.contains(i)) {
+            issues.push(
+                Issue::new("exclude", "every input is held out: nothing is left to mix")
+                    .help("hold out the benchmark sets only, and mix the training data"),
+            );
         }
         issues
     }
