@@ -581,12 +581,12 @@ fn the_candle_backend_generates_in_process_and_tokenize_reads_it() {
     .unwrap();
     env.write(
         "prompts.jsonl",
-        "{\"id\": \"fr\", \"prompt\": \"What is the capital of France?\"}\n{\"id\": \"two\", \"conversations\": [{\"from\": \"human\", \"value\": \"Hi!\"}, {\"from\": \"gpt\", \"value\": \"old\"}, {\"from\": \"human\", \"value\": \"Name a colour.\"}]}\n",
+        "{\"id\": \"two\", \"conversations\": [{\"from\": \"human\", \"value\": \"Hi!\"}, {\"from\": \"gpt\", \"value\": \"old\"}, {\"from\": \"human\", \"value\": \"Name a colour.\"}]}\n{\"id\": \"fr\", \"prompt\": \"What is the capital of France?\"}\n{\"id\": \"de\", \"prompt\": \"What is the capital of Germany?\"}\n",
     );
     env.write(
         "gen.yaml",
         &pipeline_with(
-            "{backend: candle, model: smollm2.gguf, max_tokens: 12, device: cpu}",
+            "{backend: candle, model: smollm2.gguf, max_tokens: 12, device: cpu, batch_size: 2}",
             "  tokens:\n    kind: tokenize\n    inputs: [answers]\n    params: {tokenizer: smollm2.gguf}\n",
         ),
     );
@@ -607,6 +607,10 @@ fn the_candle_backend_generates_in_process_and_tokenize_reads_it() {
     let s = stats(&env);
     assert!(s["completion_tokens"].as_u64().unwrap() > 5, "{s}");
     assert_eq!(s["throughput"]["device"], "cpu", "{s}");
+    // Waves of two: `two`'s first turn with `fr`, then its second turn with `de`, which took
+    // `fr`'s place (batches decoded one after another would take three waves).
+    assert_eq!(s["waves"]["count"], 2, "{s}");
+    assert_eq!(s["waves"]["replies"], 4, "{s}");
     // The model file is pinned by content, and its path stays out of the key.
     let o = env.dflash(&["show", "answers", "-p", "gen.yaml"]);
     let m: Value = serde_json::from_slice(&o.stdout).unwrap();

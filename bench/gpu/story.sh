@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Runs pipelines/smollm2.yaml on the GPU machine (the `device` tool: no Rust, no network, 64 MiB
 # carried per call, everything forgotten once the machine goes idle). The data flow:
-#   - here, `bench/gpu/story.sh pack-inputs` puts into .gpu/ (ignored by git): the CUDA build of
-#     dflash (xz), the SmolLM2 GGUF split in two (98 MB is over one call's 64 MiB) and ShareGPT (xz);
-#   - call 1 carries .gpu/ with the binary and the GGUF's first part and runs `stash`; call 2,
-#     made while the machine is still warm, carries the rest and runs `stash` then `setup`;
+#   - here, `bench/gpu/story.sh pack-inputs BIN PACK` fills PACK/a, PACK/b and PACK/c (outside the
+#     clone): the SmolLM2 GGUF split in two (98 MB is over one call's 64 MiB), then the CUDA build
+#     of dflash (xz), ShareGPT (xz), the benchmark sets and the reference package's wheel;
+#   - each call carries one of them as .gpu/ (copy PACK/x to .gpu/x just before the call) and
+#     runs `stash`, which keeps it in /tmp; the calls follow each other while the machine is
+#     warm, the last one runs `setup` and can go on with the first stage;
 #   - `run SECONDS` runs the pipeline into a store under /tmp (kept while the machine is warm)
-#     and stops it with Ctrl-C (SIGINT) before the call's limit: generate and train commit
-#     shards as they go, so the next call's `run` resumes where this one stopped;
+#     and stops it with Ctrl-C (SIGINT) before the call's limit: generate, train and bench
+#     commit shards as they go, so the next call's `run` resumes where this one stopped;
+#   - `train-fit SECONDS` times a few training steps, sets `max_steps` to what fits in the
+#     seconds left, and trains (the value it chose goes to $OUT: commit it to the pipeline);
 #   - `bring-back` copies the store's results (manifests, metrics, bench results, the drafter,
 #     the run records, zstd) under $OUT, so they land on this machine.
 set -euo pipefail
@@ -24,15 +28,17 @@ cuda_env() {
 }
 case $cmd in
 pack-inputs)
-    # Here: fill .gpu/ from a CUDA build and .assets/.
+    # Here: fill PACK/{a,b,c} from a CUDA build and .assets/.
     bin=${1:?the CUDA build of dflash}
-    mkdir -p .gpu/a .gpu/b .gpu/c
-    strip -o /tmp/dflash-cuda "$bin" && xz -T2 -6 -c /tmp/dflash-cuda > .gpu/a/dflash.xz
-    split -n 2 -d .assets/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/gguf.part-
-    mv /tmp/gguf.part-00 .gpu/a/ && mv /tmp/gguf.part-01 .gpu/b/
-    xz -T2 -6 -c .assets/sharegpt.json > .gpu/c/sharegpt.json.xz
-    cp .assets/HumanEval.jsonl.gz .assets/gsm8k.jsonl .assets/mt-bench.jsonl .gpu/a/
-    du -sb .gpu/a .gpu/b .gpu/c
+    pack=${2:?a folder outside the clone}
+    rm -rf "$pack" && mkdir -p "$pack"/a "$pack"/b "$pack"/c
+    split -n 2 -d .assets/SmolLM2-135M-Instruct.Q4_1.gguf "$pack"/gguf.part-
+    mv "$pack"/gguf.part-00 "$pack"/a/ && mv "$pack"/gguf.part-01 "$pack"/b/
+    strip -o /tmp/dflash-cuda "$bin" && xz -T2 -6 -c /tmp/dflash-cuda > "$pack"/c/dflash.xz
+    xz -T2 -6 -c .assets/sharegpt.json > "$pack"/c/sharegpt.json.xz
+    cp .assets/HumanEval.jsonl.gz .assets/gsm8k.jsonl .assets/mt-bench.jsonl "$pack"/c/
+    cp .whl/dflash-0.1.0-py3-none-any.whl "$pack"/c/ 2>/dev/null || true
+    du -sb "$pack"/a "$pack"/b "$pack"/c
     ;;
 stash)
     # There: keep what this call carried (the working tree's .gpu/ is replaced by the next call).
@@ -49,6 +55,7 @@ setup)
     [ -f $STASH/assets/sharegpt.json ] || xz -dc $STASH/sharegpt.json.xz > $STASH/assets/sharegpt.json
     cp -n $STASH/HumanEval.jsonl.gz $STASH/gsm8k.jsonl $STASH/mt-bench.jsonl $STASH/assets/
     [ -x $STASH/dflash ] || { xz -dc $STASH/dflash.xz > $STASH/dflash && chmod +x $STASH/dflash; }
+    ls $STASH/*.whl >/dev/null 2>&1 && pip install -q --no-deps $STASH/*.whl || true
     rm -rf .assets && ln -s $STASH/assets .assets
     sha256sum .assets/SmolLM2-135M-Instruct.Q4_1.gguf
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
@@ -65,9 +72,9 @@ smoke)
     # There: the same pipeline, small (256 prompts, 40 training steps, 4 prompts per set), into
     # its own store: the speeds that size the real run, and any failure before it costs much.
     cuda_env
-    sed -e 's/total: 2400/total: 256/' -e 's/limit: 12000/limit: 600/' \
-        -e 's/max_steps: 1400/max_steps: 40/' \
-        -e 's/prompts: 24 .*/prompts: 4/' pipelines/smollm2.yaml > pipelines/smoke.yaml
+    sed -e 's/total: [0-9]*/total: 256/' -e 's/limit: 12000/limit: 600/' \
+        -e 's/max_steps: [0-9]*/max_steps: 40/' \
+        -e 's/prompts: [0-9]* .*/prompts: 4/' pipelines/smollm2.yaml > pipelines/smoke.yaml
     timeout -s INT -k 20 "${1:-300}" $STASH/dflash run pipelines/smoke.yaml --store $STASH/smoke || echo "smoke stopped: exit $?"
     # Each stage's figures (not the per-step curves): the speeds that size the real run.
     python3 - $STASH/smoke <<'PY'
@@ -88,14 +95,39 @@ train-speed)
     for cfg in "stacked|batch_size: 8" "alone|batch_size: 1\n      grad_accum: 8"; do
         name=${cfg%%|*}
         for steps in 5 45; do
-            sed -e 's/total: 2400/total: 256/' -e 's/limit: 12000/limit: 600/' \
-                -e "s/max_steps: 1400/max_steps: $steps/" -e "s/      batch_size: 8/      ${cfg#*|}/" \
+            sed -e 's/total: [0-9]*/total: 256/' -e 's/limit: 12000/limit: 600/' \
+                -e "s/max_steps: [0-9]*/max_steps: $steps/" -e "s/      batch_size: 16 .*/      ${cfg#*|}/" \
                 -e 's/epochs: 4/epochs: 40/' pipelines/smollm2.yaml > pipelines/speed.yaml
             $STASH/dflash run pipelines/speed.yaml --store $STASH/smoke --only drafter --json > /tmp/speed.json
             python3 -c "import json;d=json.load(open('/tmp/speed.json'));print('$name', $steps, 'steps:', [s['seconds'] for s in d['stages'] if s['id']=='drafter'][0], 's')"
         done
     done
     rm -f pipelines/speed.yaml
+    ;;
+train-fit)
+    # There: time 12 training steps (a scratch copy of the pipeline, same data), then train with
+    # `max_steps` set to what fits in SECONDS less the load and the export; resumes as `run`.
+    secs=${1:?seconds}
+    cuda_env
+    t0=$(date +%s)
+    $STASH/dflash run pipelines/smollm2.yaml --store $STORE --only tokens || true
+    probe() {
+        sed -e "s/max_steps: [0-9]*/max_steps: $1/" -e 's/checkpoint_every: [0-9]*/checkpoint_every: 100000/' \
+            pipelines/smollm2.yaml > pipelines/probe.yaml
+        $STASH/dflash run pipelines/probe.yaml --store $STASH/probe-$1 --only drafter --json 2>/dev/null |
+            python3 -c "import json,sys;d=json.load(sys.stdin);print([s['seconds'] for s in d['stages'] if s['id']=='drafter'][0])"
+    }
+    # The probes' upstream stages are the pipeline's: copy the store so they are cached.
+    cp -r $STORE $STASH/probe-4 && cp -r $STORE $STASH/probe-16
+    a=$(probe 4) && b=$(probe 16)
+    rm -rf pipelines/probe.yaml $STASH/probe-4 $STASH/probe-16
+    left=$(( secs - ($(date +%s) - t0) ))
+    steps=$(python3 -c "s=($b-$a)/12; f=$a-4*s; print(max(1, int(($left - 2*f - 20) / s)))")
+    echo "probe: 4 steps $a s, 16 steps $b s; $left s left: max_steps $steps" | tee -a "$OUT/train-fit.txt"
+    grep -q "max_steps: $steps\b" pipelines/smollm2.yaml ||
+        sed -i "s/max_steps: [0-9]*/max_steps: $steps/" pipelines/smollm2.yaml
+    cp pipelines/smollm2.yaml "$OUT/smollm2.yaml"
+    timeout -s INT -k 20 "$left" $STASH/dflash run pipelines/smollm2.yaml --store $STORE --only drafter || echo "run stopped: exit $?"
     ;;
 dflash)
     cuda_env
@@ -118,7 +150,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN | stash | setup | smoke SECONDS | train-speed | run SECONDS | dflash ARGS | bring-back" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS | dflash ARGS | bring-back" >&2
     exit 2
     ;;
 esac

@@ -320,6 +320,8 @@ impl StageKind for GenerateKind {
         };
         // Where the in-process backend decoded (`cpu` or `cuda`), for `dflash estimate`.
         let mut ran_on = None;
+        // The in-process backend's waves: how many, and the replies they decoded.
+        let mut waves = Waves::default();
         let (reports, endpoints) = if p.backend == "candle" {
             let device = dflash_model::nn::device::select(&p.device)?;
             ran_on = Some(if device.is_cuda() { "cuda" } else { "cpu" });
@@ -330,8 +332,14 @@ impl StageKind for GenerateKind {
                 started.elapsed().as_secs_f64()
             ));
             let reports = with_writer(ctx, &resumed, p.shard_rows, every, |tx| {
-                generate_locally(&mut local, &todo, &p, ctx, tx, &progress)
+                generate_locally(&mut local, &todo, &p, ctx, tx, &progress, &mut waves)
             })?;
+            log.line(&format!(
+                "{} waves of {:.1} replies on average (batch_size {})",
+                waves.waves,
+                waves.mean(),
+                p.batch_size
+            ));
             (reports, Vec::new())
         } else {
             let servers = launch
@@ -408,6 +416,12 @@ impl StageKind for GenerateKind {
             json!({"backend": p.backend, "device": ran_on, "servers": servers,
                    "tokens": tokens.load(Ordering::Relaxed), "seconds": secs}),
         );
+        if waves.waves > 0 {
+            stats.insert(
+                "waves".into(),
+                json!({"count": waves.waves, "replies": waves.replies, "batch_size": p.batch_size}),
+            );
+        }
         let summary = format!(
             "{rows} rows, {completion_tokens} tokens generated; finish: {}",
             finish
@@ -617,9 +631,24 @@ fn with_writer(
     Ok(reports)
 }
 
-/// Generate every task in-process, `batch_size` conversations at a time: each wave decodes the
-/// next reply of every unfinished conversation of the batch together (multi-turn rows take
-/// several waves); rows are sent in task order as their batch completes.
+/// What the in-process backend's waves decoded.
+#[derive(Default)]
+struct Waves {
+    waves: u64,
+    replies: u64,
+}
+
+impl Waves {
+    fn mean(&self) -> f64 {
+        self.replies as f64 / self.waves.max(1) as f64
+    }
+}
+
+/// Generate every task in-process, in waves of at most `batch_size` replies decoded together.
+/// A wave takes the next reply of every conversation still going, and new conversations fill
+/// the places of those that finished, so waves stay full while tasks remain: multi-turn rows
+/// would otherwise leave a batch's later waves nearly empty, each costing a full wave's steps.
+/// Rows are sent as their conversations finish.
 fn generate_locally(
     local: &mut Local,
     todo: &[&Task],
@@ -627,6 +656,7 @@ fn generate_locally(
     ctx: &StageContext<'_>,
     tx: &mpsc::Sender<Answered>,
     c: &Counters<'_>,
+    waves: &mut Waves,
 ) -> Result<(), StageError> {
     let sampling = local::Sampling {
         max_tokens: p.max_tokens as usize,
@@ -634,52 +664,65 @@ fn generate_locally(
         top_p: p.top_p,
         stop: &p.stop,
     };
-    for chunk in todo.chunks(p.batch_size.max(1) as usize) {
-        let mut live: Vec<Option<Regeneration<'_>>> = chunk
-            .iter()
-            .map(|t| Some(Regeneration::new(t, p)))
-            .collect();
-        let mut answered: Vec<Option<Answered>> = chunk.iter().map(|_| None).collect();
-        loop {
-            let mut wave = Vec::new();
-            for (i, slot) in live.iter_mut().enumerate() {
-                let Some(r) = slot.as_mut() else { continue };
-                let seed = r.seed.unwrap_or(0);
-                match r.context() {
-                    Some((convo, _)) => wave.push((i, convo.to_vec(), seed)),
-                    None => answered[i] = slot.take().map(Regeneration::done),
+    let size = p.batch_size.max(1) as usize;
+    let mut tasks = todo.iter();
+    // Conversations with a reply in and more to come; never more than a wave.
+    let mut going: Vec<Regeneration<'_>> = Vec::new();
+    // `false` once the writer has stopped (on an error of its own, which it reports).
+    let send = |a: Answered| {
+        c.add(&a);
+        tx.send(a).is_ok()
+    };
+    loop {
+        let mut members = Vec::with_capacity(size);
+        let mut convos: Vec<Vec<Message>> = Vec::with_capacity(size);
+        let mut seeds = Vec::with_capacity(size);
+        let mut waiting = std::mem::take(&mut going).into_iter();
+        while members.len() < size {
+            let mut r = match waiting.next() {
+                Some(r) => r,
+                None => match tasks.next() {
+                    Some(t) => Regeneration::new(t, p),
+                    None => break,
+                },
+            };
+            match r.context() {
+                Some((convo, _)) => {
+                    convos.push(convo.to_vec());
+                    seeds.push(r.seed.unwrap_or(0));
+                    members.push(r);
                 }
-            }
-            if wave.is_empty() {
-                break;
-            }
-            let convos: Vec<&[Message]> = wave.iter().map(|(_, m, _)| m.as_slice()).collect();
-            let seeds: Vec<u64> = wave.iter().map(|(.., s)| *s).collect();
-            let replies = local.reply_batch(&convos, &sampling, &seeds, ctx.cancel)?;
-            for ((i, ..), reply) in wave.iter().zip(replies) {
-                let slot = &mut live[*i];
-                let keep = match (reply, slot.as_mut()) {
-                    (Ok(reply), Some(r)) => r.reply(reply),
-                    (Err(why), Some(_)) => {
-                        answered[*i] = slot.take().map(|r| r.refused(&why));
-                        continue;
+                None => {
+                    if !send(r.done()) {
+                        return Ok(());
                     }
-                    (_, None) => continue,
-                };
-                if !keep {
-                    answered[*i] = slot.take().map(Regeneration::done);
                 }
             }
         }
-        for a in answered.into_iter().flatten() {
-            c.add(&a);
-            if tx.send(a).is_err() {
+        if members.is_empty() {
+            return Ok(());
+        }
+        let refs: Vec<&[Message]> = convos.iter().map(Vec::as_slice).collect();
+        let replies = local.reply_batch(&refs, &sampling, &seeds, ctx.cancel)?;
+        waves.waves += 1;
+        waves.replies += refs.len() as u64;
+        for (mut r, reply) in members.into_iter().zip(replies) {
+            let finished = match reply {
+                Ok(reply) => {
+                    if r.reply(reply) {
+                        going.push(r);
+                        continue;
+                    }
+                    r.done()
+                }
+                Err(why) => r.refused(&why),
+            };
+            if !send(finished) {
                 return Ok(());
             }
         }
         c.report(ctx, "");
     }
-    Ok(())
 }
 
 /// The messages sent for the conversation so far.

@@ -212,43 +212,47 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         let weight: f64 = batches.iter().map(|(_, b)| b.weight()).sum();
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut m = StepMetrics::default();
-        // On a GPU the target runs once per micro-batch (`batch_size` sequences stacked: a small
-        // target's step is bound by kernel launches), the drafter per sequence. On CPU it runs
-        // per sequence, as before: stacking saves little there, and a matmul over more rows may
-        // round differently, which would change CPU training's bytes.
+        // On a GPU a micro-batch (`batch_size` sequences) is one pass: the target's and the
+        // drafter's rows stacked, so every matmul, norm and MLP launches once for all of them (a
+        // small target's and a drafter's step are bound by kernel launches); attention stays
+        // per sequence. On CPU each sequence is its own pass, as before: stacking saves little
+        // there, and a matmul over more rows may round differently, which would change CPU
+        // training's bytes.
         let stack = if device.is_cuda() {
             p.batch_size.max(1) as usize
         } else {
             1
         };
-        let mut contexts: Vec<Tensor> = Vec::with_capacity(batches.len());
         if weight > 0.0 {
             for micro in batches.chunks(stack) {
                 let ids: Vec<&[u32]> = micro.iter().map(|(s, _)| s.ids.as_slice()).collect();
-                contexts.extend(
-                    target
-                        .tapped_batch(&ids, &taps)
-                        .map_err(nn("target forward"))?,
-                );
+                // The step computes in the context's dtype: bf16 on a GPU (tensor cores, flash
+                // attention), f32 on CPU; the drafter's weights stay f32 either way (the master
+                // copy AdamW updates).
+                let context = target
+                    .tapped_stacked(&ids, &taps)
+                    .and_then(|c| c.to_dtype(compute))
+                    .map_err(nn("target forward"))?;
+                let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
+                let (loss, sm) = objective::loss_packed(
+                    &drafter,
+                    &embed,
+                    &target.lm_head,
+                    &context,
+                    &packed,
+                    weight,
+                )
+                .map_err(nn("drafter forward"))?;
+                let g = loss.backward().map_err(nn("backward"))?;
+                for (name, t) in drafter.gradients(&g) {
+                    let sum = match grads.remove(&name) {
+                        Some(prev) => (prev + t).map_err(nn("accumulating"))?,
+                        None => t,
+                    };
+                    grads.insert(name, sum);
+                }
+                m.add(&sm);
             }
-        }
-        for ((_, b), context) in batches.iter().zip(contexts) {
-            // The step computes in the context's dtype: bf16 on a GPU (tensor cores, flash
-            // attention), f32 on CPU; the drafter's weights stay f32 either way (the master copy
-            // AdamW updates).
-            let context = context.to_dtype(compute).map_err(nn("target forward"))?;
-            let (loss, sm) =
-                objective::loss(&drafter, &embed, &target.lm_head, &context, b, weight)
-                    .map_err(nn("drafter forward"))?;
-            let g = loss.backward().map_err(nn("backward"))?;
-            for (name, t) in drafter.gradients(&g) {
-                let sum = match grads.remove(&name) {
-                    Some(prev) => (prev + t).map_err(nn("accumulating"))?,
-                    None => t,
-                };
-                grads.insert(name, sum);
-            }
-            m.add(&sm);
         }
         let lr = schedule.lr(step);
         let norm = adam

@@ -362,6 +362,19 @@ impl Drafter {
         block_pos: &[u32],
         mask: &BlockMask,
     ) -> Result<Tensor> {
+        self.forward_packed(ctx, block, block_pos, std::slice::from_ref(mask))
+    }
+
+    /// [`Self::forward_block`] for sequences packed one after another (their context rows in
+    /// `ctx`, their blocks in `block`, in the same order); `masks[i]`: what sequence i's blocks
+    /// see of its own context ([`ops::packed_block_attention`]).
+    pub fn forward_packed(
+        &self,
+        ctx: &ContextKv,
+        block: &Tensor,
+        block_pos: &[u32],
+        masks: &[BlockMask],
+    ) -> Result<Tensor> {
         let c = &self.config;
         let m = block.dim(0)?;
         let (dtype, device) = (block.dtype(), block.device());
@@ -381,8 +394,13 @@ impl Drafter {
             .transpose(0, 1)?;
             let q = ops::rope(&q, &cos, &sin)?;
             let (bk, bv) = self.kv(&h, m, &p, &cos, &sin)?;
-            let a =
-                ops::block_attention(&q.contiguous()?, (ck, cv), (&bk, &bv), c.block_size, mask)?;
+            let a = ops::packed_block_attention(
+                &q.contiguous()?,
+                (ck, cv),
+                (&bk, &bv),
+                c.block_size,
+                masks,
+            )?;
             let a = a.transpose(0, 1)?.reshape((m, c.heads * c.head_dim))?;
             x = (x + self
                 .lin(&p("self_attn.o_proj.weight"), dtype)?
@@ -525,6 +543,86 @@ pub(crate) mod tests {
             }
         }
         assert!(checked > 100, "{checked}");
+    }
+
+    /// Sequences of different lengths packed into one pass: the loss, the metrics and every
+    /// gradient are those of the sequences run one at a time, summed.
+    #[test]
+    fn a_packed_pass_is_the_sum_of_the_sequences_passes() {
+        let dtype = DType::F64;
+        let target = tiny_target(dtype);
+        let config = DrafterConfig::for_target(&target.config, 2, vec![0, 2], 4, 39);
+        let drafter = Drafter::init(config, 3, dtype, &Device::Cpu).unwrap();
+        let taps = drafter.config.target_layers.clone();
+        let seqs: Vec<(Vec<u32>, Vec<i8>)> = [14usize, 9, 21]
+            .iter()
+            .map(|&n| {
+                let ids = (0..n as u32).map(|i| (i * 11 + n as u32) % 39).collect();
+                (ids, (0..n).map(|i| i8::from(i >= 2)).collect())
+            })
+            .collect();
+        let batches: Vec<Batch> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, (ids, mask))| Batch::sample(ids, mask, 3, 4, 39, 2.0, i as u64).unwrap())
+            .collect();
+        let embed = |t: &Tensor| target.embed(t);
+        let norm: f64 = batches.iter().map(Batch::weight).sum();
+        let grads_of = |loss: &Tensor| -> Vec<Tensor> {
+            let g = loss.backward().unwrap();
+            drafter.gradients(&g).into_values().collect()
+        };
+        // One at a time.
+        let mut sum = 0.0;
+        let mut metrics = crate::nn::objective::StepMetrics::default();
+        let mut grads: Vec<Tensor> = Vec::new();
+        for ((ids, _), b) in seqs.iter().zip(&batches) {
+            let context = target.tapped(ids, &taps).unwrap();
+            let (l, m) = loss(&drafter, &embed, &target.lm_head, &context, b, norm).unwrap();
+            sum += l.to_scalar::<f64>().unwrap();
+            metrics.add(&m);
+            let g = grads_of(&l);
+            grads = if grads.is_empty() {
+                g
+            } else {
+                grads.iter().zip(g).map(|(a, b)| (a + b).unwrap()).collect()
+            };
+        }
+        // Packed.
+        let contexts: Vec<Tensor> = seqs
+            .iter()
+            .map(|(ids, _)| target.tapped(ids, &taps).unwrap())
+            .collect();
+        let context = Tensor::cat(&contexts, 0).unwrap();
+        let refs: Vec<&Batch> = batches.iter().collect();
+        let (l, m) = crate::nn::objective::loss_packed(
+            &drafter,
+            &embed,
+            &target.lm_head,
+            &context,
+            &refs,
+            norm,
+        )
+        .unwrap();
+        assert!((l.to_scalar::<f64>().unwrap() - sum).abs() < 1e-12);
+        assert_eq!((m.correct, m.counted, m.accepted, m.blocks), (
+            metrics.correct,
+            metrics.counted,
+            metrics.accepted,
+            metrics.blocks
+        ));
+        let packed = grads_of(&l);
+        assert_eq!(packed.len(), grads.len());
+        for (a, b) in packed.iter().zip(&grads) {
+            let diff: f64 = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+            assert!(diff < 1e-12, "{diff}");
+        }
+        // Masks that do not add up to the packed rows are refused.
+        let short: Vec<&Batch> = batches.iter().take(2).collect();
+        assert!(
+            crate::nn::objective::loss_packed(&drafter, &embed, &target.lm_head, &context, &short, norm)
+                .is_err()
+        );
     }
 
     #[test]

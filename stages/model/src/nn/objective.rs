@@ -182,15 +182,49 @@ pub fn loss(
     batch: &Batch,
     normalizer: f64,
 ) -> Result<(Tensor, StepMetrics)> {
+    loss_packed(drafter, embed, lm_head, context, &[batch], normalizer)
+}
+
+/// [`loss`] summed over sequences packed into one pass: `context` holds their tapped rows one
+/// sequence after another (`batches[i].context_len` rows each), so every projection, norm, MLP
+/// and the LM head run once for all of them; no block sees another sequence
+/// ([`Drafter::forward_packed`]). The sum of the sequences' losses, as separate passes would
+/// give it, up to the rounding of matmuls over more rows.
+pub fn loss_packed(
+    drafter: &Drafter,
+    embed: &dyn Fn(&Tensor) -> Result<Tensor>,
+    lm_head: &Tensor,
+    context: &Tensor,
+    batches: &[&Batch],
+    normalizer: f64,
+) -> Result<(Tensor, StepMetrics)> {
+    let Some(first) = batches.first() else {
+        candle_core::bail!("a packed loss needs at least one sequence");
+    };
     let device = context.device();
     let dtype = context.dtype();
-    let bs = batch.block_size;
-    let blocks = batch.anchors.len();
-    let ids = Tensor::new(batch.block_ids.as_slice(), device)?;
+    let bs = first.block_size;
+    if batches.iter().any(|b| b.block_size != bs) {
+        candle_core::bail!("packed sequences must share the block size");
+    }
+    let concat = |f: &dyn Fn(&Batch) -> &[u32]| -> Vec<u32> {
+        batches.iter().flat_map(|b| f(b).iter().copied()).collect()
+    };
+    let block_ids = concat(&|b| &b.block_ids);
+    let block_pos = concat(&|b| &b.block_pos);
+    let labels = concat(&|b| &b.labels);
+    let weights: Vec<f32> = batches.iter().flat_map(|b| b.weights.iter().copied()).collect();
+    // Each sequence's rotary positions count from its own first token.
+    let context_pos: Vec<u32> = batches
+        .iter()
+        .flat_map(|b| 0..b.context_len as u32)
+        .collect();
+    let masks: Vec<BlockMask> = batches.iter().map(|b| b.mask()).collect();
+    let blocks = block_ids.len() / bs;
+    let ids = Tensor::new(block_ids.as_slice(), device)?;
     let block = embed(&ids)?.to_dtype(dtype)?;
-    let context_pos: Vec<u32> = (0..batch.context_len as u32).collect();
-    let mask = batch.mask();
-    let hidden = drafter.forward(context, &context_pos, &block, &batch.block_pos, &mask)?;
+    let ctx = drafter.context_kv(context, &context_pos)?;
+    let hidden = drafter.forward_packed(&ctx, &block, &block_pos, &masks)?;
     // Rows k >= 1 of every block predict; row 0 (the anchor) is excluded.
     let rows: Vec<u32> = (0..blocks)
         .flat_map(|j| (1..bs).map(move |k| (j * bs + k) as u32))
@@ -199,9 +233,9 @@ pub fn loss(
     // The logits stay in the activations' dtype: the fused cross-entropy widens per element.
     // `linear` gives the frozen LM head no gradient (a plain matmul's backward would).
     let logits = super::fused::linear(&hidden, &lm_head.to_dtype(dtype)?)?;
-    let nll = super::fused::cross_entropy(&logits, &batch.labels)?;
-    let weights = Tensor::new(batch.weights.as_slice(), device)?.to_dtype(nll.dtype())?;
-    let total = (nll.mul(&weights)?.sum_all()? / normalizer)?;
+    let nll = super::fused::cross_entropy(&logits, &labels)?;
+    let weights_t = Tensor::new(weights.as_slice(), device)?.to_dtype(nll.dtype())?;
+    let total = (nll.mul(&weights_t)?.sum_all()? / normalizer)?;
 
     let predicted: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
     let mut m = StepMetrics {
@@ -215,12 +249,12 @@ pub fn loss(
         let mut leading = true;
         for k in 1..bs {
             let r = j * (bs - 1) + (k - 1);
-            let hit = predicted[r] == batch.labels[r];
-            if batch.weights[r] > 0.0 {
+            let hit = predicted[r] == labels[r];
+            if weights[r] > 0.0 {
                 m.counted[k - 1] += 1;
                 m.correct[k - 1] += u64::from(hit);
             }
-            leading &= hit && batch.weights[r] > 0.0;
+            leading &= hit && weights[r] > 0.0;
             if leading {
                 m.accepted += 1;
             }

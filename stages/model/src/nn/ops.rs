@@ -220,6 +220,49 @@ pub fn block_attention(
     super::fused::attention_node(q, (ck, cv), (bk, bv), out, saved)
 }
 
+/// [`block_attention`] over sequences packed one after another: `masks[i]` says sequence i's
+/// context rows (consecutive in `ck` / `cv`, after sequence i-1's) and blocks (consecutive in
+/// `q`, `bk`, `bv`). Training stacks a micro-batch's sequences this way so that every
+/// projection, norm and MLP runs once for all of them; the attention still runs per sequence,
+/// since no block sees another sequence's rows. One mask is [`block_attention`] itself.
+pub fn packed_block_attention(
+    q: &Tensor,
+    (ck, cv): (&Tensor, &Tensor),
+    (bk, bv): (&Tensor, &Tensor),
+    block: usize,
+    masks: &[BlockMask],
+) -> Result<Tensor> {
+    if let [mask] = masks {
+        return block_attention(q, (ck, cv), (bk, bv), block, mask);
+    }
+    let (rows, context) = (q.dim(1)?, ck.dim(1)?);
+    let want_rows: usize = masks.iter().map(|m| m.seen.len() * m.block).sum();
+    let want_context: usize = masks.iter().map(|m| m.context).sum();
+    if want_rows != rows || want_context != context {
+        candle_core::bail!(
+            "packed block attention: masks for {want_rows} block rows over {want_context} context rows, given {rows} over {context}"
+        );
+    }
+    let (mut at_row, mut at_context) = (0, 0);
+    let mut outs = Vec::with_capacity(masks.len());
+    for mask in masks {
+        let (m, s) = (mask.seen.len() * mask.block, mask.context);
+        // The kernels read contiguous operands; the copies are one sequence's rows.
+        let rows_of = |t: &Tensor| t.narrow(1, at_row, m)?.contiguous();
+        let context_of = |t: &Tensor| t.narrow(1, at_context, s)?.contiguous();
+        outs.push(block_attention(
+            &rows_of(q)?,
+            (&context_of(ck)?, &context_of(cv)?),
+            (&rows_of(bk)?, &rows_of(bv)?),
+            block,
+            mask,
+        )?);
+        at_row += m;
+        at_context += s;
+    }
+    Tensor::cat(&outs, 1)
+}
+
 /// Causal attention for the frozen target: `q` `[heads, n, d]` at positions `past..past + n`,
 /// `k`, `v` `[kv_heads, past + n, d]`; row i sees keys `0..=past + i`. Flash attention on a GPU
 /// in bf16 ([`super::fused::flash::causal`]), else [`attention`] under `mask` (built by the

@@ -453,10 +453,7 @@ impl Target {
     /// target's step is bound by kernel launches, and this launches them once per micro-batch,
     /// not once per sequence. One tensor per sequence, in order.
     pub fn tapped_batch(&self, seqs: &[&[u32]], taps: &[usize]) -> Result<Vec<Tensor>> {
-        let last = *taps.iter().max().unwrap_or(&0);
-        let mut stacked: Vec<Seq<'_>> = seqs.iter().map(|ids| Seq { ids, cache: None }).collect();
-        let (_, tapped) = self.run_layers(&mut stacked, taps, last + 1)?;
-        let tapped = tapped.ok_or_else(|| candle_core::Error::Msg("no taps asked for".into()))?;
+        let tapped = self.tapped_stacked(seqs, taps)?;
         let mut at = 0;
         seqs.iter()
             .map(|ids| {
@@ -465,6 +462,15 @@ impl Target {
                 t
             })
             .collect()
+    }
+
+    /// [`Self::tapped_batch`] as one tensor: the sequences' rows one after another, the layout
+    /// [`super::objective::loss_packed`] takes.
+    pub fn tapped_stacked(&self, seqs: &[&[u32]], taps: &[usize]) -> Result<Tensor> {
+        let last = *taps.iter().max().unwrap_or(&0);
+        let mut stacked: Vec<Seq<'_>> = seqs.iter().map(|ids| Seq { ids, cache: None }).collect();
+        let (_, tapped) = self.run_layers(&mut stacked, taps, last + 1)?;
+        tapped.ok_or_else(|| candle_core::Error::Msg("no taps asked for".into()))
     }
 
     /// Extend `cache` by `ids` (at the positions after what it holds) and return the next-token
