@@ -1,4 +1,5 @@
-//! The networks, in candle: the frozen target with hidden-state taps ([`target`]), the DFlash
+//! The networks, in candle: the frozen target with hidden-state taps ([`target`]; the linear-
+//! attention layers of hybrid targets in [`deltanet`]), the DFlash
 //! drafter ([`drafter`]), the training objective ([`objective`]), the optimizer ([`optim`])
 //! and speculative decoding ([`speculative`]). Everything the drafter's gradients flow through is
 //! differentiable: candle ops ([`ops`]), and fused ops with backward passes of their own for
@@ -6,6 +7,7 @@
 //! kernels have no backward and are used only in the frozen target.
 
 pub mod batch;
+pub mod deltanet;
 pub mod device;
 pub mod drafter;
 pub mod fused;

@@ -1,0 +1,402 @@
+//! Gated DeltaNet, the linear-attention layer of hybrid targets (Qwen3.5 / Qwen3.6: three of
+//! every four layers), forward only (the target is frozen).
+//!
+//! Per token t: the layer's input goes through one projection into queries, keys and values, a
+//! short causal depthwise convolution (kernel 4) over time and SiLU; queries and keys are
+//! L2-normalised (queries also scaled by 1/sqrt(d_k)); each value head h keeps a state
+//! `S_h [d_k, d_v]` updated by the gated delta rule
+//!
+//! ```text
+//! S = exp(g_t) * S;   S = S + k_t (beta_t (v_t - k_t^T S))^T;   o_t = q_t^T S
+//! ```
+//!
+//! with the decay `g_t = -exp(A_log) * softplus(a_t + dt_bias)` and the write strength
+//! `beta_t = sigmoid(b_t)` projected from the input too. The output is RMS-normed per head,
+//! gated by `silu(z_t)` and projected back to the hidden size.
+//!
+//! Two forms of the same recurrence:
+//! - [`DeltaNet::forward`] over a whole sequence (prefill, training's target pass) takes it in
+//!   chunks of 64 tokens: within a chunk the updates are folded into matmuls (the "UT
+//!   transform": a unit lower-triangular system solved by forward substitution), and only the
+//!   state crosses chunks, so the sequential part is `n / 64` steps, not `n`.
+//! - [`DeltaNet::steps`] goes token by token and returns the state after every token: what a
+//!   decoder needs to step, and to roll back to any position of a verified proposal.
+//!
+//! The state is per layer, not per token: its memory does not grow with the context.
+
+use candle_core::{D, DType, Device, Tensor};
+
+use super::Result;
+use super::ops::Linear;
+
+/// Tokens per chunk of [`DeltaNet::forward`].
+const CHUNK: usize = 64;
+
+/// A Gated DeltaNet layer's dimensions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeltaShape {
+    /// Query/key heads.
+    pub key_heads: usize,
+    /// Value heads (a multiple of the key heads: each key head serves consecutive value heads).
+    pub value_heads: usize,
+    /// Per-head query/key width.
+    pub key_dim: usize,
+    /// Per-head value width.
+    pub value_dim: usize,
+    /// The convolution's kernel (taps over time).
+    pub kernel: usize,
+}
+
+impl DeltaShape {
+    /// Channels of the convolution: queries, keys and values.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    /// Floats of one sequence's state: the recurrence's and the convolution's.
+    pub fn state_floats(&self) -> usize {
+        self.value_heads * self.key_dim * self.value_dim + (self.kernel - 1) * self.conv_dim()
+    }
+}
+
+/// A layer's weights.
+pub struct DeltaNet {
+    pub(super) shape: DeltaShape,
+    /// `[conv_dim, H]`: queries, keys, values.
+    pub(super) qkv: Linear,
+    /// `[value_heads * value_dim, H]`: the output gate.
+    pub(super) z: Linear,
+    /// `[value_heads, H]`: the write strength before its sigmoid.
+    pub(super) b: Linear,
+    /// `[value_heads, H]`: the decay's input.
+    pub(super) a: Linear,
+    /// `[conv_dim, kernel]`.
+    pub(super) conv: Tensor,
+    /// `[value_heads]`.
+    pub(super) dt_bias: Tensor,
+    /// `-exp(A_log)`, `[value_heads]` (f32).
+    pub(super) decay_rate: Tensor,
+    /// The per-head output norm's weight `[value_dim]`.
+    pub(super) norm: Tensor,
+    /// `[H, value_heads * value_dim]`.
+    pub(super) out: Linear,
+    pub(super) eps: f64,
+}
+
+/// What a layer carries between calls for one sequence.
+#[derive(Clone, Debug)]
+pub struct DeltaState {
+    /// The convolution's last `kernel - 1` inputs `[kernel - 1, conv_dim]`.
+    pub conv: Tensor,
+    /// The recurrence's state `[value_heads, key_dim, value_dim]` (f32).
+    pub recurrent: Tensor,
+}
+
+/// The per-token quantities of a call, f32, heads first: queries and keys `[value_heads, n,
+/// key_dim]` (normalised, queries scaled, key heads repeated per value head), values `[value_heads,
+/// n, value_dim]`, `g` and `beta` `[value_heads, n]`; and the gate `z` `[n, value_heads, value_dim]`.
+struct Mixed {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    z: Tensor,
+    /// The convolution's inputs with the carried ones before them `[kernel - 1 + n, conv_dim]`.
+    conv_inputs: Tensor,
+}
+
+fn softplus(x: &Tensor) -> Result<Tensor> {
+    // max(x, 0) + log(1 + exp(-|x|)): no overflow for large x.
+    let relu = x.relu()?;
+    let tail = (x.abs()?.neg()?.exp()? + 1.0)?.log()?;
+    relu + tail
+}
+
+fn l2_normalise(x: &Tensor) -> Result<Tensor> {
+    let inv = (x.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?.recip()?;
+    x.broadcast_mul(&inv)
+}
+
+impl DeltaNet {
+    /// A fresh state (zeros) for one sequence.
+    pub fn empty_state(&self, dtype: DType, device: &Device) -> Result<DeltaState> {
+        let s = &self.shape;
+        Ok(DeltaState {
+            conv: Tensor::zeros((s.kernel - 1, s.conv_dim()), dtype, device)?,
+            recurrent: Tensor::zeros((s.value_heads, s.key_dim, s.value_dim), DType::F32, device)?,
+        })
+    }
+
+    /// Projections, convolution and gates of `x` `[n, H]` after `state`.
+    fn mix(&self, x: &Tensor, state: &DeltaState) -> Result<Mixed> {
+        let s = &self.shape;
+        let n = x.dim(0)?;
+        let qkv = self.qkv.forward(x)?;
+        let conv_inputs = Tensor::cat(&[&state.conv.to_dtype(qkv.dtype())?, &qkv], 0)?;
+        // Depthwise and causal: output t is the sum over the kernel's taps j of
+        // w[:, j] * input[t + j] in the carried-then-new sequence.
+        let w = self.conv.to_dtype(DType::F32)?;
+        let inputs = conv_inputs.to_dtype(DType::F32)?;
+        let mut conv = inputs
+            .narrow(0, 0, n)?
+            .broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
+        for j in 1..s.kernel {
+            conv = (conv + inputs.narrow(0, j, n)?.broadcast_mul(&w.narrow(1, j, 1)?.t()?)?)?;
+        }
+        let conv = candle_nn::ops::silu(&conv)?;
+        let kw = s.key_heads * s.key_dim;
+        let repeat = s.value_heads / s.key_heads;
+        // [n, key_heads, key_dim] -> [value_heads, n, key_dim], each key head repeated for the
+        // value heads it serves.
+        let heads_first = |t: Tensor| -> Result<Tensor> {
+            t.reshape((n, s.key_heads, 1, s.key_dim))?
+                .broadcast_as((n, s.key_heads, repeat, s.key_dim))?
+                .reshape((n, s.value_heads, s.key_dim))?
+                .transpose(0, 1)?
+                .contiguous()
+        };
+        let q = l2_normalise(&conv.narrow(1, 0, kw)?.reshape((n, s.key_heads, s.key_dim))?)?;
+        let q = (q * (1.0 / (s.key_dim as f64).sqrt()))?;
+        let k = l2_normalise(&conv.narrow(1, kw, kw)?.reshape((n, s.key_heads, s.key_dim))?)?;
+        let v = conv
+            .narrow(1, 2 * kw, s.value_heads * s.value_dim)?
+            .reshape((n, s.value_heads, s.value_dim))?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let beta = candle_nn::ops::sigmoid(&self.b.forward(x)?.to_dtype(DType::F32)?)?
+            .t()?
+            .contiguous()?;
+        let a = self
+            .a
+            .forward(x)?
+            .to_dtype(DType::F32)?
+            .broadcast_add(&self.dt_bias.to_dtype(DType::F32)?)?;
+        let g = softplus(&a)?
+            .broadcast_mul(&self.decay_rate)?
+            .t()?
+            .contiguous()?;
+        let z = self
+            .z
+            .forward(x)?
+            .reshape((n, s.value_heads, s.value_dim))?;
+        Ok(Mixed {
+            q: heads_first(q.reshape((n, kw))?)?,
+            k: heads_first(k.reshape((n, kw))?)?,
+            v,
+            g,
+            beta,
+            z,
+            conv_inputs,
+        })
+    }
+
+    /// The gated norm and the output projection of `o` `[value_heads, n, value_dim]` (f32).
+    fn finish(&self, o: &Tensor, z: &Tensor, dtype: DType) -> Result<Tensor> {
+        let s = &self.shape;
+        let n = o.dim(1)?;
+        let o = o.transpose(0, 1)?.contiguous()?;
+        let inv = (o.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+            .sqrt()?
+            .recip()?;
+        let normed = o
+            .broadcast_mul(&inv)?
+            .broadcast_mul(&self.norm.to_dtype(DType::F32)?)?;
+        let gated = (normed * candle_nn::ops::silu(&z.to_dtype(DType::F32)?)?)?;
+        self.out
+            .forward(&gated.reshape((n, s.value_heads * s.value_dim))?.to_dtype(dtype)?)
+    }
+
+    /// The convolution's carried inputs after the first `t` new tokens.
+    fn conv_after(&self, m: &Mixed, t: usize) -> Result<Tensor> {
+        m.conv_inputs.narrow(0, t, self.shape.kernel - 1)
+    }
+
+    /// The layer over `x` `[n, H]` after `state` (a fresh sequence: [`Self::empty_state`]), in
+    /// chunks (module docs); the output `[n, H]` and the state after the last token.
+    pub fn forward(&self, x: &Tensor, state: &DeltaState) -> Result<(Tensor, DeltaState)> {
+        let s = &self.shape;
+        let n = x.dim(0)?;
+        let m = self.mix(x, state)?;
+        let chunks = n.div_ceil(CHUNK);
+        let padded = chunks * CHUNK;
+        let heads = s.value_heads;
+        let device = x.device();
+        // Zero padding at the end: beta 0 writes nothing, g 0 decays nothing, and the padded
+        // rows' outputs are dropped.
+        let pad = |t: &Tensor| -> Result<Tensor> {
+            if padded == n {
+                return Ok(t.clone());
+            }
+            t.pad_with_zeros(1, 0, padded - n)
+        };
+        let blocks = |t: &Tensor, d: usize| pad(t)?.reshape((heads, chunks, CHUNK, d));
+        let (q, k, v) = (
+            blocks(&m.q, s.key_dim)?,
+            blocks(&m.k, s.key_dim)?,
+            blocks(&m.v, s.value_dim)?,
+        );
+        let beta = pad(&m.beta)?.reshape((heads, chunks, CHUNK, 1))?;
+        let g = pad(&m.g)?.reshape((heads, chunks, CHUNK))?;
+        let cum = g.cumsum(D::Minus1)?;
+        // decay[i, j] = exp(cum_i - cum_j) for j <= i (else 0): what S loses between j and i.
+        let rows = Tensor::arange(0u32, CHUNK as u32, device)?.reshape((CHUNK, 1))?;
+        let cols = Tensor::arange(0u32, CHUNK as u32, device)?.reshape((1, CHUNK))?;
+        let lower = cols.broadcast_le(&rows)?.to_dtype(DType::F32)?;
+        let strictly_lower = cols.broadcast_lt(&rows)?.to_dtype(DType::F32)?;
+        let diff = cum
+            .unsqueeze(D::Minus1)?
+            .broadcast_sub(&cum.unsqueeze(D::Minus2)?)?;
+        // Above the diagonal the difference is >= 0 and may overflow exp: clamp, then mask.
+        let decay = diff.minimum(0f32)?.exp()?.broadcast_mul(&lower)?;
+        let k_beta = k.broadcast_mul(&beta)?;
+        let v_beta = v.broadcast_mul(&beta)?;
+        let kt = k.transpose(D::Minus1, D::Minus2)?.contiguous()?;
+        let a = (k_beta.matmul(&kt)? * &decay)?.broadcast_mul(&strictly_lower)?;
+        let cum_exp = cum.exp()?.unsqueeze(D::Minus1)?;
+        // (I + A) X = [v_beta | k_beta * exp(cum)]: unit lower-triangular, by forward
+        // substitution, every chunk and head at once.
+        let rhs = Tensor::cat(&[&v_beta, &k_beta.broadcast_mul(&cum_exp)?], D::Minus1)?;
+        let mut solved: Vec<Tensor> = Vec::with_capacity(CHUNK);
+        for i in 0..CHUNK {
+            let r = rhs.narrow(2, i, 1)?;
+            let x = if i == 0 {
+                r
+            } else {
+                let prev = Tensor::cat(&solved, 2)?;
+                let coef = a.narrow(2, i, 1)?.narrow(3, 0, i)?.contiguous()?;
+                (r - coef.matmul(&prev)?)?
+            };
+            solved.push(x);
+        }
+        let solved = Tensor::cat(&solved, 2)?;
+        let values = solved.narrow(3, 0, s.value_dim)?;
+        let k_decayed = solved.narrow(3, s.value_dim, s.key_dim)?;
+        let q_decayed = q.broadcast_mul(&cum_exp)?;
+        let intra = (q.matmul(&kt)? * &decay)?;
+        let last = cum.narrow(2, CHUNK - 1, 1)?;
+        let k_tail = k.broadcast_mul(&last.broadcast_sub(&cum)?.exp()?.unsqueeze(D::Minus1)?)?;
+        let chunk_decay = last.exp()?;
+        let mut state_s = state.recurrent.clone();
+        let mut outs = Vec::with_capacity(chunks);
+        for c in 0..chunks {
+            let at = |t: &Tensor| -> Result<Tensor> { t.narrow(1, c, 1)?.squeeze(1)?.contiguous() };
+            let v_new = (at(&values)? - at(&k_decayed)?.matmul(&state_s)?)?;
+            let o = (at(&q_decayed)?.matmul(&state_s)? + at(&intra)?.matmul(&v_new)?)?;
+            outs.push(o);
+            let kc = at(&k_tail)?.transpose(1, 2)?.contiguous()?;
+            state_s = (state_s.broadcast_mul(&at(&chunk_decay)?.unsqueeze(2)?)?
+                + kc.matmul(&v_new)?)?;
+        }
+        let o = Tensor::cat(&outs, 1)?.narrow(1, 0, n)?;
+        let out = self.finish(&o, &m.z, x.dtype())?;
+        let next = DeltaState {
+            conv: self.conv_after(&m, n)?,
+            recurrent: state_s,
+        };
+        Ok((out, next))
+    }
+
+    /// The layer over `x` `[n, H]` after `state`, token by token; the output `[n, H]` and the
+    /// state after every token (entry t: after token t).
+    pub fn steps(&self, x: &Tensor, state: &DeltaState) -> Result<(Tensor, Vec<DeltaState>)> {
+        let n = x.dim(0)?;
+        let m = self.mix(x, state)?;
+        let mut s = state.recurrent.clone();
+        let mut outs = Vec::with_capacity(n);
+        let mut states = Vec::with_capacity(n);
+        for t in 0..n {
+            let at = |x: &Tensor| x.narrow(1, t, 1)?.contiguous();
+            // [heads, 1, d] rows of token t.
+            let (q, k, v) = (at(&m.q)?, at(&m.k)?, at(&m.v)?);
+            let g = at(&m.g)?.exp()?.unsqueeze(2)?;
+            let beta = at(&m.beta)?.unsqueeze(2)?;
+            s = s.broadcast_mul(&g)?;
+            let remembered = k.matmul(&s)?;
+            let delta = (v - remembered)?.broadcast_mul(&beta)?;
+            s = (s + k.transpose(1, 2)?.contiguous()?.matmul(&delta)?)?;
+            outs.push(q.matmul(&s)?);
+            states.push(DeltaState {
+                conv: self.conv_after(&m, t + 1)?,
+                recurrent: s.clone(),
+            });
+        }
+        let o = Tensor::cat(&outs, 1)?;
+        Ok((self.finish(&o, &m.z, x.dtype())?, states))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(seed: u64) -> DeltaNet {
+        let mut init = super::super::drafter::Init::new(seed);
+        let shape = DeltaShape {
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 8,
+            value_dim: 6,
+            kernel: 4,
+        };
+        let h = 16;
+        let cpu = Device::Cpu;
+        let mut w = |o: usize, i: usize, std: f64| init.normal(&[o, i], std, DType::F32, &cpu).unwrap();
+        let conv = shape.conv_dim();
+        DeltaNet {
+            qkv: Linear::Dense(w(conv, h, 0.3)),
+            z: Linear::Dense(w(24, h, 0.3)),
+            b: Linear::Dense(w(4, h, 0.3)),
+            a: Linear::Dense(w(4, h, 0.3)),
+            conv: w(conv, 4, 0.5),
+            dt_bias: w(1, 4, 0.5).flatten_all().unwrap(),
+            decay_rate: (w(1, 4, 0.5).flatten_all().unwrap().exp().unwrap() * -1.0).unwrap(),
+            norm: (w(1, 6, 0.1).flatten_all().unwrap() + 1.0).unwrap(),
+            out: Linear::Dense(w(h, 24, 0.3)),
+            eps: 1e-6,
+            shape,
+        }
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    /// The chunked form equals the token-by-token one, over several chunks and a ragged end, from
+    /// a fresh state and from a carried one; and a sequence cut in two and resumed from the
+    /// first half's state gives the same outputs and state as in one call.
+    #[test]
+    fn chunks_steps_and_resumed_calls_agree() {
+        let d = layer(3);
+        let cpu = Device::Cpu;
+        let x = super::super::drafter::Init::new(9)
+            .normal(&[150, 16], 1.0, DType::F32, &cpu)
+            .unwrap();
+        let fresh = d.empty_state(DType::F32, &cpu).unwrap();
+        let (chunked, end) = d.forward(&x, &fresh).unwrap();
+        let (stepped, states) = d.steps(&x, &fresh).unwrap();
+        assert!(max_diff(&chunked, &stepped) < 1e-4, "{}", max_diff(&chunked, &stepped));
+        let last = states.last().unwrap();
+        assert!(max_diff(&end.recurrent, &last.recurrent) < 1e-4);
+        assert!(max_diff(&end.conv, &last.conv) == 0.0);
+        // Resumed: 70 tokens, then 80 from their state (chunked), and 5 more stepped.
+        let (first, mid) = d.forward(&x.narrow(0, 0, 70).unwrap(), &fresh).unwrap();
+        let (second, _) = d.forward(&x.narrow(0, 70, 80).unwrap(), &mid).unwrap();
+        let joined = Tensor::cat(&[&first, &second], 0).unwrap();
+        assert!(max_diff(&joined, &chunked) < 1e-4, "{}", max_diff(&joined, &chunked));
+        let (tail, _) = d.steps(&x.narrow(0, 70, 5).unwrap(), &mid).unwrap();
+        assert!(max_diff(&tail, &chunked.narrow(0, 70, 5).unwrap()) < 1e-4);
+        // The state after token t of a stepped call is where a call for the rest resumes.
+        let (rest, _) = d.steps(&x.narrow(0, 3, 4).unwrap(), &states[2]).unwrap();
+        assert!(max_diff(&rest, &stepped.narrow(0, 3, 4).unwrap()) < 1e-5);
+    }
+}

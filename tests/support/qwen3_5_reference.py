@@ -1,0 +1,143 @@
+"""A tiny random Qwen3.5 text model (the hybrid of Gated DeltaNet and gated full attention) and,
+where torch is present, transformers' outputs for it: the reference `tests/qwen3_5.rs` compares
+dflash's implementation against.
+
+    python3 tests/support/qwen3_5_reference.py write DIR          # numpy only: the model folder
+    python3 tests/support/qwen3_5_reference.py reference DIR OUT  # torch + transformers 5.24
+
+`write` puts config.json and model.safetensors in DIR: seeded numpy draws, the same bytes on every
+machine (PCG64 is stable), so the reference computed once on a machine with torch holds for the
+folder written anywhere else. `reference` loads DIR with transformers' `Qwen3_5ForCausalLM` in
+f32 and writes OUT (JSON): for each prompt, the logits and every layer's output (the hidden
+states a drafter taps) over the whole prompt at once (the chunked Gated DeltaNet form), and the
+logits of decoding it one token at a time after a prefix (the recurrent form with its state)."""
+import json
+import os
+import sys
+
+import numpy as np
+
+CONFIG = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 12,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [1, 1, 0]},
+    "hidden_act": "silu",
+}
+
+# Long enough for several 64-token chunks of the chunked form, and a short one.
+PROMPTS = [[(i * 37 + 11) % 96 for i in range(150)], [5, 17, 3, 90, 42, 8, 61]]
+# Decoding: the first PREFIX tokens prefilled, the rest fed one at a time.
+PREFIX = 70
+
+
+def tensors(c):
+    rng = np.random.default_rng(20261205)
+    h, v = c["hidden_size"], c["vocab_size"]
+    hd, nh, kvh = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    ffn, kernel = c["intermediate_size"], c["linear_conv_kernel_dim"]
+
+    def w(*shape, std=0.2):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    out = {"model.embed_tokens.weight": w(v, h, std=1.0), "model.norm.weight": w(h, std=0.1),
+           "lm_head.weight": w(v, h)}
+    for i, kind in enumerate(c["layer_types"]):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = w(h, std=0.1)
+        out[p + "post_attention_layernorm.weight"] = w(h, std=0.1)
+        out[p + "mlp.gate_proj.weight"] = w(ffn, h)
+        out[p + "mlp.up_proj.weight"] = w(ffn, h)
+        out[p + "mlp.down_proj.weight"] = w(h, ffn)
+        if kind == "linear_attention":
+            conv = 2 * nk * dk + nv * dv
+            out[p + "linear_attn.in_proj_qkv.weight"] = w(conv, h)
+            out[p + "linear_attn.in_proj_z.weight"] = w(nv * dv, h)
+            out[p + "linear_attn.in_proj_b.weight"] = w(nv, h)
+            out[p + "linear_attn.in_proj_a.weight"] = w(nv, h)
+            out[p + "linear_attn.conv1d.weight"] = w(conv, 1, kernel, std=0.5)
+            out[p + "linear_attn.dt_bias"] = w(nv, std=0.5)
+            out[p + "linear_attn.A_log"] = np.log(rng.uniform(0.5, 4.0, nv)).astype(np.float32)
+            out[p + "linear_attn.norm.weight"] = (1.0 + w(dv, std=0.1)).astype(np.float32)
+            out[p + "linear_attn.out_proj.weight"] = w(h, nv * dv)
+        else:
+            out[p + "self_attn.q_proj.weight"] = w(nh * hd * 2, h)
+            out[p + "self_attn.k_proj.weight"] = w(kvh * hd, h)
+            out[p + "self_attn.v_proj.weight"] = w(kvh * hd, h)
+            out[p + "self_attn.o_proj.weight"] = w(h, nh * hd)
+            out[p + "self_attn.q_norm.weight"] = w(hd, std=0.1)
+            out[p + "self_attn.k_norm.weight"] = w(hd, std=0.1)
+    return out
+
+
+def write(folder):
+    from safetensors.numpy import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(CONFIG, f, indent=1)
+    save_file(tensors(CONFIG), os.path.join(folder, "model.safetensors"))
+
+
+def reference(folder, out):
+    import torch
+    import transformers
+    from transformers import Qwen3_5ForCausalLM
+
+    write(folder)
+    model = Qwen3_5ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    rounded = lambda t: [[round(float(x), 6) for x in row] for row in t.tolist()]
+    result = {"transformers": transformers.__version__, "torch": torch.__version__, "prompts": []}
+    with torch.no_grad():
+        for ids in PROMPTS:
+            x = torch.tensor([ids])
+            o = model(x, output_hidden_states=True)
+            entry = {"ids": ids, "logits": rounded(o.logits[0]),
+                     # hidden_states[0] is the embedding; [i + 1] is layer i's output (the last
+                     # one after the final norm in transformers: taken from a hook instead).
+                     "layers": []}
+            outs = []
+            hooks = [layer.register_forward_hook(lambda m, a, r: outs.append(r[0] if isinstance(r, tuple) else r))
+                     for layer in model.model.layers]
+            model(x)
+            for h in hooks:
+                h.remove()
+            entry["layers"] = [rounded(t[0]) for t in outs]
+            if len(ids) > PREFIX:
+                o = model(torch.tensor([ids[:PREFIX]]), use_cache=True)
+                cache = o.past_key_values if hasattr(o, "past_key_values") else o.cache
+                steps = []
+                for t in ids[PREFIX:]:
+                    o = model(torch.tensor([[t]]), cache=cache, use_cache=True)
+                    cache = o.past_key_values if hasattr(o, "past_key_values") else o.cache
+                    steps.append(o.logits[0, -1])
+                entry["decode_from"] = PREFIX
+                entry["decode_logits"] = rounded(torch.stack(steps))
+            result["prompts"].append(entry)
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "write":
+        write(sys.argv[2])
+    else:
+        reference(sys.argv[2], sys.argv[3])
