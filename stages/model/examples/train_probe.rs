@@ -54,6 +54,7 @@ fn preset(name: &str) -> TargetConfig {
             rope_theta: 1_000_000.0,
             qk_norm: true,
             context: 4096,
+            hybrid: None,
         },
         _ => TargetConfig {
             family: "qwen3".into(),
@@ -68,6 +69,7 @@ fn preset(name: &str) -> TargetConfig {
             rope_theta: 1_000_000.0,
             qk_norm: true,
             context: 4096,
+            hybrid: None,
         },
     }
 }

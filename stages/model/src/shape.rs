@@ -62,8 +62,53 @@ pub struct ModelShape {
     pub tied_embeddings: bool,
     /// Exact parameter count when the source lists its tensors (GGUF); otherwise computed.
     pub exact_parameters: Option<u64>,
+    /// A hybrid's Gated DeltaNet layers (Qwen3.5); `None` when every layer is attention.
+    pub linear: Option<LinearLayers>,
     /// Where this came from.
     pub source: ShapeSource,
+}
+
+/// The Gated DeltaNet layers of a hybrid target (Qwen3.5 / Qwen3.6): how many, and their
+/// widths. Its attention layers are gated (their query projection is twice as wide).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LinearLayers {
+    /// Gated DeltaNet layers (the rest are full attention).
+    pub count: u64,
+    /// Query/key heads.
+    pub key_heads: u64,
+    /// Value heads.
+    pub value_heads: u64,
+    /// Per-head query/key width.
+    pub key_dim: u64,
+    /// Per-head value width.
+    pub value_dim: u64,
+    /// The causal convolution's kernel.
+    pub kernel: u64,
+}
+
+impl LinearLayers {
+    fn conv_dim(&self) -> u64 {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    /// One layer's mixing weights (projections, convolution, gates; not the MLP).
+    fn mixer_parameters(&self, hidden: u64) -> u64 {
+        let value_width = self.value_heads * self.value_dim;
+        hidden * self.conv_dim()          // in_proj_qkv
+            + hidden * value_width        // in_proj_z
+            + 2 * hidden * self.value_heads // in_proj_a, in_proj_b
+            + value_width * hidden        // out_proj
+            + self.conv_dim() * self.kernel
+            + 2 * self.value_heads        // A_log, dt_bias
+            + self.value_dim // the gated norm
+    }
+
+    /// Bytes of one sequence's state in one layer (f32 recurrence, bf16 convolution window):
+    /// the same at any context length.
+    pub fn state_bytes(&self) -> u64 {
+        4 * self.value_heads * self.key_dim * self.value_dim
+            + 2 * (self.kernel - 1) * self.conv_dim()
+    }
 }
 
 /// Hub ids dflash knows the shape of, from their published `config.json` files:
@@ -258,6 +303,31 @@ impl ModelShape {
         };
         let hidden = need("hidden_size")?;
         let heads = need("num_attention_heads")?;
+        let layers = need("num_hidden_layers")?;
+        // Hybrids name each layer's type, or say every how many layers one is full attention.
+        let linear = match (int("linear_num_value_heads"), c.get("layer_types")) {
+            (Some(value_heads), types) => {
+                let count = match types.and_then(Value::as_array) {
+                    Some(t) => t
+                        .iter()
+                        .filter(|x| x.as_str() == Some("linear_attention"))
+                        .count() as u64,
+                    None => {
+                        let every = int("full_attention_interval").unwrap_or(4).max(1);
+                        (0..layers).filter(|i| (i + 1) % every != 0).count() as u64
+                    }
+                };
+                Some(LinearLayers {
+                    count,
+                    key_heads: int("linear_num_key_heads").unwrap_or(value_heads),
+                    value_heads,
+                    key_dim: int("linear_key_head_dim").unwrap_or(128),
+                    value_dim: int("linear_value_head_dim").unwrap_or(128),
+                    kernel: int("linear_conv_kernel_dim").unwrap_or(4),
+                })
+            }
+            (None, _) => None,
+        };
         Ok(Self {
             family: c
                 .get("model_type")
@@ -265,7 +335,7 @@ impl ModelShape {
                 .unwrap_or("unknown")
                 .to_owned(),
             hidden,
-            layers: need("num_hidden_layers")?,
+            layers,
             ffn: need("intermediate_size")?,
             heads,
             kv_heads: int("num_key_value_heads").unwrap_or(heads),
@@ -277,6 +347,7 @@ impl ModelShape {
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
             exact_parameters: None,
+            linear,
             source: ShapeSource::ConfigJson(path.to_owned()),
         })
     }
@@ -349,6 +420,7 @@ impl ModelShape {
             vocab,
             tied_embeddings: !header.tensors.iter().any(|(n, _)| n == "output.weight"),
             exact_parameters: Some(header.parameters()),
+            linear: None,
             source: ShapeSource::Gguf(path.to_owned()),
         })
     }
@@ -377,22 +449,66 @@ impl ModelShape {
         self.layer_matmul_parameters() + 2 * self.hidden + qk_norm
     }
 
+    /// Full-attention layers (all of them but a hybrid's Gated DeltaNet layers).
+    pub fn attention_layers(&self) -> u64 {
+        self.layers - self.linear.as_ref().map_or(0, |l| l.count)
+    }
+
+    /// The matrices' weights over all layers: a hybrid's attention layers have a gate as wide
+    /// as their queries, its Gated DeltaNet layers their own projections.
+    pub fn target_matmul_parameters(&self) -> u64 {
+        let gate = if self.linear.is_some() {
+            self.hidden * self.attention_width()
+        } else {
+            0
+        };
+        let attention = self.attention_layers() * (self.layer_matmul_parameters() + gate);
+        let linear = self.linear.as_ref().map_or(0, |l| {
+            l.count * (l.mixer_parameters(self.hidden) + 3 * self.hidden * self.ffn)
+        });
+        attention + linear
+    }
+
     /// All weights: the exact count when the source lists tensors, else from the dimensions.
     pub fn parameters(&self) -> u64 {
         self.exact_parameters.unwrap_or_else(|| {
             let embedding = self.vocab * self.hidden;
             let head = if self.tied_embeddings { 0 } else { embedding };
-            self.layers * self.layer_parameters() + embedding + head + self.hidden
+            let norms = self.layers * 2 * self.hidden
+                + if self.family.starts_with("qwen3") {
+                    self.attention_layers() * 2 * self.head_dim
+                } else {
+                    0
+                };
+            self.target_matmul_parameters() + norms + embedding + head + self.hidden
         })
     }
 
     /// FLOPs of one causal forward pass over a sequence of `tokens`, up to the last layer's
     /// output (no LM head: online training only needs the hidden states). Matmuls count
-    /// 2 FLOPs per multiply-add; attention scores and values over the causal half.
+    /// 2 FLOPs per multiply-add; attention scores and values over the causal half, in the
+    /// full-attention layers only; a Gated DeltaNet layer's recurrence is linear in the tokens
+    /// (chunks of 64: the within-chunk products and the state's read and write).
     pub fn forward_flops(&self, tokens: f64) -> f64 {
-        let matmuls = 2.0 * (self.layers * self.layer_matmul_parameters()) as f64 * tokens;
-        let attention = 2.0 * self.layers as f64 * self.attention_width() as f64 * tokens * tokens;
-        matmuls + attention
+        let matmuls = 2.0 * self.target_matmul_parameters() as f64 * tokens;
+        let attention =
+            2.0 * self.attention_layers() as f64 * self.attention_width() as f64 * tokens * tokens;
+        let recurrence = self.linear.as_ref().map_or(0.0, |l| {
+            let per_head = 2.0 * 64.0 * (l.key_dim + l.value_dim) as f64
+                + 6.0 * (l.key_dim * l.value_dim) as f64;
+            l.count as f64 * l.value_heads as f64 * per_head * tokens
+        });
+        matmuls + attention + recurrence
+    }
+
+    /// Bytes one sequence keeps while decoding at `tokens` of context, in bf16: keys and values
+    /// of the attention layers, per token; a hybrid's Gated DeltaNet state, per layer.
+    pub fn decode_state_bytes(&self, tokens: u64) -> u64 {
+        let kv = 2 * 2 * self.kv_heads * self.head_dim * self.attention_layers() * tokens;
+        kv + self
+            .linear
+            .as_ref()
+            .map_or(0, |l| l.count * l.state_bytes())
     }
 
     /// FLOPs of the LM head for one position (2 x hidden x vocab).
@@ -427,6 +543,7 @@ fn known(reference: &str) -> Option<ModelShape> {
                     vocab,
                     tied_embeddings: tied,
                     exact_parameters: None,
+                    linear: None,
                     source: ShapeSource::Known(id.into()),
                 }
             },
@@ -461,6 +578,28 @@ mod tests {
             ("qwen3", 16, 2)
         );
         assert!(!s.tied_embeddings);
+    }
+
+    /// Qwen3.5-27B's published config: 64 layers, 48 of them Gated DeltaNet; 27B parameters.
+    #[test]
+    fn a_hybrid_config_counts_its_linear_layers_and_their_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = r#"{"model_type": "qwen3_5", "tie_word_embeddings": false, "text_config": {
+            "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
+            "intermediate_size": 17408, "num_attention_heads": 24, "num_key_value_heads": 4,
+            "head_dim": 256, "vocab_size": 248320, "full_attention_interval": 4,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}}"#;
+        std::fs::write(dir.path().join("config.json"), cfg).unwrap();
+        let s = ModelShape::locate(".", dir.path()).unwrap();
+        let l = s.linear.clone().unwrap();
+        assert_eq!((l.count, s.attention_layers()), (48, 16));
+        let p = s.parameters() as f64 / 1e9;
+        assert!((26.0..28.5).contains(&p), "{p}");
+        // A Gated DeltaNet layer's state does not grow with the context; attention's does.
+        let grows = s.decode_state_bytes(8192) - s.decode_state_bytes(4096);
+        assert_eq!(grows, 2 * 2 * 4 * 256 * 16 * 4096);
+        assert_eq!(s.decode_state_bytes(0), 48 * l.state_bytes());
     }
 
     #[test]

@@ -121,6 +121,7 @@ impl<'t> BatchDecoder<'t> {
         };
         let mut x = t.embed(&ids.flatten_all()?)?;
         for (i, layer) in t.layers.iter().enumerate() {
+            let attn = layer.attention()?;
             let h = super::target::fused_norm(&x, &layer.attn_norm, c.eps)?;
             // [batch * n, heads * d] -> [batch, heads, n, d]
             let split = |y: Tensor, heads: usize| -> Result<Tensor> {
@@ -128,10 +129,10 @@ impl<'t> BatchDecoder<'t> {
                     .transpose(1, 2)?
                     .contiguous()
             };
-            let mut q = split(layer.q.forward(&h)?, c.heads)?;
-            let mut k = split(layer.k.forward(&h)?, c.kv_heads)?;
-            let v = split(layer.v.forward(&h)?, c.kv_heads)?;
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            let mut q = split(attn.q.forward(&h)?, c.heads)?;
+            let mut k = split(attn.k.forward(&h)?, c.kv_heads)?;
+            let v = split(attn.v.forward(&h)?, c.kv_heads)?;
+            if let (Some(qn), Some(kn)) = (&attn.q_norm, &attn.k_norm) {
                 q = super::target::fused_norm(&q, qn, c.eps)?;
                 k = super::target::fused_norm(&k, kn, c.eps)?;
             }
@@ -154,7 +155,7 @@ impl<'t> BatchDecoder<'t> {
                 .reshape((batch, c.heads, n, c.head_dim))?
                 .transpose(1, 2)?
                 .reshape((batch * n, c.heads * c.head_dim))?;
-            x = (x + layer.o.forward(&a)?)?;
+            x = (x + attn.o.forward(&a)?)?;
             let h = super::target::fused_norm(&x, &layer.ffn_norm, c.eps)?;
             x = (&x + super::ops::swiglu(&h, &layer.gate, &layer.up, &layer.down)?)?;
         }
@@ -206,6 +207,7 @@ mod tests {
             rope_theta: 10_000.0,
             qk_norm,
             context: 128,
+            hybrid: None,
         };
         Target::random(config, 3, DType::F32, &Device::Cpu).expect("target")
     }

@@ -142,7 +142,10 @@ impl DeltaNet {
             .narrow(0, 0, n)?
             .broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
         for j in 1..s.kernel {
-            conv = (conv + inputs.narrow(0, j, n)?.broadcast_mul(&w.narrow(1, j, 1)?.t()?)?)?;
+            conv = (conv
+                + inputs
+                    .narrow(0, j, n)?
+                    .broadcast_mul(&w.narrow(1, j, 1)?.t()?)?)?;
         }
         let conv = candle_nn::ops::silu(&conv)?;
         let kw = s.key_heads * s.key_dim;
@@ -156,9 +159,17 @@ impl DeltaNet {
                 .transpose(0, 1)?
                 .contiguous()
         };
-        let q = l2_normalise(&conv.narrow(1, 0, kw)?.reshape((n, s.key_heads, s.key_dim))?)?;
+        let q = l2_normalise(
+            &conv
+                .narrow(1, 0, kw)?
+                .reshape((n, s.key_heads, s.key_dim))?,
+        )?;
         let q = (q * (1.0 / (s.key_dim as f64).sqrt()))?;
-        let k = l2_normalise(&conv.narrow(1, kw, kw)?.reshape((n, s.key_heads, s.key_dim))?)?;
+        let k = l2_normalise(
+            &conv
+                .narrow(1, kw, kw)?
+                .reshape((n, s.key_heads, s.key_dim))?,
+        )?;
         let v = conv
             .narrow(1, 2 * kw, s.value_heads * s.value_dim)?
             .reshape((n, s.value_heads, s.value_dim))?
@@ -203,8 +214,11 @@ impl DeltaNet {
             .broadcast_mul(&inv)?
             .broadcast_mul(&self.norm.to_dtype(DType::F32)?)?;
         let gated = (normed * candle_nn::ops::silu(&z.to_dtype(DType::F32)?)?)?;
-        self.out
-            .forward(&gated.reshape((n, s.value_heads * s.value_dim))?.to_dtype(dtype)?)
+        self.out.forward(
+            &gated
+                .reshape((n, s.value_heads * s.value_dim))?
+                .to_dtype(dtype)?,
+        )
     }
 
     /// The convolution's carried inputs after the first `t` new tokens.
@@ -285,8 +299,8 @@ impl DeltaNet {
             let o = (at(&q_decayed)?.matmul(&state_s)? + at(&intra)?.matmul(&v_new)?)?;
             outs.push(o);
             let kc = at(&k_tail)?.transpose(1, 2)?.contiguous()?;
-            state_s = (state_s.broadcast_mul(&at(&chunk_decay)?.unsqueeze(2)?)?
-                + kc.matmul(&v_new)?)?;
+            state_s =
+                (state_s.broadcast_mul(&at(&chunk_decay)?.unsqueeze(2)?)? + kc.matmul(&v_new)?)?;
         }
         let o = Tensor::cat(&outs, 1)?.narrow(1, 0, n)?;
         let out = self.finish(&o, &m.z, x.dtype())?;
@@ -341,7 +355,8 @@ mod tests {
         };
         let h = 16;
         let cpu = Device::Cpu;
-        let mut w = |o: usize, i: usize, std: f64| init.normal(&[o, i], std, DType::F32, &cpu).unwrap();
+        let mut w =
+            |o: usize, i: usize, std: f64| init.normal(&[o, i], std, DType::F32, &cpu).unwrap();
         let conv = shape.conv_dim();
         DeltaNet {
             qkv: Linear::Dense(w(conv, h, 0.3)),
@@ -384,7 +399,11 @@ mod tests {
         let fresh = d.empty_state(DType::F32, &cpu).unwrap();
         let (chunked, end) = d.forward(&x, &fresh).unwrap();
         let (stepped, states) = d.steps(&x, &fresh).unwrap();
-        assert!(max_diff(&chunked, &stepped) < 1e-4, "{}", max_diff(&chunked, &stepped));
+        assert!(
+            max_diff(&chunked, &stepped) < 1e-4,
+            "{}",
+            max_diff(&chunked, &stepped)
+        );
         let last = states.last().unwrap();
         assert!(max_diff(&end.recurrent, &last.recurrent) < 1e-4);
         assert!(max_diff(&end.conv, &last.conv) == 0.0);
@@ -392,7 +411,11 @@ mod tests {
         let (first, mid) = d.forward(&x.narrow(0, 0, 70).unwrap(), &fresh).unwrap();
         let (second, _) = d.forward(&x.narrow(0, 70, 80).unwrap(), &mid).unwrap();
         let joined = Tensor::cat(&[&first, &second], 0).unwrap();
-        assert!(max_diff(&joined, &chunked) < 1e-4, "{}", max_diff(&joined, &chunked));
+        assert!(
+            max_diff(&joined, &chunked) < 1e-4,
+            "{}",
+            max_diff(&joined, &chunked)
+        );
         let (tail, _) = d.steps(&x.narrow(0, 70, 5).unwrap(), &mid).unwrap();
         assert!(max_diff(&tail, &chunked.narrow(0, 70, 5).unwrap()) < 1e-4);
         // The state after token t of a stepped call is where a call for the rest resumes.

@@ -454,6 +454,7 @@ pub(crate) mod tests {
             rope_theta: 10_000.0,
             qk_norm: true,
             context: 4096,
+            hybrid: None,
         };
         Target::random(config, 1, dtype, &Device::Cpu).unwrap()
     }
@@ -605,23 +606,40 @@ pub(crate) mod tests {
         )
         .unwrap();
         assert!((l.to_scalar::<f64>().unwrap() - sum).abs() < 1e-12);
-        assert_eq!((m.correct, m.counted, m.accepted, m.blocks), (
-            metrics.correct,
-            metrics.counted,
-            metrics.accepted,
-            metrics.blocks
-        ));
+        assert_eq!(
+            (m.correct, m.counted, m.accepted, m.blocks),
+            (
+                metrics.correct,
+                metrics.counted,
+                metrics.accepted,
+                metrics.blocks
+            )
+        );
         let packed = grads_of(&l);
         assert_eq!(packed.len(), grads.len());
         for (a, b) in packed.iter().zip(&grads) {
-            let diff: f64 = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+            let diff: f64 = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap();
             assert!(diff < 1e-12, "{diff}");
         }
         // Masks that do not add up to the packed rows are refused.
         let short: Vec<&Batch> = batches.iter().take(2).collect();
         assert!(
-            crate::nn::objective::loss_packed(&drafter, &embed, &target.lm_head, &context, &short, norm)
-                .is_err()
+            crate::nn::objective::loss_packed(
+                &drafter,
+                &embed,
+                &target.lm_head,
+                &context,
+                &short,
+                norm
+            )
+            .is_err()
         );
     }
 

@@ -213,7 +213,10 @@ pub fn loss_packed(
     let block_ids = concat(&|b| &b.block_ids);
     let block_pos = concat(&|b| &b.block_pos);
     let labels = concat(&|b| &b.labels);
-    let weights: Vec<f32> = batches.iter().flat_map(|b| b.weights.iter().copied()).collect();
+    let weights: Vec<f32> = batches
+        .iter()
+        .flat_map(|b| b.weights.iter().copied())
+        .collect();
     // Each sequence's rotary positions count from its own first token.
     let context_pos: Vec<u32> = batches
         .iter()

@@ -11,6 +11,7 @@ use candle_core::quantized::{QMatMul, gguf_file};
 use candle_core::{DType, Device, Tensor};
 
 use super::Result;
+use super::deltanet::{DeltaNet, DeltaShape, DeltaState};
 use super::ops::Linear;
 
 /// GGUF targets whose f32 weights would take less than this are dequantized at load.
@@ -44,20 +45,68 @@ pub struct TargetConfig {
     /// The longest sequence it was trained for (GGUF `*.context_length`, config.json
     /// `max_position_embeddings`; 2048 when the file does not say).
     pub context: usize,
+    /// A hybrid's layer types and linear-attention shape (Qwen3.5); `None` for attention-only
+    /// targets.
+    pub hybrid: Option<Hybrid>,
+}
+
+impl TargetConfig {
+    /// Rotated dimensions of each attention head.
+    pub fn rotary_dim(&self) -> usize {
+        self.hybrid.as_ref().map_or(self.head_dim, |h| h.rotary_dim)
+    }
+}
+
+/// What a hybrid target (Qwen3.5 / Qwen3.6: Gated DeltaNet and gated full attention) adds to
+/// the dimensions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Hybrid {
+    /// Per layer: Gated DeltaNet (`true`) or full attention.
+    pub linear: Vec<bool>,
+    /// The Gated DeltaNet layers' shape.
+    pub delta: DeltaShape,
+    /// Rotated dimensions of each attention head (the first ones; Qwen3.5 rotates a quarter).
+    pub rotary_dim: usize,
 }
 
 pub(super) struct Layer {
     pub(super) attn_norm: Tensor,
+    pub(super) mixer: Mixer,
+    pub(super) ffn_norm: Tensor,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
+}
+
+/// How a layer mixes positions.
+pub(super) enum Mixer {
+    Attention(Attention),
+    Delta(DeltaNet),
+}
+
+/// Causal self-attention's weights.
+pub(super) struct Attention {
+    /// Queries; a gated layer's hold each head's query then its output gate.
     pub(super) q: Linear,
     pub(super) k: Linear,
     pub(super) v: Linear,
     pub(super) o: Linear,
     pub(super) q_norm: Option<Tensor>,
     pub(super) k_norm: Option<Tensor>,
-    pub(super) ffn_norm: Tensor,
-    pub(super) gate: Linear,
-    pub(super) up: Linear,
-    pub(super) down: Linear,
+    /// Qwen3.5's output gate: the output times sigmoid(gate) before `o`.
+    pub(super) gated: bool,
+}
+
+impl Layer {
+    /// The attention weights, for code that decodes attention-only targets.
+    pub(super) fn attention(&self) -> Result<&Attention> {
+        match &self.mixer {
+            Mixer::Attention(a) => Ok(a),
+            Mixer::Delta(_) => candle_core::bail!(
+                "this path decodes attention-only targets; the target's Gated DeltaNet layers decode through `Target::extend`"
+            ),
+        }
+    }
 }
 
 /// A loaded target.
@@ -131,6 +180,7 @@ impl Target {
             qk_norm: arch == "qwen3",
             context: get("context_length")
                 .map_or(2048, |v| v.to_u32().map_or(2048, |c| c as usize)),
+            hybrid: None,
         };
         // Small targets run faster as dense f32 (gemm) than through candle's quantized dot
         // products on CPU; large ones stay quantized.
@@ -164,20 +214,23 @@ impl Target {
             let mut dense = |n: &str| tensor(&format!("blk.{i}.{n}.weight"))?.dequantize(device);
             layers.push(Layer {
                 attn_norm: dense("attn_norm")?,
-                q: wq,
-                k: wk,
-                v: wv,
-                o: wo,
-                q_norm: if config.qk_norm {
-                    Some(dense("attn_q_norm")?)
-                } else {
-                    None
-                },
-                k_norm: if config.qk_norm {
-                    Some(dense("attn_k_norm")?)
-                } else {
-                    None
-                },
+                mixer: Mixer::Attention(Attention {
+                    q: wq,
+                    k: wk,
+                    v: wv,
+                    o: wo,
+                    q_norm: if config.qk_norm {
+                        Some(dense("attn_q_norm")?)
+                    } else {
+                        None
+                    },
+                    k_norm: if config.qk_norm {
+                        Some(dense("attn_k_norm")?)
+                    } else {
+                        None
+                    },
+                    gated: false,
+                }),
                 ffn_norm: dense("ffn_norm")?,
                 gate,
                 up,
@@ -217,9 +270,10 @@ impl Target {
         let msg = |m: String| candle_core::Error::Msg(format!("{}: {m}", config_path.display()));
         let shape = crate::shape::ModelShape::from_config_json(&config_path)
             .map_err(|e| msg(e.to_string()))?;
-        if shape.family != "llama" && shape.family != "qwen3" {
+        let hybrid_family = is_hybrid_family(&shape.family);
+        if shape.family != "llama" && shape.family != "qwen3" && !hybrid_family {
             return Err(msg(format!(
-                "model_type `{}`; targets are `llama` and `qwen3` models",
+                "model_type `{}`; targets are `llama`, `qwen3` and `qwen3_5` models",
                 shape.family
             )));
         }
@@ -230,6 +284,18 @@ impl Target {
             .filter(|v| v.is_object())
             .unwrap_or(&doc);
         let float = |k: &str| doc.get(k).and_then(serde_json::Value::as_f64);
+        // Newer configs keep the rotary settings under `rope_parameters`.
+        let rope = |k: &str| {
+            doc.get("rope_parameters")
+                .and_then(|r| r.get(k))
+                .and_then(serde_json::Value::as_f64)
+                .or_else(|| float(k))
+        };
+        let hybrid = if hybrid_family {
+            Some(hybrid_shape(doc, &shape).map_err(msg)?)
+        } else {
+            None
+        };
         let config = TargetConfig {
             family: shape.family.clone(),
             hidden: shape.hidden as usize,
@@ -240,12 +306,13 @@ impl Target {
             ffn: shape.ffn as usize,
             vocab: shape.vocab as usize,
             eps: float("rms_norm_eps").unwrap_or(1e-6),
-            rope_theta: float("rope_theta").unwrap_or(10_000.0),
-            qk_norm: shape.family == "qwen3",
+            rope_theta: rope("rope_theta").unwrap_or(10_000.0),
+            qk_norm: shape.family == "qwen3" || hybrid_family,
             context: doc
                 .get("max_position_embeddings")
                 .and_then(serde_json::Value::as_u64)
                 .map_or(2048, |c| c as usize),
+            hybrid,
         };
         let dtype = if device.is_cuda() {
             DType::BF16
@@ -258,6 +325,12 @@ impl Target {
                 .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", file.display())))?;
             weights.extend(loaded);
         }
+        // A multimodal checkpoint (Qwen3.5's) keeps the text model under `language_model`.
+        let prefix = if weights.contains_key("model.language_model.embed_tokens.weight") {
+            "model.language_model."
+        } else {
+            "model."
+        };
         let mut take = |name: &str| -> Result<Tensor> {
             weights
                 .remove(name)
@@ -269,24 +342,55 @@ impl Target {
                 })?
                 .to_dtype(dtype)
         };
-        let embed = take("model.embed_tokens.weight")?;
-        let norm = take("model.norm.weight")?;
+        // Qwen3.5's RMSNorms scale by (1 + weight): stored here as the plain norm's weight.
+        let centred = |t: Tensor| -> Result<Tensor> { if hybrid_family { t + 1.0 } else { Ok(t) } };
+        let embed = take(&format!("{prefix}embed_tokens.weight"))?;
+        let norm = centred(take(&format!("{prefix}norm.weight"))?)?;
         let mut layers = Vec::with_capacity(config.layers);
         for i in 0..config.layers {
-            let mut w = |n: &str| take(&format!("model.layers.{i}.{n}.weight"));
-            let mut lin = |n: &str| w(n).map(Linear::Dense);
+            let name = |n: &str| format!("{prefix}layers.{i}.{n}");
+            let mut w = |n: &str| take(&name(n));
+            let linear = config.hybrid.as_ref().is_some_and(|h| h.linear[i]);
+            let mixer = if linear {
+                let h = config.hybrid.as_ref().expect("hybrid").delta.clone();
+                let a_log = w("linear_attn.A_log")?.to_dtype(DType::F32)?;
+                Mixer::Delta(DeltaNet {
+                    qkv: Linear::Dense(w("linear_attn.in_proj_qkv.weight")?),
+                    z: Linear::Dense(w("linear_attn.in_proj_z.weight")?),
+                    b: Linear::Dense(w("linear_attn.in_proj_b.weight")?),
+                    a: Linear::Dense(w("linear_attn.in_proj_a.weight")?),
+                    conv: w("linear_attn.conv1d.weight")?.reshape((h.conv_dim(), h.kernel))?,
+                    dt_bias: w("linear_attn.dt_bias")?,
+                    decay_rate: a_log.exp()?.neg()?,
+                    norm: w("linear_attn.norm.weight")?,
+                    out: Linear::Dense(w("linear_attn.out_proj.weight")?),
+                    eps: config.eps,
+                    shape: h,
+                })
+            } else {
+                Mixer::Attention(Attention {
+                    q: Linear::Dense(w("self_attn.q_proj.weight")?),
+                    k: Linear::Dense(w("self_attn.k_proj.weight")?),
+                    v: Linear::Dense(w("self_attn.v_proj.weight")?),
+                    o: Linear::Dense(w("self_attn.o_proj.weight")?),
+                    q_norm: config
+                        .qk_norm
+                        .then(|| w("self_attn.q_norm.weight").and_then(centred))
+                        .transpose()?,
+                    k_norm: config
+                        .qk_norm
+                        .then(|| w("self_attn.k_norm.weight").and_then(centred))
+                        .transpose()?,
+                    gated: hybrid_family,
+                })
+            };
             layers.push(Layer {
-                q: lin("self_attn.q_proj")?,
-                k: lin("self_attn.k_proj")?,
-                v: lin("self_attn.v_proj")?,
-                o: lin("self_attn.o_proj")?,
-                gate: lin("mlp.gate_proj")?,
-                up: lin("mlp.up_proj")?,
-                down: lin("mlp.down_proj")?,
-                attn_norm: w("input_layernorm")?,
-                ffn_norm: w("post_attention_layernorm")?,
-                q_norm: config.qk_norm.then(|| w("self_attn.q_norm")).transpose()?,
-                k_norm: config.qk_norm.then(|| w("self_attn.k_norm")).transpose()?,
+                mixer,
+                gate: Linear::Dense(w("mlp.gate_proj.weight")?),
+                up: Linear::Dense(w("mlp.up_proj.weight")?),
+                down: Linear::Dense(w("mlp.down_proj.weight")?),
+                attn_norm: centred(w("input_layernorm.weight")?)?,
+                ffn_norm: centred(w("post_attention_layernorm.weight")?)?,
             });
         }
         // Tied models publish no `lm_head.weight`; some untied ones still omit it when equal.
@@ -307,6 +411,9 @@ impl Target {
 
     /// Random weights (normal, std 0.02; norms at 1) at `config`'s shape, in `dtype`.
     pub fn random(config: TargetConfig, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+        if config.hybrid.is_some() {
+            candle_core::bail!("random weights are for attention-only shapes");
+        }
         let mut rng = super::drafter::Init::new(seed);
         let c = &config;
         let q_width = c.heads * c.head_dim;
@@ -326,20 +433,23 @@ impl Target {
         for _ in 0..c.layers {
             layers.push(Layer {
                 attn_norm: ones(c.hidden)?,
-                q: Linear::Dense(w(q_width, c.hidden)?),
-                k: Linear::Dense(w(kv_width, c.hidden)?),
-                v: Linear::Dense(w(kv_width, c.hidden)?),
-                o: Linear::Dense(w(c.hidden, q_width)?),
-                q_norm: if c.qk_norm {
-                    Some(ones(c.head_dim)?)
-                } else {
-                    None
-                },
-                k_norm: if c.qk_norm {
-                    Some(ones(c.head_dim)?)
-                } else {
-                    None
-                },
+                mixer: Mixer::Attention(Attention {
+                    q: Linear::Dense(w(q_width, c.hidden)?),
+                    k: Linear::Dense(w(kv_width, c.hidden)?),
+                    v: Linear::Dense(w(kv_width, c.hidden)?),
+                    o: Linear::Dense(w(c.hidden, q_width)?),
+                    q_norm: if c.qk_norm {
+                        Some(ones(c.head_dim)?)
+                    } else {
+                        None
+                    },
+                    k_norm: if c.qk_norm {
+                        Some(ones(c.head_dim)?)
+                    } else {
+                        None
+                    },
+                    gated: false,
+                }),
                 ffn_norm: ones(c.hidden)?,
                 gate: Linear::Dense(w(c.ffn, c.hidden)?),
                 up: Linear::Dense(w(c.ffn, c.hidden)?),
@@ -374,11 +484,13 @@ impl Target {
             };
             out.push((p("input_layernorm"), l.attn_norm.clone()));
             out.push((p("post_attention_layernorm"), l.ffn_norm.clone()));
+            // Hybrids' layers are not written back (nothing reads them in this layout).
+            let Ok(a) = l.attention() else { continue };
             for (n, x) in [
-                ("self_attn.q_proj", &l.q),
-                ("self_attn.k_proj", &l.k),
-                ("self_attn.v_proj", &l.v),
-                ("self_attn.o_proj", &l.o),
+                ("self_attn.q_proj", &a.q),
+                ("self_attn.k_proj", &a.k),
+                ("self_attn.v_proj", &a.v),
+                ("self_attn.o_proj", &a.o),
                 ("mlp.gate_proj", &l.gate),
                 ("mlp.up_proj", &l.up),
                 ("mlp.down_proj", &l.down),
@@ -387,7 +499,7 @@ impl Target {
                     out.push((p(n), w));
                 }
             }
-            if let (Some(q), Some(k)) = (&l.q_norm, &l.k_norm) {
+            if let (Some(q), Some(k)) = (&a.q_norm, &a.k_norm) {
                 out.push((p("self_attn.q_norm"), q.clone()));
                 out.push((p("self_attn.k_norm"), k.clone()));
             }
@@ -409,14 +521,33 @@ impl Target {
             .layers
             .iter()
             .map(|l| {
+                let mixer = match &l.mixer {
+                    Mixer::Attention(a) => Mixer::Attention(Attention {
+                        q: lin(&a.q)?,
+                        k: lin(&a.k)?,
+                        v: lin(&a.v)?,
+                        o: lin(&a.o)?,
+                        q_norm: opt(&a.q_norm)?,
+                        k_norm: opt(&a.k_norm)?,
+                        gated: a.gated,
+                    }),
+                    Mixer::Delta(d) => Mixer::Delta(DeltaNet {
+                        shape: d.shape.clone(),
+                        qkv: lin(&d.qkv)?,
+                        z: lin(&d.z)?,
+                        b: lin(&d.b)?,
+                        a: lin(&d.a)?,
+                        conv: mv(&d.conv)?,
+                        dt_bias: mv(&d.dt_bias)?,
+                        decay_rate: mv(&d.decay_rate)?,
+                        norm: mv(&d.norm)?,
+                        out: lin(&d.out)?,
+                        eps: d.eps,
+                    }),
+                };
                 Ok(Layer {
                     attn_norm: mv(&l.attn_norm)?,
-                    q: lin(&l.q)?,
-                    k: lin(&l.k)?,
-                    v: lin(&l.v)?,
-                    o: lin(&l.o)?,
-                    q_norm: opt(&l.q_norm)?,
-                    k_norm: opt(&l.k_norm)?,
+                    mixer,
                     ffn_norm: mv(&l.ffn_norm)?,
                     gate: lin(&l.gate)?,
                     up: lin(&l.up)?,
@@ -516,6 +647,7 @@ impl Target {
         }
         let flash =
             super::fused::flash::supports(device, self.dtype, c.head_dim, c.heads, c.kv_heads);
+        let rotary = c.rotary_dim();
         // Per sequence: its rows' offset, count and past, its position tables and mask.
         let mut rows = Vec::with_capacity(seqs.len());
         let mut all_ids = Vec::new();
@@ -526,7 +658,7 @@ impl Target {
             }
             let positions: Vec<u32> = (past as u32..(past + n) as u32).collect();
             let (cos, sin) =
-                super::ops::rope_tables(&positions, c.head_dim, c.rope_theta, self.dtype, device)?;
+                super::ops::rope_tables(&positions, rotary, c.rope_theta, self.dtype, device)?;
             // Flash attention needs no mask; the composed path shares one across layers.
             let mask = if flash {
                 None
@@ -540,57 +672,21 @@ impl Target {
         let mut out = std::collections::BTreeMap::new();
         for (i, layer) in self.layers.iter().enumerate().take(upto) {
             let h = fused_norm(&x, &layer.attn_norm, c.eps)?;
-            let (q_all, k_all, v_all) = (
-                layer.q.forward(&h)?,
-                layer.k.forward(&h)?,
-                layer.v.forward(&h)?,
-            );
-            let mut attended = Vec::with_capacity(seqs.len());
-            for (s, (at, n, past, cos, sin, mask)) in seqs.iter_mut().zip(&rows) {
-                let (at, n) = (*at, *n);
-                let heads = |t: &Tensor, count: usize| -> Result<Tensor> {
-                    t.narrow(0, at, n)?
-                        .reshape((n, count, c.head_dim))?
-                        .transpose(0, 1)?
-                        .contiguous()
-                };
-                let mut q = heads(&q_all, c.heads)?;
-                let mut k = heads(&k_all, c.kv_heads)?;
-                let mut v = heads(&v_all, c.kv_heads)?;
-                if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                    q = fused_norm(&q, qn, c.eps)?;
-                    k = fused_norm(&k, kn, c.eps)?;
-                }
-                let rope = |t: &Tensor| -> Result<Tensor> {
-                    if t.dtype() == DType::F64 && !self.rope_interleaved {
-                        return super::ops::rope(t, cos, sin);
+            let mixed = match &layer.mixer {
+                Mixer::Attention(a) => self.attend(a, i, &h, seqs, &rows, rotary)?,
+                Mixer::Delta(d) => {
+                    let mut outs = Vec::with_capacity(seqs.len());
+                    for (s, (at, n, ..)) in seqs.iter_mut().zip(&rows) {
+                        outs.push(delta_layer(d, i, &h.narrow(0, *at, *n)?, s)?);
                     }
-                    let t = t.unsqueeze(0)?.contiguous()?;
-                    let r = if self.rope_interleaved {
-                        candle_nn::rotary_emb::rope_i(&t, cos, sin)?
+                    if outs.len() == 1 {
+                        outs.pop().expect("one")
                     } else {
-                        candle_nn::rotary_emb::rope(&t, cos, sin)?
-                    };
-                    r.squeeze(0)
-                };
-                let (q, mut k) = (rope(&q)?, rope(&k)?);
-                if let Some(cache) = s.cache.as_mut() {
-                    let slot = &mut cache.layers[i];
-                    if let Some((pk, pv)) = slot.take() {
-                        k = Tensor::cat(&[&pk, &k], 1)?;
-                        v = Tensor::cat(&[&pv, &v], 1)?;
+                        Tensor::cat(&outs, 0)?
                     }
-                    *slot = Some((k.clone(), v.clone()));
                 }
-                let a = super::ops::causal_attention(&q, &k, &v, *past, mask.as_ref())?;
-                attended.push(a.transpose(0, 1)?.reshape((n, c.heads * c.head_dim))?);
-            }
-            let a = if attended.len() == 1 {
-                attended.pop().expect("one")
-            } else {
-                Tensor::cat(&attended, 0)?
             };
-            x = (x + layer.o.forward(&a)?)?;
+            x = (x + mixed)?;
             let h = fused_norm(&x, &layer.ffn_norm, c.eps)?;
             x = (&x + super::ops::swiglu(&h, &layer.gate, &layer.up, &layer.down)?)?;
             if taps.contains(&i) {
@@ -611,6 +707,214 @@ impl Target {
         };
         Ok((x, tapped))
     }
+
+    /// Layer `i`'s causal self-attention over every sequence's rows of `h` (stacked), each after
+    /// its cache (appended to): the output before the residual, `[rows, H]`.
+    fn attend(
+        &self,
+        a: &Attention,
+        i: usize,
+        h: &Tensor,
+        seqs: &mut [Seq<'_>],
+        rows: &[SeqRows],
+        rotary: usize,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let (q_all, k_all, v_all) = (a.q.forward(h)?, a.k.forward(h)?, a.v.forward(h)?);
+        let mut attended = Vec::with_capacity(seqs.len());
+        for (s, (at, n, past, cos, sin, mask)) in seqs.iter_mut().zip(rows) {
+            let (at, n) = (*at, *n);
+            let heads = |t: &Tensor, count: usize| -> Result<Tensor> {
+                t.narrow(0, at, n)?
+                    .reshape((n, count, c.head_dim))?
+                    .transpose(0, 1)?
+                    .contiguous()
+            };
+            // A gated layer's projection holds each head's query, then its gate.
+            let (mut q, gate) = if a.gated {
+                let both = q_all
+                    .narrow(0, at, n)?
+                    .reshape((n, c.heads, 2 * c.head_dim))?;
+                let q = both
+                    .narrow(2, 0, c.head_dim)?
+                    .transpose(0, 1)?
+                    .contiguous()?;
+                let gate = both
+                    .narrow(2, c.head_dim, c.head_dim)?
+                    .reshape((n, c.heads * c.head_dim))?;
+                (q, Some(gate))
+            } else {
+                (heads(&q_all, c.heads)?, None)
+            };
+            let mut k = heads(&k_all, c.kv_heads)?;
+            let mut v = heads(&v_all, c.kv_heads)?;
+            if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+                q = fused_norm(&q, qn, c.eps)?;
+                k = fused_norm(&k, kn, c.eps)?;
+            }
+            let rope_all = |t: &Tensor| -> Result<Tensor> {
+                if t.dtype() == DType::F64 && !self.rope_interleaved {
+                    return super::ops::rope(t, cos, sin);
+                }
+                let t = t.unsqueeze(0)?.contiguous()?;
+                let r = if self.rope_interleaved {
+                    candle_nn::rotary_emb::rope_i(&t, cos, sin)?
+                } else {
+                    candle_nn::rotary_emb::rope(&t, cos, sin)?
+                };
+                r.squeeze(0)
+            };
+            // Partial rotary (Qwen3.5): the first `rotary` dimensions turn, the rest pass.
+            let rope = |t: &Tensor| -> Result<Tensor> {
+                if rotary == c.head_dim {
+                    return rope_all(t);
+                }
+                let turned = rope_all(&t.narrow(2, 0, rotary)?.contiguous()?)?;
+                Tensor::cat(&[&turned, &t.narrow(2, rotary, c.head_dim - rotary)?], 2)?.contiguous()
+            };
+            let (q, mut k) = (rope(&q)?, rope(&k)?);
+            if let Some(cache) = s.cache.as_mut() {
+                let slot = &mut cache.layers[i];
+                if let Some(Slot::Kv(pk, pv)) = slot.take() {
+                    k = Tensor::cat(&[&pk, &k], 1)?;
+                    v = Tensor::cat(&[&pv, &v], 1)?;
+                }
+                *slot = Some(Slot::Kv(k.clone(), v.clone()));
+            }
+            let o = super::ops::causal_attention(&q, &k, &v, *past, mask.as_ref())?;
+            let o = o.transpose(0, 1)?.reshape((n, c.heads * c.head_dim))?;
+            attended.push(match gate {
+                Some(g) => (o * candle_nn::ops::sigmoid(&g)?)?,
+                None => o,
+            });
+        }
+        let o = if attended.len() == 1 {
+            attended.pop().expect("one")
+        } else {
+            Tensor::cat(&attended, 0)?
+        };
+        a.o.forward(&o)
+    }
+}
+
+/// One sequence's rows of a pass: offset, count, past, rotary tables, mask.
+type SeqRows = (usize, usize, usize, Tensor, Tensor, Option<Tensor>);
+
+/// Calls of at most this many tokens keep a Gated DeltaNet layer's state after every token (a
+/// verification pass, which the caller crops to the accepted prefix); longer ones run the
+/// chunked form and keep only the state at the end (a prefill).
+const STEPPED_UP_TO: usize = 16;
+
+/// Layer `i`'s Gated DeltaNet over one sequence's rows `h`, after its cache's state (a fresh one
+/// without a cache, or an empty cache), recording the states the cache can be cropped to.
+fn delta_layer(d: &DeltaNet, i: usize, h: &Tensor, s: &mut Seq<'_>) -> Result<Tensor> {
+    let n = h.dim(0)?;
+    let Some(cache) = s.cache.as_mut() else {
+        let fresh = d.empty_state(h.dtype(), h.device())?;
+        return Ok(d.forward(h, &fresh)?.0);
+    };
+    let past = cache.len;
+    let before = match cache.layers[i].take() {
+        Some(Slot::Delta(mut kept)) => match kept.pop() {
+            Some((at, state)) if at == past => state,
+            _ => candle_core::bail!("layer {i}: no Gated DeltaNet state at position {past}"),
+        },
+        Some(Slot::Kv(..)) => {
+            candle_core::bail!("layer {i}: a key/value slot in a Gated DeltaNet layer")
+        }
+        None if past == 0 => d.empty_state(h.dtype(), h.device())?,
+        None => candle_core::bail!("layer {i}: no Gated DeltaNet state at position {past}"),
+    };
+    let (out, kept) = if n <= STEPPED_UP_TO {
+        let (out, states) = d.steps(h, &before)?;
+        let kept = std::iter::once((past, before))
+            .chain(
+                states
+                    .into_iter()
+                    .enumerate()
+                    .map(|(t, st)| (past + t + 1, st)),
+            )
+            .collect();
+        (out, kept)
+    } else {
+        let (out, end) = d.forward(h, &before)?;
+        (out, vec![(past, before), (past + n, end)])
+    };
+    cache.layers[i] = Some(Slot::Delta(kept));
+    Ok(out)
+}
+
+/// Model types of hybrid targets (Gated DeltaNet and gated attention): Qwen3.5's, in a
+/// multimodal checkpoint (its `text_config`) or text-only.
+pub fn is_hybrid_family(family: &str) -> bool {
+    matches!(family, "qwen3_5" | "qwen3_5_text")
+}
+
+/// A hybrid's layer types, Gated DeltaNet shape and rotary width from its (text) config.
+fn hybrid_shape(
+    doc: &serde_json::Value,
+    shape: &crate::shape::ModelShape,
+) -> std::result::Result<Hybrid, String> {
+    let int = |k: &str| {
+        doc.get(k)
+            .and_then(serde_json::Value::as_u64)
+            .map(|v| v as usize)
+    };
+    let need = |k: &str| {
+        int(k)
+            .filter(|&v| v > 0)
+            .ok_or(format!("no positive integer `{k}`"))
+    };
+    let layers = shape.layers as usize;
+    let linear: Vec<bool> = match doc.get("layer_types").and_then(serde_json::Value::as_array) {
+        Some(types) => {
+            let kinds: Vec<bool> = types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("linear_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    other => Err(format!(
+                        "layer type {other:?}; expected `linear_attention` or `full_attention`"
+                    )),
+                })
+                .collect::<std::result::Result<_, _>>()?;
+            if kinds.len() != layers {
+                return Err(format!("{} layer_types for {layers} layers", kinds.len()));
+            }
+            kinds
+        }
+        // The published default: every `full_attention_interval`-th layer is full attention.
+        None => {
+            let every = int("full_attention_interval").unwrap_or(4).max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    let delta = DeltaShape {
+        key_heads: need("linear_num_key_heads")?,
+        value_heads: need("linear_num_value_heads")?,
+        key_dim: need("linear_key_head_dim")?,
+        value_dim: need("linear_value_head_dim")?,
+        kernel: int("linear_conv_kernel_dim").unwrap_or(4),
+    };
+    if delta.value_heads % delta.key_heads != 0 || delta.kernel < 1 {
+        return Err(format!(
+            "linear attention with {} key heads for {} value heads and a kernel of {}",
+            delta.key_heads, delta.value_heads, delta.kernel
+        ));
+    }
+    let factor = doc
+        .get("rope_parameters")
+        .and_then(|r| r.get("partial_rotary_factor"))
+        .or_else(|| doc.get("partial_rotary_factor"))
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or(0.25);
+    let head_dim = shape.head_dim as usize;
+    let rotary_dim = ((head_dim as f64 * factor) as usize).clamp(2, head_dim) & !1;
+    Ok(Hybrid {
+        linear,
+        delta,
+        rotary_dim,
+    })
 }
 
 /// A model folder's safetensors files: those its `model.safetensors.index.json` names, else
@@ -649,9 +953,19 @@ struct Seq<'a> {
 /// it back to the accepted prefix after each verification).
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
-    /// Per layer: `[kv_heads, len, head_dim]` keys and values.
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Per layer: what it keeps.
+    layers: Vec<Option<Slot>>,
     len: usize,
+}
+
+/// What one layer keeps of the positions decoded so far.
+#[derive(Clone, Debug)]
+enum Slot {
+    /// Attention: `[kv_heads, len, head_dim]` keys and values.
+    Kv(Tensor, Tensor),
+    /// Gated DeltaNet: the state at the positions it can be cropped to (ascending; the last at
+    /// the cache's length). It holds no per-token history, so only these.
+    Delta(Vec<(usize, DeltaState)>),
 }
 
 impl KvCache {
@@ -665,13 +979,23 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Keep the first `len` positions.
+    /// Keep the first `len` positions (a hybrid's only back to the start of the last pass).
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         if len >= self.len {
             return Ok(());
         }
         for slot in self.layers.iter_mut().flatten() {
-            *slot = (slot.0.narrow(1, 0, len)?, slot.1.narrow(1, 0, len)?);
+            match slot {
+                Slot::Kv(k, v) => *slot = Slot::Kv(k.narrow(1, 0, len)?, v.narrow(1, 0, len)?),
+                Slot::Delta(kept) => {
+                    kept.retain(|(at, _)| *at <= len);
+                    if kept.last().is_none_or(|(at, _)| *at != len) {
+                        candle_core::bail!(
+                            "a Gated DeltaNet layer's state at position {len} was not kept (a pass keeps every position's only when it is at most {STEPPED_UP_TO} tokens)"
+                        );
+                    }
+                }
+            }
         }
         self.len = len;
         Ok(())

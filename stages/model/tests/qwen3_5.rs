@@ -1,0 +1,157 @@
+//! A hybrid target (Qwen3.5: Gated DeltaNet and gated full attention) loaded from a Hugging Face
+//! folder: a tiny one with random weights, written by `tests/support/qwen3_5_reference.py` (numpy
+//! draws, the same bytes on every machine), checked against transformers 5.24's
+//! `Qwen3_5ForCausalLM` on the same folder (its outputs in `fixtures/qwen3_5_reference.json`,
+//! computed by the script where torch is), and against itself: the chunked form, decoding one
+//! token at a time, and a speculative round cropped back to its accepted prefix.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::{Device, Tensor};
+use dflash_model::nn::Target;
+use dflash_model::nn::target::KvCache;
+
+fn model_dir() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("qwen3_5");
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/support/qwen3_5_reference.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg("write")
+        .arg(&folder)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (dir, folder)
+}
+
+fn rows(t: &Tensor) -> Vec<Vec<f32>> {
+    t.to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .to_vec2()
+        .unwrap()
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            assert_eq!(x.len(), y.len());
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+fn json_rows(v: &serde_json::Value) -> Vec<Vec<f32>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
+        .collect()
+}
+
+fn prompt() -> Vec<u32> {
+    (0..150u32).map(|i| (i * 37 + 11) % 96).collect()
+}
+
+#[test]
+fn the_hybrid_matches_transformers_logits_and_every_layer() {
+    let (_dir, folder) = model_dir();
+    let target = Target::load(&folder, &Device::Cpu).unwrap();
+    let c = &target.config;
+    let h = c.hybrid.as_ref().expect("a hybrid");
+    assert_eq!(h.linear, vec![true, true, false, true]);
+    assert_eq!(h.rotary_dim, 4);
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_5_reference.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(fixture["transformers"], "5.24.0", "the reference's version");
+    for p in fixture["prompts"].as_array().unwrap() {
+        let ids: Vec<u32> = p["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        // Prefill: the chunked form over the whole prompt.
+        let mut cache = KvCache::default();
+        let (logits, _) = target.extend(&ids, &mut cache, &[]).unwrap();
+        let d = max_diff(&rows(&logits), &json_rows(&p["logits"]));
+        assert!(d < 2e-3, "prompt of {}: logits differ by {d}", ids.len());
+        let all: Vec<usize> = (0..c.layers).collect();
+        let tapped = rows(&target.tapped(&ids, &all).unwrap());
+        for (i, layer) in p["layers"].as_array().unwrap().iter().enumerate() {
+            let want = json_rows(layer);
+            let got: Vec<Vec<f32>> = tapped
+                .iter()
+                .map(|r| r[i * c.hidden..(i + 1) * c.hidden].to_vec())
+                .collect();
+            let d = max_diff(&got, &want);
+            assert!(d < 2e-3, "layer {i}: {d}");
+        }
+        // Decoding: the recurrent form with its state, one token at a time after a prefix.
+        if let Some(from) = p["decode_from"].as_u64() {
+            let from = from as usize;
+            let mut cache = KvCache::default();
+            target.extend(&ids[..from], &mut cache, &[]).unwrap();
+            let mut stepped = Vec::new();
+            for &t in &ids[from..] {
+                let (l, _) = target.extend(&[t], &mut cache, &[]).unwrap();
+                stepped.extend(rows(&l));
+            }
+            let d = max_diff(&stepped, &json_rows(&p["decode_logits"]));
+            assert!(d < 2e-3, "decoding: {d}");
+        }
+    }
+}
+
+/// A speculative round: a pass over an anchor and proposals keeps every position's state, is
+/// cropped to the accepted prefix, and decoding goes on from there exactly as if only the
+/// accepted tokens had been fed; taps equal the whole-sequence pass's.
+#[test]
+fn a_verification_pass_is_cropped_to_its_accepted_prefix() {
+    let (_dir, folder) = model_dir();
+    let target = Target::load(&folder, &Device::Cpu).unwrap();
+    let ids = prompt();
+    let taps = [1usize, 2];
+    let (whole, whole_taps) = {
+        let mut cache = KvCache::default();
+        let (l, t) = target.extend(&ids, &mut cache, &taps).unwrap();
+        (rows(&l), rows(&t.unwrap()))
+    };
+    let mut cache = KvCache::default();
+    target.extend(&ids[..100], &mut cache, &taps).unwrap();
+    // 12 tokens verified: 8 of them right, then 4 wrong ones.
+    let mut proposal: Vec<u32> = ids[100..108].to_vec();
+    proposal.extend([1, 2, 3, 4]);
+    target.extend(&proposal, &mut cache, &taps).unwrap();
+    cache.truncate(108).unwrap();
+    assert_eq!(cache.len(), 108);
+    let (rest, rest_taps) = target.extend(&ids[108..], &mut cache, &taps).unwrap();
+    let d = max_diff(&rows(&rest), &whole[108..].to_vec());
+    assert!(d < 1e-3, "logits after the crop: {d}");
+    let d = max_diff(&rows(&rest_taps.unwrap()), &whole_taps[108..].to_vec());
+    assert!(d < 1e-3, "taps after the crop: {d}");
+    // A prefill keeps only its end: cropping into it is refused, not wrong.
+    let mut cache = KvCache::default();
+    target.extend(&ids[..100], &mut cache, &[]).unwrap();
+    let e = cache.truncate(50).unwrap_err().to_string();
+    assert!(e.contains("position 50"), "{e}");
+}
