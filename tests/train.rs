@@ -169,3 +169,47 @@ fn a_hugging_face_folder_target_trains_as_its_gguf_does() {
         "{pins}"
     );
 }
+
+/// The story's own kind of target, a hybrid (Qwen3.5: Gated DeltaNet and gated attention): a
+/// tiny random one as a Hugging Face folder (`tests/support/qwen3_5_reference.py`, checked
+/// against transformers in `stages/model/tests/qwen3_5.rs`). A drafter trains against its taps
+/// and benches losslessly: every verification pass is cropped to its accepted prefix, the Gated
+/// DeltaNet layers' state included.
+#[test]
+fn a_hybrid_qwen3_5_target_trains_a_drafter_that_benches_losslessly() {
+    let env = Env::new();
+    support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "24", "40"]);
+    support::qwen3_5_model(env.path(), "qwen35");
+    env.write(
+        "p.yaml",
+        r#"
+stages:
+  tokens:
+    kind: command
+    params: {run: "cp train-00000.arrow $DFLASH_OUT/", files: [train-00000.arrow]}
+  drafter:
+    kind: train
+    inputs: [tokens]
+    params: {target: qwen35, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 95,
+             target_layers: [0, 2], epochs: 4, max_steps: 12, lr: 0.003}
+  bench:
+    kind: bench
+    inputs: [drafter, tokens]
+    params: {target: qwen35, prompts: 3, max_new_tokens: 20}
+"#,
+    );
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["bench"], "ran", "{st:?}");
+    let t = env.show("drafter", "p.yaml");
+    assert_eq!(t["stats"]["steps"], 12, "{t}");
+    let first = t["stats"]["first_loss"].as_f64().unwrap();
+    let last = t["stats"]["final_loss"].as_f64().unwrap();
+    assert!(last.is_finite() && first.is_finite(), "{t}");
+    let m = env.show("bench", "p.yaml");
+    let set = &m["stats"]["sets"]["tokens"];
+    assert_eq!(set["prompts"], 3, "{m}");
+    for name in ["ngram", "drafter"] {
+        let r = &set["methods"][name];
+        assert_eq!(r["identical"], 3, "{name}: greedy speculation changed the output: {r}");
+    }
+}

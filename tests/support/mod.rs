@@ -24,6 +24,12 @@ pub fn gguf_to_hf(gguf: &std::path::Path, out: &std::path::Path, args: &[&str]) 
     python_helper("gguf_to_hf.py", std::path::Path::new("."), &all);
 }
 
+/// Write the tiny random Qwen3.5 hybrid (`tests/support/qwen3_5_reference.py`) as the Hugging
+/// Face folder `name` under `dir`.
+pub fn qwen3_5_model(dir: &std::path::Path, name: &str) {
+    python_helper("qwen3_5_reference.py", dir, &["write", name]);
+}
+
 /// Run one of the Python helpers in `tests/support` in `dir`, failing with its stderr.
 fn python_helper(script: &str, dir: &std::path::Path, args: &[&str]) {
     let out = Command::new("python3")

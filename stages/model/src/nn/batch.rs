@@ -8,6 +8,9 @@
 //!
 //! Grouped-query heads are multiplied without repeating the keys: the query heads that share a
 //! key/value head are stacked as rows of one matrix against it.
+//!
+//! A hybrid target (Gated DeltaNet layers, whose state is per sequence) decodes each sequence
+//! alone through [`Target::extend`] behind the same interface: correct, not yet batched.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -31,6 +34,9 @@ pub struct BatchDecoder<'t> {
     capacity: usize,
     /// The LM head in f32, made once: a bf16 target's would otherwise be cast every step.
     lm_head: Linear,
+    /// A hybrid target's sequences, each decoded alone through its own cache (their Gated
+    /// DeltaNet states are per sequence; the shared columns above are for attention only).
+    alone: Option<Vec<super::target::KvCache>>,
 }
 
 impl<'t> BatchDecoder<'t> {
@@ -42,6 +48,27 @@ impl<'t> BatchDecoder<'t> {
         }
         let c = &target.config;
         let device = target.embed.device();
+        if c.hybrid.is_some() {
+            let mut caches = Vec::with_capacity(prompts.len());
+            let mut logits = Vec::with_capacity(prompts.len());
+            for p in prompts {
+                let mut cache = super::target::KvCache::default();
+                let (l, _) = target.extend(p, &mut cache, &[])?;
+                logits.push(l.narrow(0, p.len() - 1, 1)?);
+                caches.push(cache);
+            }
+            let decoder = Self {
+                target,
+                keys: Vec::new(),
+                values: Vec::new(),
+                start: vec![0; prompts.len()],
+                width: prompts.iter().map(|p| p.len()).max().unwrap_or(0),
+                capacity: usize::MAX,
+                lm_head: Linear::Dense(target.lm_head.to_dtype(DType::F32)?),
+                alone: Some(caches),
+            };
+            return Ok((decoder, Tensor::cat(&logits, 0)?));
+        }
         let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
         let capacity = longest + extra;
         let batch = prompts.len();
@@ -55,6 +82,7 @@ impl<'t> BatchDecoder<'t> {
             width: 0,
             capacity,
             lm_head: Linear::Dense(target.lm_head.to_dtype(DType::F32)?),
+            alone: None,
         };
         // Padding takes token 0: its rows are masked out of every real row's attention.
         let mut ids = Vec::with_capacity(batch * longest);
@@ -78,6 +106,14 @@ impl<'t> BatchDecoder<'t> {
     pub fn step(&mut self, next: &[u32]) -> Result<Tensor> {
         if next.len() != self.start.len() {
             candle_core::bail!("{} tokens for {} sequences", next.len(), self.start.len());
+        }
+        if let Some(caches) = self.alone.as_mut() {
+            let mut logits = Vec::with_capacity(caches.len());
+            for (cache, &t) in caches.iter_mut().zip(next) {
+                logits.push(self.target.extend(&[t], cache, &[])?.0);
+            }
+            self.width += 1;
+            return Tensor::cat(&logits, 0);
         }
         if self.width >= self.capacity {
             candle_core::bail!("the batch's cache is full ({} columns)", self.capacity);
