@@ -37,7 +37,7 @@ pack-inputs)
     strip -o /tmp/dflash-cuda "$bin" && xz -T2 -6 -c /tmp/dflash-cuda > "$pack"/c/dflash.xz
     xz -T2 -6 -c .assets/sharegpt.json > "$pack"/c/sharegpt.json.xz
     cp .assets/HumanEval.jsonl.gz .assets/gsm8k.jsonl .assets/mt-bench.jsonl "$pack"/c/
-    cp .whl/dflash-0.1.0-py3-none-any.whl "$pack"/c/ 2>/dev/null || true
+    cp .whl/*.whl "$pack"/c/ 2>/dev/null || true  # dflash==0.1.0 (the reference), gguf
     du -sb "$pack"/a "$pack"/b "$pack"/c
     ;;
 stash)
@@ -110,7 +110,7 @@ train-fit)
     secs=${1:?seconds}
     cuda_env
     t0=$(date +%s)
-    $STASH/dflash run pipelines/smollm2.yaml --store $STORE --only tokens || true
+    timeout -s INT -k 20 "$secs" $STASH/dflash run pipelines/smollm2.yaml --store $STORE --only tokens || true
     probe() {
         sed -e "s/max_steps: [0-9]*/max_steps: $1/" -e 's/checkpoint_every: [0-9]*/checkpoint_every: 100000/' \
             pipelines/smollm2.yaml > pipelines/probe.yaml
@@ -122,12 +122,21 @@ train-fit)
     a=$(probe 4) && b=$(probe 16)
     rm -rf pipelines/probe.yaml $STASH/probe-4 $STASH/probe-16
     left=$(( secs - ($(date +%s) - t0) ))
-    steps=$(python3 -c "s=($b-$a)/12; f=$a-4*s; print(max(1, int(($left - 2*f - 20) / s)))")
+    steps=$(python3 -c "s=max(($b-$a)/12, 0.005); f=max($a-4*s, 0); print(max(1, int(($left - 2*f - 20) / s)))")
     echo "probe: 4 steps $a s, 16 steps $b s; $left s left: max_steps $steps" | tee -a "$OUT/train-fit.txt"
     grep -q "max_steps: $steps\b" pipelines/smollm2.yaml ||
         sed -i "s/max_steps: [0-9]*/max_steps: $steps/" pipelines/smollm2.yaml
     cp pipelines/smollm2.yaml "$OUT/smollm2.yaml"
     timeout -s INT -k 20 "$left" $STASH/dflash run pipelines/smollm2.yaml --store $STORE --only drafter || echo "run stopped: exit $?"
+    ;;
+reference)
+    # There, after `bring-back`: the exported drafter in z-lab's reference implementation
+    # (dflash==0.1.0) against the target as a transformers model, on the first N prompts of
+    # each set that bench decoded; its figures go to $OUT/reference_check.txt.
+    cuda_env
+    [ -d $STASH/hf ] || python3 tests/support/gguf_to_hf.py .assets/SmolLM2-135M-Instruct.Q4_1.gguf $STASH/hf
+    python3 bench/reference_check.py $STASH/hf /tmp/back/drafter/drafter /tmp/back/bench \
+        --limit "${1:-6}" --stop 2 2>&1 | tee "$OUT/reference_check.txt"
     ;;
 dflash)
     cuda_env
@@ -150,7 +159,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS | dflash ARGS | bring-back" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS | dflash ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac
