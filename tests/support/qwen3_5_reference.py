@@ -4,13 +4,19 @@ dflash's implementation against.
 
     python3 tests/support/qwen3_5_reference.py write DIR          # numpy only: the model folder
     python3 tests/support/qwen3_5_reference.py reference DIR OUT  # torch + transformers 5.24
+    python3 tests/support/qwen3_5_reference.py moe DIR OUT        # torch + transformers 5.24
 
 `write` puts config.json and model.safetensors in DIR: seeded numpy draws, the same bytes on every
 machine (PCG64 is stable), so the reference computed once on a machine with torch holds for the
 folder written anywhere else. `reference` loads DIR with transformers' `Qwen3_5ForCausalLM` in
 f32 and writes OUT (JSON): for each prompt, the logits and every layer's output (the hidden
 states a drafter taps) over the whole prompt at once (the chunked Gated DeltaNet form), and the
-logits of decoding it one token at a time after a prefix (the recurrent form with its state)."""
+logits of decoding it one token at a time after a prefix (the recurrent form with its state).
+
+`moe` does the same for a tiny `qwen3_5_moe_text` model (the experts and router of
+Qwen3.5-MoE on the same hybrid layers): its weights are drawn by torch and written by
+transformers' `save_pretrained` into DIR, which travels with the reference (the on-disk layout
+is transformers' own)."""
 import json
 import os
 import sys
@@ -136,8 +142,50 @@ def reference(folder, out):
         json.dump(result, f)
 
 
+def outputs(model, prompts):
+    import torch
+
+    rounded = lambda t: [[round(float(x), 6) for x in row] for row in t.tolist()]
+    entries = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            outs = []
+            hooks = [layer.register_forward_hook(lambda m, a, r: outs.append(r[0] if isinstance(r, tuple) else r))
+                     for layer in model.model.layers]
+            logits = model(x).logits[0]
+            for h in hooks:
+                h.remove()
+            entries.append({"ids": ids, "logits": rounded(logits), "layers": [rounded(t[0]) for t in outs]})
+    return entries
+
+
+def moe(folder, out):
+    import torch
+    import transformers
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    c = dict(CONFIG, model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
+             num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+             shared_expert_intermediate_size=20)
+    c.pop("intermediate_size")
+    torch.manual_seed(5)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**c)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (1.0 if "embed" in name else 0.2))
+    model.save_pretrained(folder)
+    model = Qwen3_5MoeForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    result = {"transformers": transformers.__version__, "torch": torch.__version__,
+              "prompts": outputs(model, [PROMPTS[1], PROMPTS[0][:80]])}
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "write":
         write(sys.argv[2])
+    elif sys.argv[1] == "moe":
+        moe(sys.argv[2], sys.argv[3])
     else:
         reference(sys.argv[2], sys.argv[3])
