@@ -210,6 +210,9 @@ stages:
     assert_eq!(set["prompts"], 3, "{m}");
     for name in ["ngram", "drafter"] {
         let r = &set["methods"][name];
-        assert_eq!(r["identical"], 3, "{name}: greedy speculation changed the output: {r}");
+        assert_eq!(
+            r["identical"], 3,
+            "{name}: greedy speculation changed the output: {r}"
+        );
     }
 }

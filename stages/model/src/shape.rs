@@ -64,6 +64,8 @@ pub struct ModelShape {
     pub exact_parameters: Option<u64>,
     /// A hybrid's Gated DeltaNet layers (Qwen3.5); `None` when every layer is attention.
     pub linear: Option<LinearLayers>,
+    /// Mixture-of-experts MLPs (then `ffn` is one expert's width); `None` for dense MLPs.
+    pub experts: Option<Experts>,
     /// Where this came from.
     pub source: ShapeSource,
 }
@@ -109,6 +111,17 @@ impl LinearLayers {
         4 * self.value_heads * self.key_dim * self.value_dim
             + 2 * (self.kernel - 1) * self.conv_dim()
     }
+}
+
+/// A mixture-of-experts MLP's shape (Qwen3.5-MoE): routed experts plus one shared expert.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Experts {
+    /// Routed experts per layer.
+    pub count: u64,
+    /// Experts each token goes to.
+    pub per_token: u64,
+    /// The shared expert's width.
+    pub shared_ffn: u64,
 }
 
 /// Hub ids dflash knows the shape of, from their published `config.json` files:
@@ -304,6 +317,19 @@ impl ModelShape {
         let hidden = need("hidden_size")?;
         let heads = need("num_attention_heads")?;
         let layers = need("num_hidden_layers")?;
+        let experts = match (int("num_experts"), int("num_experts_per_tok")) {
+            (Some(count), Some(per_token)) if count > 0 && per_token > 0 => Some(Experts {
+                count,
+                per_token,
+                shared_ffn: int("shared_expert_intermediate_size").unwrap_or(0),
+            }),
+            _ => None,
+        };
+        let ffn = if experts.is_some() {
+            need("moe_intermediate_size")?
+        } else {
+            need("intermediate_size")?
+        };
         // Hybrids name each layer's type, or say every how many layers one is full attention.
         let linear = match (int("linear_num_value_heads"), c.get("layer_types")) {
             (Some(value_heads), types) => {
@@ -336,7 +362,7 @@ impl ModelShape {
                 .to_owned(),
             hidden,
             layers,
-            ffn: need("intermediate_size")?,
+            ffn,
             heads,
             kv_heads: int("num_key_value_heads").unwrap_or(heads),
             head_dim: int("head_dim").unwrap_or(hidden / heads),
@@ -348,6 +374,7 @@ impl ModelShape {
                 .unwrap_or(false),
             exact_parameters: None,
             linear,
+            experts,
             source: ShapeSource::ConfigJson(path.to_owned()),
         })
     }
@@ -421,6 +448,7 @@ impl ModelShape {
             tied_embeddings: !header.tensors.iter().any(|(n, _)| n == "output.weight"),
             exact_parameters: Some(header.parameters()),
             linear: None,
+            experts: None,
             source: ShapeSource::Gguf(path.to_owned()),
         })
     }
@@ -430,13 +458,26 @@ impl ModelShape {
         self.heads * self.head_dim
     }
 
-    /// Weights of one decoder layer's matrices (attention and MLP; the norms excluded).
+    /// Weights of one decoder layer's matrices (attention and MLP; the norms excluded); a
+    /// mixture of experts counts the experts one token uses (what its FLOPs scale with).
     pub fn layer_matmul_parameters(&self) -> u64 {
         let h = self.hidden;
         let q = self.attention_width();
         let kv = self.kv_heads * self.head_dim;
         let attention = h * q + 2 * h * kv + q * h;
-        attention + 3 * h * self.ffn
+        attention + self.mlp_parameters(true)
+    }
+
+    /// One layer's MLP weights: all of them, or (`active`) those one token uses.
+    fn mlp_parameters(&self, active: bool) -> u64 {
+        let h = self.hidden;
+        match &self.experts {
+            None => 3 * h * self.ffn,
+            Some(e) => {
+                let routed = if active { e.per_token } else { e.count };
+                routed * 3 * h * self.ffn + 3 * h * e.shared_ffn + e.count * h + h
+            }
+        }
     }
 
     /// Weights of one decoder layer, norms included (QK-norm for Qwen3).
@@ -464,7 +505,7 @@ impl ModelShape {
         };
         let attention = self.attention_layers() * (self.layer_matmul_parameters() + gate);
         let linear = self.linear.as_ref().map_or(0, |l| {
-            l.count * (l.mixer_parameters(self.hidden) + 3 * self.hidden * self.ffn)
+            l.count * (l.mixer_parameters(self.hidden) + self.mlp_parameters(true))
         });
         attention + linear
     }
@@ -480,7 +521,9 @@ impl ModelShape {
                 } else {
                     0
                 };
-            self.target_matmul_parameters() + norms + embedding + head + self.hidden
+            // Every expert's weights are held, not only the ones a token uses.
+            let idle = self.layers * (self.mlp_parameters(false) - self.mlp_parameters(true));
+            self.target_matmul_parameters() + idle + norms + embedding + head + self.hidden
         })
     }
 
@@ -544,6 +587,7 @@ fn known(reference: &str) -> Option<ModelShape> {
                     tied_embeddings: tied,
                     exact_parameters: None,
                     linear: None,
+                    experts: None,
                     source: ShapeSource::Known(id.into()),
                 }
             },

@@ -193,7 +193,7 @@ impl<'t> BatchDecoder<'t> {
                 .reshape((batch * n, c.heads * c.head_dim))?;
             x = (x + attn.o.forward(&a)?)?;
             let h = super::target::fused_norm(&x, &layer.ffn_norm, c.eps)?;
-            x = (&x + super::ops::swiglu(&h, &layer.gate, &layer.up, &layer.down)?)?;
+            x = (&x + layer.mlp(&h)?)?;
         }
         self.width = to;
         let last = x

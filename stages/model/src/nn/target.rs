@@ -73,9 +73,74 @@ pub(super) struct Layer {
     pub(super) attn_norm: Tensor,
     pub(super) mixer: Mixer,
     pub(super) ffn_norm: Tensor,
+    /// The MLP; a mixture-of-experts layer's shared expert.
     pub(super) gate: Linear,
     pub(super) up: Linear,
     pub(super) down: Linear,
+    /// A mixture-of-experts layer's router and experts (Qwen3.5-MoE).
+    pub(super) moe: Option<Moe>,
+}
+
+/// A mixture-of-experts MLP (Qwen3.5-MoE): each token goes to its `top_k` experts by the
+/// router's softmax, their outputs weighted by the renormalised probabilities, plus the shared
+/// expert (the layer's `gate`/`up`/`down`) scaled by `sigmoid(shared_gate(x))`.
+pub(super) struct Moe {
+    /// `[experts, H]`.
+    pub(super) router: Linear,
+    /// Per expert: gate, up, down.
+    pub(super) experts: Vec<(Linear, Linear, Linear)>,
+    pub(super) top_k: usize,
+    /// `[1, H]`.
+    pub(super) shared_gate: Linear,
+}
+
+impl Moe {
+    /// The routed experts' and the shared expert's output for rows `x` `[n, H]`.
+    fn forward(&self, x: &Tensor, layer: &Layer) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let probs =
+            candle_nn::ops::softmax_last_dim(&self.router.forward(x)?.to_dtype(DType::F32)?)?;
+        // Routing on the host: per expert, its rows and their weights.
+        let rows: Vec<Vec<f32>> = probs.to_vec2()?;
+        let mut routed: Vec<(Vec<u32>, Vec<f32>)> =
+            vec![(Vec::new(), Vec::new()); self.experts.len()];
+        for (r, p) in rows.iter().enumerate() {
+            let mut order: Vec<usize> = (0..p.len()).collect();
+            // Highest first; ties to the lower index, as a stable sort gives.
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+            let top = &order[..self.top_k.min(order.len())];
+            let sum: f32 = top.iter().map(|&e| p[e]).sum();
+            for &e in top {
+                routed[e].0.push(r as u32);
+                routed[e].1.push(p[e] / sum);
+            }
+        }
+        let mut out = Tensor::zeros((n, x.dim(1)?), x.dtype(), x.device())?;
+        for ((gate, up, down), (idx, w)) in self.experts.iter().zip(&routed) {
+            if idx.is_empty() {
+                continue;
+            }
+            let at = Tensor::new(idx.as_slice(), x.device())?;
+            let y = super::ops::swiglu(&x.index_select(&at, 0)?, gate, up, down)?;
+            let w = Tensor::new(w.as_slice(), x.device())?
+                .to_dtype(x.dtype())?
+                .unsqueeze(1)?;
+            out = out.index_add(&at, &y.broadcast_mul(&w)?, 0)?;
+        }
+        let shared = super::ops::swiglu(x, &layer.gate, &layer.up, &layer.down)?;
+        let scale = candle_nn::ops::sigmoid(&self.shared_gate.forward(x)?)?;
+        out + shared.broadcast_mul(&scale)?
+    }
+}
+
+impl Layer {
+    /// The MLP's output for rows `h` (normed).
+    pub(super) fn mlp(&self, h: &Tensor) -> Result<Tensor> {
+        match &self.moe {
+            Some(moe) => moe.forward(h, self),
+            None => super::ops::swiglu(h, &self.gate, &self.up, &self.down),
+        }
+    }
 }
 
 /// How a layer mixes positions.
@@ -235,6 +300,7 @@ impl Target {
                 gate,
                 up,
                 down,
+                moe: None,
             });
         }
         let config = TargetConfig {
@@ -290,6 +356,15 @@ impl Target {
                 .and_then(|r| r.get(k))
                 .and_then(serde_json::Value::as_f64)
                 .or_else(|| float(k))
+        };
+        // Mixture-of-experts MLPs: (experts, experts per token).
+        let experts = match (
+            doc.get("num_experts").and_then(serde_json::Value::as_u64),
+            doc.get("num_experts_per_tok")
+                .and_then(serde_json::Value::as_u64),
+        ) {
+            (Some(e), Some(k)) if e > 0 && k > 0 => Some((e as usize, k as usize)),
+            _ => None,
         };
         let hybrid = if hybrid_family {
             Some(hybrid_shape(doc, &shape).map_err(msg)?)
@@ -384,11 +459,55 @@ impl Target {
                     gated: hybrid_family,
                 })
             };
+            let (gate, up, down, moe) = match experts {
+                None => (
+                    Linear::Dense(w("mlp.gate_proj.weight")?),
+                    Linear::Dense(w("mlp.up_proj.weight")?),
+                    Linear::Dense(w("mlp.down_proj.weight")?),
+                    None,
+                ),
+                Some((count, top_k)) => {
+                    // Published checkpoints hold one tensor per expert; transformers' own
+                    // layout one 3-D tensor for all (gate and up concatenated).
+                    let mut list = Vec::with_capacity(count);
+                    if let Ok(gate_up) = w("mlp.experts.gate_up_proj") {
+                        let down = w("mlp.experts.down_proj")?;
+                        let half = gate_up.dim(1)? / 2;
+                        for e in 0..count {
+                            let gu = gate_up.get(e)?;
+                            list.push((
+                                Linear::Dense(gu.narrow(0, 0, half)?.contiguous()?),
+                                Linear::Dense(gu.narrow(0, half, half)?.contiguous()?),
+                                Linear::Dense(down.get(e)?.contiguous()?),
+                            ));
+                        }
+                    } else {
+                        for e in 0..count {
+                            let mut x = |n: &str| {
+                                w(&format!("mlp.experts.{e}.{n}.weight")).map(Linear::Dense)
+                            };
+                            list.push((x("gate_proj")?, x("up_proj")?, x("down_proj")?));
+                        }
+                    }
+                    (
+                        Linear::Dense(w("mlp.shared_expert.gate_proj.weight")?),
+                        Linear::Dense(w("mlp.shared_expert.up_proj.weight")?),
+                        Linear::Dense(w("mlp.shared_expert.down_proj.weight")?),
+                        Some(Moe {
+                            router: Linear::Dense(w("mlp.gate.weight")?),
+                            experts: list,
+                            top_k,
+                            shared_gate: Linear::Dense(w("mlp.shared_expert_gate.weight")?),
+                        }),
+                    )
+                }
+            };
             layers.push(Layer {
                 mixer,
-                gate: Linear::Dense(w("mlp.gate_proj.weight")?),
-                up: Linear::Dense(w("mlp.up_proj.weight")?),
-                down: Linear::Dense(w("mlp.down_proj.weight")?),
+                gate,
+                up,
+                down,
+                moe,
                 attn_norm: centred(w("input_layernorm.weight")?)?,
                 ffn_norm: centred(w("post_attention_layernorm.weight")?)?,
             });
@@ -451,6 +570,7 @@ impl Target {
                     gated: false,
                 }),
                 ffn_norm: ones(c.hidden)?,
+                moe: None,
                 gate: Linear::Dense(w(c.ffn, c.hidden)?),
                 up: Linear::Dense(w(c.ffn, c.hidden)?),
                 down: Linear::Dense(w(c.hidden, c.ffn)?),
@@ -545,9 +665,23 @@ impl Target {
                         eps: d.eps,
                     }),
                 };
+                let moe = match &l.moe {
+                    None => None,
+                    Some(m) => Some(Moe {
+                        router: lin(&m.router)?,
+                        experts: m
+                            .experts
+                            .iter()
+                            .map(|(g, u, d)| Ok((lin(g)?, lin(u)?, lin(d)?)))
+                            .collect::<Result<_>>()?,
+                        top_k: m.top_k,
+                        shared_gate: lin(&m.shared_gate)?,
+                    }),
+                };
                 Ok(Layer {
                     attn_norm: mv(&l.attn_norm)?,
                     mixer,
+                    moe,
                     ffn_norm: mv(&l.ffn_norm)?,
                     gate: lin(&l.gate)?,
                     up: lin(&l.up)?,
@@ -688,7 +822,7 @@ impl Target {
             };
             x = (x + mixed)?;
             let h = fused_norm(&x, &layer.ffn_norm, c.eps)?;
-            x = (&x + super::ops::swiglu(&h, &layer.gate, &layer.up, &layer.down)?)?;
+            x = (&x + layer.mlp(&h)?)?;
             if taps.contains(&i) {
                 out.insert(i, x.clone());
             }
@@ -847,7 +981,10 @@ fn delta_layer(d: &DeltaNet, i: usize, h: &Tensor, s: &mut Seq<'_>) -> Result<Te
 /// Model types of hybrid targets (Gated DeltaNet and gated attention): Qwen3.5's, in a
 /// multimodal checkpoint (its `text_config`) or text-only.
 pub fn is_hybrid_family(family: &str) -> bool {
-    matches!(family, "qwen3_5" | "qwen3_5_text")
+    matches!(
+        family,
+        "qwen3_5" | "qwen3_5_text" | "qwen3_5_moe" | "qwen3_5_moe_text"
+    )
 }
 
 /// A hybrid's layer types, Gated DeltaNet shape and rotary width from its (text) config.
