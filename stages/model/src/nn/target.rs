@@ -1151,3 +1151,89 @@ fn causal_mask_after(past: usize, n: usize, dtype: DType, device: &Device) -> Re
     let closed = Tensor::full(f32::NEG_INFINITY, (n, w), device)?.to_dtype(dtype)?;
     open.where_cond(&zeros, &closed)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The routed experts against the definition: every expert on every token, weighted by
+    /// the router's softmax kept at each token's top k and renormalised; plus the gated shared
+    /// expert.
+    #[test]
+    fn experts_route_each_token_to_its_top_k() {
+        let cpu = Device::Cpu;
+        let mut init = super::super::drafter::Init::new(11);
+        let (h, ffn, experts, k, n) = (8, 6, 5, 2, 7);
+        let mut w = |o: usize, i: usize| init.normal(&[o, i], 0.5, DType::F64, &cpu).unwrap();
+        let dense = |t: Tensor| Linear::Dense(t);
+        let list: Vec<(Linear, Linear, Linear)> = (0..experts)
+            .map(|_| (dense(w(ffn, h)), dense(w(ffn, h)), dense(w(h, ffn))))
+            .collect();
+        let layer = Layer {
+            attn_norm: Tensor::ones(h, DType::F64, &cpu).unwrap(),
+            mixer: Mixer::Attention(Attention {
+                q: dense(w(h, h)),
+                k: dense(w(h, h)),
+                v: dense(w(h, h)),
+                o: dense(w(h, h)),
+                q_norm: None,
+                k_norm: None,
+                gated: false,
+            }),
+            ffn_norm: Tensor::ones(h, DType::F64, &cpu).unwrap(),
+            gate: dense(w(ffn, h)),
+            up: dense(w(ffn, h)),
+            down: dense(w(h, ffn)),
+            moe: Some(Moe {
+                router: dense(w(experts, h)),
+                experts: list,
+                top_k: k,
+                shared_gate: dense(w(1, h)),
+            }),
+        };
+        let x = w(n, h);
+        let got: Vec<Vec<f64>> = layer.mlp(&x).unwrap().to_vec2().unwrap();
+        let moe = layer.moe.as_ref().unwrap();
+        let probs: Vec<Vec<f64>> =
+            candle_nn::ops::softmax_last_dim(&moe.router.forward(&x).unwrap())
+                .unwrap()
+                .to_vec2()
+                .unwrap();
+        let outs: Vec<Vec<Vec<f64>>> = moe
+            .experts
+            .iter()
+            .map(|(g, u, d)| {
+                super::super::ops::swiglu(&x, g, u, d)
+                    .unwrap()
+                    .to_vec2()
+                    .unwrap()
+            })
+            .collect();
+        let shared: Vec<Vec<f64>> =
+            super::super::ops::swiglu(&x, &layer.gate, &layer.up, &layer.down)
+                .unwrap()
+                .to_vec2()
+                .unwrap();
+        let gate: Vec<Vec<f64>> = moe.shared_gate.forward(&x).unwrap().to_vec2().unwrap();
+        for r in 0..n {
+            let mut order: Vec<usize> = (0..experts).collect();
+            order.sort_by(|&a, &b| probs[r][b].total_cmp(&probs[r][a]));
+            let top = &order[..k];
+            let sum: f64 = top.iter().map(|&e| probs[r][e]).sum();
+            let s = 1.0 / (1.0 + (-gate[r][0]).exp());
+            for c in 0..h {
+                let want: f64 = top
+                    .iter()
+                    .map(|&e| probs[r][e] / sum * outs[e][r][c])
+                    .sum::<f64>()
+                    + s * shared[r][c];
+                // The routing weights are f32.
+                assert!(
+                    (got[r][c] - want).abs() < 1e-6,
+                    "row {r} col {c}: {} vs {want}",
+                    got[r][c]
+                );
+            }
+        }
+    }
+}
