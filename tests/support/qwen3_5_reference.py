@@ -5,6 +5,7 @@ dflash's implementation against.
     python3 tests/support/qwen3_5_reference.py write DIR          # numpy only: the model folder
     python3 tests/support/qwen3_5_reference.py reference DIR OUT  # torch + transformers 5.24
     python3 tests/support/qwen3_5_reference.py moe DIR OUT        # torch + transformers 5.24
+    python3 tests/support/qwen3_5_reference.py next DIR OUT       # torch + transformers 5.24
 
 `write` puts config.json and model.safetensors in DIR: seeded numpy draws, the same bytes on every
 machine (PCG64 is stable), so the reference computed once on a machine with torch holds for the
@@ -13,10 +14,10 @@ f32 and writes OUT (JSON): for each prompt, the logits and every layer's output 
 states a drafter taps) over the whole prompt at once (the chunked Gated DeltaNet form), and the
 logits of decoding it one token at a time after a prefix (the recurrent form with its state).
 
-`moe` does the same for a tiny `qwen3_5_moe_text` model (the experts and router of
-Qwen3.5-MoE on the same hybrid layers): its weights are drawn by torch and written by
-transformers' `save_pretrained` into DIR, which travels with the reference (the on-disk layout
-is transformers' own)."""
+`moe` and `next` do the same for a tiny `qwen3_5_moe_text` model (the experts and router of
+Qwen3.5-MoE on the same hybrid layers) and a tiny `qwen3_next` one: their weights are drawn by
+torch and written by transformers' `save_pretrained` into DIR, which travels with the reference
+(the on-disk layout is transformers' own)."""
 import json
 import os
 import sys
@@ -160,22 +161,34 @@ def outputs(model, prompts):
     return entries
 
 
-def moe(folder, out):
+def saved(kind, folder, out):
+    """A tiny model of `kind` (`moe`: Qwen3.5-MoE; `next`: Qwen3-Next, whose Gated DeltaNet
+    projections are fused per key head, with one dense layer and the top-k left unnormalised),
+    drawn by torch and written by transformers; its outputs on two prompts."""
     import torch
     import transformers
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    c = dict(CONFIG, model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
-             num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+    c = dict(CONFIG, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
              shared_expert_intermediate_size=20)
-    c.pop("intermediate_size")
+    if kind == "moe":
+        from transformers import Qwen3_5MoeForCausalLM as Model, Qwen3_5MoeTextConfig as Config
+
+        c.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
+        c.pop("intermediate_size")
+    else:
+        from transformers import Qwen3NextForCausalLM as Model, Qwen3NextConfig as Config
+
+        c.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"],
+                 mlp_only_layers=[1], norm_topk_prob=False, partial_rotary_factor=0.25,
+                 rope_theta=10000.0)
+        c.pop("rope_parameters")
     torch.manual_seed(5)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**c)).eval()
+    model = Model(Config(**c)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (1.0 if "embed" in name else 0.2))
     model.save_pretrained(folder)
-    model = Qwen3_5MoeForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    model = Model.from_pretrained(folder, torch_dtype=torch.float32).eval()
     result = {"transformers": transformers.__version__, "torch": torch.__version__,
               "prompts": outputs(model, [PROMPTS[1], PROMPTS[0][:80]])}
     with open(out, "w") as f:
@@ -185,7 +198,7 @@ def moe(folder, out):
 if __name__ == "__main__":
     if sys.argv[1] == "write":
         write(sys.argv[2])
-    elif sys.argv[1] == "moe":
-        moe(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] in ("moe", "next"):
+        saved(sys.argv[1], sys.argv[2], sys.argv[3])
     else:
         reference(sys.argv[2], sys.argv[3])

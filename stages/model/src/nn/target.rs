@@ -90,6 +90,9 @@ pub(super) struct Moe {
     /// Per expert: gate, up, down.
     pub(super) experts: Vec<(Linear, Linear, Linear)>,
     pub(super) top_k: usize,
+    /// Whether the top k probabilities are renormalised to sum to 1 (Qwen3.5-MoE always;
+    /// Qwen3-Next's `norm_topk_prob`).
+    pub(super) renormalise: bool,
     /// `[1, H]`.
     pub(super) shared_gate: Linear,
 }
@@ -109,7 +112,11 @@ impl Moe {
             // Highest first; ties to the lower index, as a stable sort gives.
             order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
             let top = &order[..self.top_k.min(order.len())];
-            let sum: f32 = top.iter().map(|&e| p[e]).sum();
+            let sum: f32 = if self.renormalise {
+                top.iter().map(|&e| p[e]).sum()
+            } else {
+                1.0
+            };
             for &e in top {
                 routed[e].0.push(r as u32);
                 routed[e].1.push(p[e] / sum);
@@ -366,6 +373,21 @@ impl Target {
             (Some(e), Some(k)) if e > 0 && k > 0 => Some((e as usize, k as usize)),
             _ => None,
         };
+        // Qwen3-Next can keep some layers dense: those listed, or off the sparse step.
+        let dense_layers: Vec<u64> = doc
+            .get("mlp_only_layers")
+            .and_then(serde_json::Value::as_array)
+            .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
+            .unwrap_or_default();
+        let sparse_step = doc
+            .get("decoder_sparse_step")
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(1)
+            .max(1);
+        let renormalise = doc
+            .get("norm_topk_prob")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(true);
         let hybrid = if hybrid_family {
             Some(hybrid_shape(doc, &shape).map_err(msg)?)
         } else {
@@ -429,11 +451,25 @@ impl Target {
             let mixer = if linear {
                 let h = config.hybrid.as_ref().expect("hybrid").delta.clone();
                 let a_log = w("linear_attn.A_log")?.to_dtype(DType::F32)?;
+                let (qkv, z, b, a) = if shape.family == "qwen3_next" {
+                    next_projections(
+                        &w("linear_attn.in_proj_qkvz.weight")?,
+                        &w("linear_attn.in_proj_ba.weight")?,
+                        &h,
+                    )?
+                } else {
+                    (
+                        w("linear_attn.in_proj_qkv.weight")?,
+                        w("linear_attn.in_proj_z.weight")?,
+                        w("linear_attn.in_proj_b.weight")?,
+                        w("linear_attn.in_proj_a.weight")?,
+                    )
+                };
                 Mixer::Delta(DeltaNet {
-                    qkv: Linear::Dense(w("linear_attn.in_proj_qkv.weight")?),
-                    z: Linear::Dense(w("linear_attn.in_proj_z.weight")?),
-                    b: Linear::Dense(w("linear_attn.in_proj_b.weight")?),
-                    a: Linear::Dense(w("linear_attn.in_proj_a.weight")?),
+                    qkv: Linear::Dense(qkv),
+                    z: Linear::Dense(z),
+                    b: Linear::Dense(b),
+                    a: Linear::Dense(a),
                     conv: w("linear_attn.conv1d.weight")?.reshape((h.conv_dim(), h.kernel))?,
                     dt_bias: w("linear_attn.dt_bias")?,
                     decay_rate: a_log.exp()?.neg()?,
@@ -459,7 +495,8 @@ impl Target {
                     gated: hybrid_family,
                 })
             };
-            let (gate, up, down, moe) = match experts {
+            let sparse = !dense_layers.contains(&(i as u64)) && (i as u64 + 1) % sparse_step == 0;
+            let (gate, up, down, moe) = match experts.filter(|_| sparse) {
                 None => (
                     Linear::Dense(w("mlp.gate_proj.weight")?),
                     Linear::Dense(w("mlp.up_proj.weight")?),
@@ -497,6 +534,7 @@ impl Target {
                             router: Linear::Dense(w("mlp.gate.weight")?),
                             experts: list,
                             top_k,
+                            renormalise,
                             shared_gate: Linear::Dense(w("mlp.shared_expert_gate.weight")?),
                         }),
                     )
@@ -675,6 +713,7 @@ impl Target {
                             .map(|(g, u, d)| Ok((lin(g)?, lin(u)?, lin(d)?)))
                             .collect::<Result<_>>()?,
                         top_k: m.top_k,
+                        renormalise: m.renormalise,
                         shared_gate: lin(&m.shared_gate)?,
                     }),
                 };
@@ -983,8 +1022,39 @@ fn delta_layer(d: &DeltaNet, i: usize, h: &Tensor, s: &mut Seq<'_>) -> Result<Te
 pub fn is_hybrid_family(family: &str) -> bool {
     matches!(
         family,
-        "qwen3_5" | "qwen3_5_text" | "qwen3_5_moe" | "qwen3_5_moe_text"
+        "qwen3_5" | "qwen3_5_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next"
     )
+}
+
+/// Qwen3-Next's fused Gated DeltaNet projections, rows grouped per key head (`[q, k, v, z]` and
+/// `[b, a]` for each), as Qwen3.5's separate ones (all queries, all keys, all values; z; b; a),
+/// the layout [`DeltaNet`] reads.
+fn next_projections(
+    qkvz: &Tensor,
+    ba: &Tensor,
+    s: &DeltaShape,
+) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    let r = s.value_heads / s.key_heads;
+    let (dk, vw) = (s.key_dim, r * s.value_dim);
+    let group = 2 * dk + 2 * vw;
+    let rows = |t: &Tensor, width: usize, offset: usize, count: usize| -> Result<Tensor> {
+        let parts: Vec<Tensor> = (0..s.key_heads)
+            .map(|g| t.narrow(0, g * width + offset, count))
+            .collect::<Result<_>>()?;
+        Tensor::cat(&parts, 0)
+    };
+    let qkv = Tensor::cat(
+        &[
+            rows(qkvz, group, 0, dk)?,
+            rows(qkvz, group, dk, dk)?,
+            rows(qkvz, group, 2 * dk, vw)?,
+        ],
+        0,
+    )?;
+    let z = rows(qkvz, group, 2 * dk + vw, vw)?;
+    let b = rows(ba, 2 * r, 0, r)?;
+    let a = rows(ba, 2 * r, r, r)?;
+    Ok((qkv, z, b, a))
 }
 
 /// A hybrid's layer types, Gated DeltaNet shape and rotary width from its (text) config.
@@ -1188,6 +1258,7 @@ mod tests {
                 router: dense(w(experts, h)),
                 experts: list,
                 top_k: k,
+                renormalise: true,
                 shared_gate: dense(w(1, h)),
             }),
         };
