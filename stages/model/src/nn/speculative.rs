@@ -30,6 +30,17 @@ pub enum Proposer<'a> {
     },
     /// A DFlash drafter, fed the target's taps.
     Drafter(&'a Drafter),
+    /// A DFlash drafter whose block is verified as a tree ([`draft_tree`]): up to `budget`
+    /// nodes from each position's `width` likeliest tokens, the likeliest continuations first,
+    /// checked in one target pass; the longest path the target agrees with is committed.
+    DrafterTree {
+        /// The drafter.
+        drafter: &'a Drafter,
+        /// Candidates per position.
+        width: usize,
+        /// Nodes per tree, the root (the round's first token) included.
+        budget: usize,
+    },
     /// A continuation known in advance, proposed as it is: given the target's own greedy output
     /// it is a perfect drafter (tau = B), which checks the loop's bookkeeping.
     Oracle(&'a [u32]),
@@ -157,7 +168,7 @@ pub fn decode(
     let block = s.block_size.max(1);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(s.seed);
     let taps: &[usize] = match proposer {
-        Proposer::Drafter(d) => &d.config.target_layers,
+        Proposer::Drafter(d) | Proposer::DrafterTree { drafter: d, .. } => &d.config.target_layers,
         _ => &[],
     };
     let mut out = Decoded {
@@ -182,6 +193,54 @@ pub fn decode(
         let at = prompt.len() + tokens.len() - 1;
         // The round commits at most the proposals plus one.
         let room = (s.max_new_tokens - tokens.len()).min(block) - 1;
+        if let Proposer::DrafterTree {
+            drafter: d,
+            width,
+            budget,
+        } = proposer
+        {
+            let ctx = pending.take().expect("the taps of the accepted tokens");
+            let first_pos = drafter_ctx.as_ref().map_or(0, ContextKv::len) as u32;
+            let positions: Vec<u32> = (first_pos..first_pos + ctx.dim(0)? as u32).collect();
+            let more = d.context_kv(&ctx.to_dtype(target.dtype)?, &positions)?;
+            match drafter_ctx.as_mut() {
+                Some(c) => c.extend(more)?,
+                None => drafter_ctx = Some(more),
+            }
+            let ctx = drafter_ctx.as_ref().expect("set");
+            let tree = if room == 0 {
+                Tree::root(anchor)
+            } else {
+                let candidates = propose_top(target, d, ctx, anchor, at, room, *width)?;
+                draft_tree(anchor, &candidates, *budget)
+            };
+            let (logits, tapped) =
+                target.extend_tree(&tree.tokens, &tree.parents, &mut cache, taps)?;
+            let (path, next) = walk(&tree, &logits, s.temperature, &mut rng)?;
+            cache.keep_path(at, &path)?;
+            let rows = Tensor::new(
+                path.iter()
+                    .map(|&i| i as u32)
+                    .collect::<Vec<_>>()
+                    .as_slice(),
+                logits.device(),
+            )?;
+            pending = tapped.map(|t| t.index_select(&rows, 0)).transpose()?;
+            let k = path.len() - 1;
+            out.rounds += 1;
+            for hit in &mut out.accepted_at[..k] {
+                *hit += 1;
+            }
+            for t in path[1..].iter().map(|&i| tree.tokens[i]).chain([next]) {
+                out.committed += 1;
+                if s.stop.contains(&t) {
+                    stopped = true;
+                    break;
+                }
+                tokens.push(t);
+            }
+            continue;
+        }
         let proposed: Vec<u32> = match proposer {
             Proposer::Autoregressive => Vec::new(),
             _ if room == 0 => Vec::new(),
@@ -195,6 +254,7 @@ pub fn decode(
                 .take(room)
                 .copied()
                 .collect(),
+            Proposer::DrafterTree { .. } => unreachable!("handled above"),
             Proposer::Drafter(d) => {
                 let ctx = pending.take().expect("the taps of the accepted tokens");
                 let first_pos = drafter_ctx.as_ref().map_or(0, ContextKv::len) as u32;
@@ -264,6 +324,147 @@ fn propose(
     Ok(best)
 }
 
+/// The drafter's `width` likeliest tokens and their probabilities at each of the `room`
+/// positions after `anchor`, likeliest first.
+fn propose_top(
+    target: &Target,
+    d: &Drafter,
+    ctx: &ContextKv,
+    anchor: u32,
+    at: usize,
+    room: usize,
+    width: usize,
+) -> Result<Vec<Vec<(u32, f32)>>> {
+    let b = d.config.block_size;
+    let device = target.embed.device();
+    let ids: Vec<u32> = std::iter::once(anchor)
+        .chain(std::iter::repeat_n(d.config.mask_token_id, b - 1))
+        .collect();
+    let embedded = target.embed(&Tensor::new(ids.as_slice(), device)?)?;
+    let positions: Vec<u32> = (at as u32..(at + b) as u32).collect();
+    let mask = super::ops::BlockMask::new(vec![ctx.len() as u32], ctx.len(), b);
+    let hidden = d.forward_block(ctx, &embedded, &positions, &mask)?;
+    let logits = super::ops::Linear::Dense(target.lm_head.to_dtype(hidden.dtype())?)
+        .forward(&hidden.narrow(0, 1, room.min(b - 1))?)?;
+    let probs: Vec<Vec<f32>> =
+        candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?.to_vec2()?;
+    Ok(probs
+        .iter()
+        .map(|p| {
+            let mut order: Vec<u32> = (0..p.len() as u32).collect();
+            let w = width.clamp(1, p.len());
+            order.select_nth_unstable_by(w - 1, |&a, &b| p[b as usize].total_cmp(&p[a as usize]));
+            order.truncate(w);
+            order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]));
+            order.into_iter().map(|t| (t, p[t as usize])).collect()
+        })
+        .collect())
+}
+
+/// A tree of drafted tokens: node 0 the root (the round's first token), every other node after
+/// its parent.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tree {
+    /// Each node's token.
+    pub tokens: Vec<u32>,
+    /// Each node's parent (the root's is `usize::MAX`).
+    pub parents: Vec<usize>,
+}
+
+impl Tree {
+    fn root(token: u32) -> Self {
+        Self {
+            tokens: vec![token],
+            parents: vec![usize::MAX],
+        }
+    }
+}
+
+/// Up to `budget` nodes (the root included) from per-position candidates `top[d]` (depth d + 1):
+/// best first by the product of the drafter's probabilities along the path, so the tree holds
+/// the likeliest continuations of every length (a node's children are its depth's
+/// candidates: DFlash drafts every position of a block at once, none conditioned on another).
+pub fn draft_tree(root: u32, top: &[Vec<(u32, f32)>], budget: usize) -> Tree {
+    #[derive(PartialEq)]
+    struct Candidate {
+        log_p: f64,
+        parent: usize,
+        depth: usize,
+        rank: usize,
+    }
+    impl Eq for Candidate {}
+    impl PartialOrd for Candidate {
+        fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+            Some(self.cmp(o))
+        }
+    }
+    impl Ord for Candidate {
+        fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+            // The likelier first; ties to the shallower, then the better ranked.
+            self.log_p
+                .total_cmp(&o.log_p)
+                .then(o.depth.cmp(&self.depth))
+                .then(o.rank.cmp(&self.rank))
+        }
+    }
+    let mut tree = Tree::root(root);
+    let mut heap = std::collections::BinaryHeap::new();
+    let children = |heap: &mut std::collections::BinaryHeap<Candidate>,
+                    parent: usize,
+                    depth: usize,
+                    log_p: f64| {
+        if let Some(level) = top.get(depth) {
+            for (rank, &(_, p)) in level.iter().enumerate() {
+                heap.push(Candidate {
+                    log_p: log_p + f64::from(p.max(1e-30)).ln(),
+                    parent,
+                    depth: depth + 1,
+                    rank,
+                });
+            }
+        }
+    };
+    children(&mut heap, 0, 0, 0.0);
+    while tree.tokens.len() < budget.max(1) {
+        let Some(c) = heap.pop() else { break };
+        let node = tree.tokens.len();
+        tree.tokens.push(top[c.depth - 1][c.rank].0);
+        tree.parents.push(c.parent);
+        children(&mut heap, node, c.depth, c.log_p);
+    }
+    tree
+}
+
+/// Walk `tree` with the target's `logits` at its nodes: from the root, the target's token
+/// (argmax, or a draw at `temperature`) at each node leads to the child holding it; where no
+/// child does, that token ends the round. The accepted path (root first) and that token.
+/// Sampling keeps the target's distribution: every committed token is the target's own draw.
+fn walk(
+    tree: &Tree,
+    logits: &Tensor,
+    temperature: f64,
+    rng: &mut rand_chacha::ChaCha8Rng,
+) -> Result<(Vec<usize>, u32)> {
+    let mut path = vec![0usize];
+    loop {
+        let node = *path.last().expect("the root");
+        let row = logits.narrow(0, node, 1)?;
+        let choice = if temperature <= 0.0 {
+            row.argmax(D::Minus1)?.to_vec1::<u32>()?[0]
+        } else {
+            let probs =
+                candle_nn::ops::softmax_last_dim(&(row.to_dtype(DType::F32)? / temperature)?)?;
+            let p: Vec<f32> = probs.squeeze(0)?.to_vec1()?;
+            sample(&p, rng)
+        };
+        match (1..tree.tokens.len()).find(|&c| tree.parents[c] == node && tree.tokens[c] == choice)
+        {
+            Some(child) => path.push(child),
+            None => return Ok((path, choice)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -316,6 +517,11 @@ mod tests {
             Proposer::Ngram { n: 3 },
             Proposer::Drafter(&drafter),
             Proposer::Oracle(&ar.tokens),
+            Proposer::DrafterTree {
+                drafter: &drafter,
+                width: 3,
+                budget: 10,
+            },
         ] {
             let sp = decode(&target, &p, &prompt, &settings(4, 25)).unwrap();
             assert_eq!(sp.tokens, ar.tokens, "speculation changed the output");
@@ -434,5 +640,97 @@ mod tests {
             after > before + 0.5,
             "tau untrained {before:.2}, trained {after:.2}"
         );
+        // The same drafter verified as a tree of its top-3 candidates per position: the same
+        // outputs, more tokens per target pass.
+        let (mut c, mut r) = (0, 0);
+        for p in &prompts[20..] {
+            let tree = Proposer::DrafterTree {
+                drafter: &trained,
+                width: 3,
+                budget: 16,
+            };
+            let o = decode(&target, &tree, p, &settings(4, 28)).unwrap();
+            let chain = decode(&target, &Proposer::Drafter(&trained), p, &settings(4, 28)).unwrap();
+            assert_eq!(o.tokens, chain.tokens);
+            (c, r) = (c + o.committed, r + o.rounds);
+        }
+        let tree = c as f64 / r as f64;
+        assert!(tree > after, "tau chain {after:.2}, tree {tree:.2}");
+    }
+
+    #[test]
+    fn a_draft_tree_holds_the_likeliest_paths_within_its_budget() {
+        let top = vec![
+            vec![(10, 0.6), (11, 0.3)],
+            vec![(20, 0.9), (21, 0.05)],
+            vec![(30, 0.5), (31, 0.4)],
+        ];
+        let t = draft_tree(7, &top, 6);
+        assert_eq!(t.tokens.len(), 6);
+        // Root; 10 (0.6); 20 under 10 (0.54); 11 (0.3); 30 under 20 (0.27); 20 under 11
+        // (0.27 too: the shallower first).
+        assert_eq!(t.tokens, vec![7, 10, 20, 11, 20, 30]);
+        assert_eq!(t.parents, vec![usize::MAX, 0, 1, 0, 3, 2]);
+        for (i, &p) in t.parents.iter().enumerate().skip(1) {
+            assert!(p < i);
+        }
+        // A budget of one is the root alone; a large one stops at the last depth.
+        assert_eq!(draft_tree(7, &top, 1).tokens, vec![7]);
+        assert_eq!(draft_tree(7, &top, 1000).tokens.len(), 1 + 2 + 4 + 8);
+    }
+
+    #[test]
+    fn sampled_tree_walks_keep_the_targets_distribution() {
+        // Whatever the tree holds, the first token a round commits is the target's draw at the
+        // root, and the second, when the walk goes on, its draw at that child.
+        let logits = Tensor::new(
+            &[
+                [1.0f32, 0.2, -0.5, 2.0],
+                [0.5, -1.0, 0.3, 0.0],
+                [0.0; 4],
+                [0.0; 4],
+            ],
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let softmax = |row: [f64; 4]| -> Vec<f64> {
+            let e: Vec<f64> = row.iter().map(|x| x.exp()).collect();
+            let t: f64 = e.iter().sum();
+            e.iter().map(|x| x / t).collect()
+        };
+        let (root, child) = (
+            softmax([1.0, 0.2, -0.5, 2.0]),
+            softmax([0.5, -1.0, 0.3, 0.0]),
+        );
+        // Root 9 with children 3 (node 1) and 0 (node 2); node 1 has child 2 (node 3).
+        let tree = Tree {
+            tokens: vec![9, 3, 0, 2],
+            parents: vec![usize::MAX, 0, 0, 1],
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let (mut first, mut second) = ([0f64; 4], [0f64; 4]);
+        let (draws, mut via_3) = (40_000, 0.0);
+        for _ in 0..draws {
+            let (path, next) = walk(&tree, &logits, 1.0, &mut rng).unwrap();
+            let committed: Vec<u32> = path[1..]
+                .iter()
+                .map(|&i| tree.tokens[i])
+                .chain([next])
+                .collect();
+            first[committed[0] as usize] += 1.0;
+            if committed[0] == 3 {
+                second[committed[1] as usize] += 1.0;
+                via_3 += 1.0;
+            }
+        }
+        let tv = |seen: &[f64; 4], n: f64, want: &[f64]| -> f64 {
+            seen.iter()
+                .zip(want)
+                .map(|(a, b)| (a / n - b).abs())
+                .sum::<f64>()
+                / 2.0
+        };
+        assert!(tv(&first, f64::from(draws), &root) < 0.02, "{first:?}");
+        assert!(tv(&second, via_3, &child) < 0.02, "{second:?}");
     }
 }

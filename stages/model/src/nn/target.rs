@@ -772,7 +772,14 @@ impl Target {
     /// [`super::objective::loss_packed`] takes.
     pub fn tapped_stacked(&self, seqs: &[&[u32]], taps: &[usize]) -> Result<Tensor> {
         let last = *taps.iter().max().unwrap_or(&0);
-        let mut stacked: Vec<Seq<'_>> = seqs.iter().map(|ids| Seq { ids, cache: None }).collect();
+        let mut stacked: Vec<Seq<'_>> = seqs
+            .iter()
+            .map(|ids| Seq {
+                ids,
+                cache: None,
+                parents: None,
+            })
+            .collect();
         let (_, tapped) = self.run_layers(&mut stacked, taps, last + 1)?;
         tapped.ok_or_else(|| candle_core::Error::Msg("no taps asked for".into()))
     }
@@ -793,6 +800,44 @@ impl Target {
         Ok((logits, tapped))
     }
 
+    /// [`Self::extend`] for a tree of tokens (`parents[i]` before `i`; node 0 the root, the
+    /// round's first token): every node sees the cache and its own ancestors, at the position
+    /// of its depth. The caller keeps the accepted path with [`KvCache::keep_path`]. Attention
+    /// targets only: a Gated DeltaNet state follows one sequence, not a tree.
+    pub fn extend_tree(
+        &self,
+        ids: &[u32],
+        parents: &[usize],
+        cache: &mut KvCache,
+        taps: &[usize],
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        if self.config.hybrid.is_some() {
+            candle_core::bail!(
+                "tree verification needs an attention-only target (this one has Gated DeltaNet layers)"
+            );
+        }
+        if ids.len() != parents.len() || ids.is_empty() {
+            candle_core::bail!(
+                "a tree of {} tokens with {} parents",
+                ids.len(),
+                parents.len()
+            );
+        }
+        let (x, tapped) = self.run_layers(
+            &mut [Seq {
+                ids,
+                cache: Some(cache),
+                parents: Some(parents),
+            }],
+            taps,
+            self.config.layers,
+        )?;
+        let h = fused_norm(&x, &self.norm, self.config.eps)?;
+        let logits =
+            Linear::Dense(self.lm_head.to_dtype(DType::F32)?).forward(&h.to_dtype(DType::F32)?)?;
+        Ok((logits, tapped))
+    }
+
     /// Run the first `upto` layers over `ids`, after what `cache` holds (if any), appending
     /// their keys and values to it; the last layer's output and the taps' outputs in the order
     /// asked.
@@ -803,7 +848,15 @@ impl Target {
         taps: &[usize],
         upto: usize,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        self.run_layers(&mut [Seq { ids, cache }], taps, upto)
+        self.run_layers(
+            &mut [Seq {
+                ids,
+                cache,
+                parents: None,
+            }],
+            taps,
+            upto,
+        )
     }
 
     /// [`Self::layers_forward`] over several sequences, their rows stacked in order.
@@ -829,14 +882,21 @@ impl Target {
             if let Some(cache) = s.cache.as_mut() {
                 cache.layers.resize(c.layers, None);
             }
-            let positions: Vec<u32> = (past as u32..(past + n) as u32).collect();
+            // A tree's nodes sit at their depth after the past; a sequence's tokens in a row.
+            let positions: Vec<u32> = match s.parents {
+                Some(parents) => depths(parents)?
+                    .into_iter()
+                    .map(|d| (past + d) as u32)
+                    .collect(),
+                None => (past as u32..(past + n) as u32).collect(),
+            };
             let (cos, sin) =
                 super::ops::rope_tables(&positions, rotary, c.rope_theta, self.dtype, device)?;
             // Flash attention needs no mask; the composed path shares one across layers.
-            let mask = if flash {
-                None
-            } else {
-                Some(causal_mask_after(past, n, self.dtype, device)?)
+            let mask = match s.parents {
+                Some(parents) => Some(tree_mask_after(past, parents, self.dtype, device)?),
+                None if flash => None,
+                None => Some(causal_mask_after(past, n, self.dtype, device)?),
             };
             rows.push((all_ids.len(), n, past, cos, sin, mask));
             all_ids.extend_from_slice(s.ids);
@@ -1150,10 +1210,49 @@ fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     )
 }
 
-/// One sequence of a forward pass: its new tokens and, when decoding, its cache.
+/// One sequence of a forward pass: its new tokens and, when decoding, its cache; a tree's
+/// tokens come with each one's parent (the root's is `usize::MAX`).
 struct Seq<'a> {
     ids: &'a [u32],
     cache: Option<&'a mut KvCache>,
+    parents: Option<&'a [usize]>,
+}
+
+/// Each tree node's depth (the root's 0); parents come before their children.
+fn depths(parents: &[usize]) -> Result<Vec<usize>> {
+    let mut depth = Vec::with_capacity(parents.len());
+    for (i, &p) in parents.iter().enumerate() {
+        depth.push(match i {
+            0 => 0,
+            _ if p < i => depth[p] + 1,
+            _ => candle_core::bail!("tree node {i}'s parent {p} does not come before it"),
+        });
+    }
+    Ok(depth)
+}
+
+/// `[n, past + n]` for a tree's nodes: each sees the past and its own ancestors and itself.
+fn tree_mask_after(
+    past: usize,
+    parents: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let n = parents.len();
+    let mut v = vec![f32::NEG_INFINITY; n * (past + n)];
+    for i in 0..n {
+        let row = &mut v[i * (past + n)..(i + 1) * (past + n)];
+        row[..past].fill(0.0);
+        let mut at = i;
+        loop {
+            row[past + at] = 0.0;
+            if at == 0 {
+                break;
+            }
+            at = parents[at];
+        }
+    }
+    Tensor::from_vec(v, (n, past + n), device)?.to_dtype(dtype)
 }
 
 /// The target's keys and values for the positions decoded so far (speculative decoding crops
@@ -1184,6 +1283,31 @@ impl KvCache {
     /// Whether nothing is held.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// After a tree pass that started at `past`: keep the first `past` positions and then the
+    /// tree nodes `path` (indices into the pass, in order), dropping the other branches.
+    pub fn keep_path(&mut self, past: usize, path: &[usize]) -> Result<()> {
+        let n = self.len.saturating_sub(past);
+        if path.iter().any(|&i| i >= n) {
+            candle_core::bail!("a path through nodes {path:?} of a pass of {n}");
+        }
+        let keep: Vec<u32> = (0..past as u32)
+            .chain(path.iter().map(|&i| (past + i) as u32))
+            .collect();
+        for slot in self.layers.iter_mut().flatten() {
+            match slot {
+                Slot::Kv(k, v) => {
+                    let at = Tensor::new(keep.as_slice(), k.device())?;
+                    *slot = Slot::Kv(k.index_select(&at, 1)?, v.index_select(&at, 1)?);
+                }
+                Slot::Delta(_) => {
+                    candle_core::bail!("a Gated DeltaNet layer cannot keep a tree path")
+                }
+            }
+        }
+        self.len = keep.len();
+        Ok(())
     }
 
     /// Keep the first `len` positions (a hybrid's only back to the start of the last pass).
