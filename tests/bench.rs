@@ -206,6 +206,61 @@ fn a_drafter_for_another_target_is_refused_with_the_reason() {
     );
 }
 
+/// `verify: both`: each drafter as a chain and as a tree (`<name>+tree`) side by side, the tree
+/// as lossless as the chain, and at least as many tokens per target pass.
+#[test]
+fn tree_verification_runs_beside_the_chain_and_is_lossless() {
+    let env = Env::new();
+    setup(&env);
+    env.write(
+        "p.yaml",
+        &PIPELINE.replace(
+            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24}",
+            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24, verify: both, tree_width: 3, tree_budget: 12}",
+        ),
+    );
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["bench"], "ran");
+    let m = env.show("bench", "p.yaml");
+    let methods = &m["stats"]["sets"]["prompts"]["methods"];
+    let names: Vec<&str> = methods
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "autoregressive",
+            "ngram",
+            "trained",
+            "trained+tree",
+            "untrained",
+            "untrained+tree"
+        ]
+    );
+    for name in ["trained+tree", "untrained+tree"] {
+        assert_eq!(methods[name]["identical"], 4, "{name}: {}", methods[name]);
+    }
+    let (chain, tree) = (
+        methods["trained"]["tau"].as_f64().unwrap(),
+        methods["trained+tree"]["tau"].as_f64().unwrap(),
+    );
+    assert!(tree >= chain, "tau chain {chain}, tree {tree}");
+    // A tree of one node is a plain target step: refused at plan time below 2.
+    env.write(
+        "p.yaml",
+        &PIPELINE.replace(
+            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24}",
+            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24, verify: tree, tree_budget: 1}",
+        ),
+    );
+    let o = env.dflash(&["plan", "p.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("tree_budget"));
+}
+
 #[test]
 fn endpoint_mode_compares_running_servers_with_and_without_speculation() {
     let model = support::hub::assets().join("SmolLM2-135M-Instruct.Q4_1.gguf");

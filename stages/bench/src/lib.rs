@@ -61,6 +61,12 @@ pub struct Params {
     pub prompt_format: serde_json::Map<String, serde_json::Value>,
     /// Where the in-process decoding runs.
     pub device: String,
+    /// How drafters' blocks are verified: `chain`, `tree` or `both` (side by side).
+    pub verify: String,
+    /// Tree verification: candidates per position.
+    pub tree_width: u64,
+    /// Tree verification: nodes per tree, its root included.
+    pub tree_budget: u64,
 }
 
 impl StageKind for BenchKind {
@@ -94,6 +100,9 @@ impl StageKind for BenchKind {
             Param::new("template_kwargs", ParamType::Map(Box::new(ParamType::Any)), "passed to the chat template, e.g. {enable_thinking: false}; must match what the drafter was trained with").default(json!({})),
             Param::new("prompt_format", ParamType::Map(Box::new(ParamType::Str)), "per prompt set, how each user turn is asked: a preset of z-lab's benchmark harness (humaneval, gsm8k, math) or a template holding {prompt}, e.g. {humaneval: humaneval, gsm8k: gsm8k}; sets not named are asked as they are").default(json!({})),
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where the in-process decoding runs (`auto`: GPU 0 when this build and machine have one); every method runs on it").default("auto"),
+            Param::new("verify", ParamType::Enum(&["chain", "tree", "both"]), "how a drafter's block is verified: `chain` (its likeliest token per position), `tree` (a tree of its likeliest tokens per position, one target pass over all of it, the longest path the target agrees with committed; method `<drafter>+tree`), or `both` side by side; trees need an attention-only target").default("chain"),
+            Param::new("tree_width", int(), "tree verification: candidates per block position").default(4).at_least(1.0),
+            Param::new("tree_budget", int(), "tree verification: nodes per tree, the round's first token included (the target pass's width)").default(32).at_least(2.0),
         ]
     }
 

@@ -104,8 +104,17 @@ impl Totals {
 /// A method: a name and what proposes.
 enum Method {
     Autoregressive,
-    Ngram { n: usize, block: usize },
-    Drafter(Box<Drafter>),
+    Ngram {
+        n: usize,
+        block: usize,
+    },
+    Drafter(std::rc::Rc<Drafter>),
+    /// A drafter verified as a tree of its top `width` tokens per position, `budget` nodes.
+    DrafterTree {
+        drafter: std::rc::Rc<Drafter>,
+        width: usize,
+        budget: usize,
+    },
 }
 
 impl Method {
@@ -114,6 +123,15 @@ impl Method {
             Self::Autoregressive => Proposer::Autoregressive,
             Self::Ngram { n, .. } => Proposer::Ngram { n: *n },
             Self::Drafter(d) => Proposer::Drafter(d),
+            Self::DrafterTree {
+                drafter,
+                width,
+                budget,
+            } => Proposer::DrafterTree {
+                drafter,
+                width: *width,
+                budget: *budget,
+            },
         }
     }
 
@@ -121,7 +139,7 @@ impl Method {
         match self {
             Self::Autoregressive => 1,
             Self::Ngram { block, .. } => *block,
-            Self::Drafter(d) => d.config.block_size,
+            Self::Drafter(d) | Self::DrafterTree { drafter: d, .. } => d.config.block_size,
         }
     }
 }
@@ -302,8 +320,22 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             },
         ));
     }
+    // Each drafter verified as a chain (its greedy block), a tree, or both side by side.
     for (name, (d, _)) in drafters {
-        methods.push((name, Method::Drafter(Box::new(d))));
+        let d = std::rc::Rc::new(d);
+        if p.verify != "tree" {
+            methods.push((name.clone(), Method::Drafter(d.clone())));
+        }
+        if p.verify != "chain" {
+            methods.push((
+                format!("{name}+tree"),
+                Method::DrafterTree {
+                    drafter: d,
+                    width: p.tree_width.max(1) as usize,
+                    budget: p.tree_budget.max(2) as usize,
+                },
+            ));
+        }
     }
     let stop = rendering
         .as_ref()
