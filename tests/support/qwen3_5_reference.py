@@ -7,6 +7,9 @@ dflash's implementation against.
     python3 tests/support/qwen3_5_reference.py moe DIR OUT        # torch + transformers 5.24
     python3 tests/support/qwen3_5_reference.py next DIR OUT       # torch + transformers 5.24
 
+The committed references (stages/model/tests/fixtures/) were computed on CPU with torch 2.11.0
+from PyPI (`pip install --target DIR torch==2.11.0`, then PYTHONPATH=DIR) and transformers 5.24.0.
+
 `write` puts config.json and model.safetensors in DIR: seeded numpy draws, the same bytes on every
 machine (PCG64 is stable), so the reference computed once on a machine with torch holds for the
 folder written anywhere else. `reference` loads DIR with transformers' `Qwen3_5ForCausalLM` in

@@ -155,3 +155,55 @@ fn a_verification_pass_is_cropped_to_its_accepted_prefix() {
     let e = cache.truncate(50).unwrap_err().to_string();
     assert!(e.contains("position 50"), "{e}");
 }
+
+/// transformers' outputs for a model it wrote itself (`tests/support/qwen3_5_reference.py moe`
+/// or `next`), folder and outputs both in `fixtures/`: logits and every layer's output.
+fn matches_saved_reference(name: &str) {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let target = Target::load(&fixtures.join(name), &Device::Cpu).unwrap();
+    let c = &target.config;
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join(format!("{name}_reference.json"))).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(fixture["transformers"], "5.24.0", "the reference's version");
+    let all: Vec<usize> = (0..c.layers).collect();
+    for p in fixture["prompts"].as_array().unwrap() {
+        let ids: Vec<u32> = p["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let mut cache = KvCache::default();
+        let (logits, _) = target.extend(&ids, &mut cache, &[]).unwrap();
+        let d = max_diff(&rows(&logits), &json_rows(&p["logits"]));
+        assert!(
+            d < 2e-3,
+            "{name}, prompt of {}: logits differ by {d}",
+            ids.len()
+        );
+        let tapped = rows(&target.tapped(&ids, &all).unwrap());
+        for (i, layer) in p["layers"].as_array().unwrap().iter().enumerate() {
+            let got: Vec<Vec<f32>> = tapped
+                .iter()
+                .map(|r| r[i * c.hidden..(i + 1) * c.hidden].to_vec())
+                .collect();
+            let d = max_diff(&got, &json_rows(layer));
+            assert!(d < 2e-3, "{name}, layer {i}: {d}");
+        }
+    }
+}
+
+/// Qwen3.5-MoE: routed experts and the gated shared expert on the hybrid layers.
+#[test]
+fn a_qwen3_5_moe_target_matches_transformers() {
+    matches_saved_reference("qwen3_5_moe");
+}
+
+/// Qwen3-Next: fused per-key-head projections, a dense layer among sparse ones, the top-k
+/// probabilities not renormalised.
+#[test]
+fn a_qwen3_next_target_matches_transformers() {
+    matches_saved_reference("qwen3_next");
+}
