@@ -172,41 +172,61 @@ fn a_hugging_face_folder_target_trains_as_its_gguf_does() {
 
 /// The story's own kind of target, a hybrid (Qwen3.5: Gated DeltaNet and gated attention): a
 /// tiny random one as a Hugging Face folder (`tests/support/qwen3_5_reference.py`, checked
-/// against transformers in `stages/model/tests/qwen3_5.rs`). A drafter trains against its taps
-/// and benches losslessly: every verification pass is cropped to its accepted prefix, the Gated
-/// DeltaNet layers' state included.
+/// against transformers in `stages/model/tests/qwen3_5.rs`) with SmolLM2's tokenizer and chat
+/// template. The whole story runs on it: generate (the candle backend), tokenize, a drafter
+/// trained against its taps, and a bench that is lossless: every verification pass is cropped to
+/// its accepted prefix, the Gated DeltaNet layers' state included.
 #[test]
-fn a_hybrid_qwen3_5_target_trains_a_drafter_that_benches_losslessly() {
+fn a_hybrid_qwen3_5_target_runs_the_story_and_benches_losslessly() {
     let env = Env::new();
-    support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "24", "40"]);
-    support::qwen3_5_model(env.path(), "qwen35");
+    support::qwen3_5_model_with_tokenizer(env.path(), "qwen35");
+    let rows: Vec<String> = (0..10)
+        .map(|i| {
+            format!(
+                r#"{{"id": "c{i}", "conversations": [{{"from": "human", "value": "Count from {i} to {} and say why numbers matter."}}, {{"from": "gpt", "value": "old"}}]}}"#,
+                i + 9
+            )
+        })
+        .collect();
+    env.write("chats.jsonl", &(rows.join("\n") + "\n"));
     env.write(
         "p.yaml",
         r#"
 stages:
+  chats:
+    kind: download
+    params: {path: chats.jsonl}
+  completions:
+    kind: generate
+    inputs: [chats]
+    params: {backend: candle, model: qwen35, max_tokens: 24, device: cpu, batch_size: 4}
   tokens:
-    kind: command
-    params: {run: "cp train-00000.arrow $DFLASH_OUT/", files: [train-00000.arrow]}
+    kind: tokenize
+    inputs: [completions]
+    params: {tokenizer: qwen35, truncated: keep}
   drafter:
     kind: train
     inputs: [tokens]
-    params: {target: qwen35, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 95,
+    params: {target: qwen35, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 3,
              target_layers: [0, 2], epochs: 4, max_steps: 12, lr: 0.003}
   bench:
     kind: bench
-    inputs: [drafter, tokens]
+    inputs: [drafter, chats]
     params: {target: qwen35, prompts: 3, max_new_tokens: 20}
 "#,
     );
     let (st, _) = env.run("p.yaml", 0);
     assert_eq!(st["bench"], "ran", "{st:?}");
+    let g = env.show("completions", "p.yaml");
+    assert_eq!(g["stats"]["rows"], 10, "{g}");
     let t = env.show("drafter", "p.yaml");
     assert_eq!(t["stats"]["steps"], 12, "{t}");
-    let first = t["stats"]["first_loss"].as_f64().unwrap();
-    let last = t["stats"]["final_loss"].as_f64().unwrap();
-    assert!(last.is_finite() && first.is_finite(), "{t}");
+    assert!(
+        t["stats"]["final_loss"].as_f64().unwrap().is_finite(),
+        "{t}"
+    );
     let m = env.show("bench", "p.yaml");
-    let set = &m["stats"]["sets"]["tokens"];
+    let set = &m["stats"]["sets"]["chats"];
     assert_eq!(set["prompts"], 3, "{m}");
     for name in ["ngram", "drafter"] {
         let r = &set["methods"][name];

@@ -3,7 +3,7 @@ safetensors (`safetensors`), and its byte-level BPE tokenizer built from the GGU
 and merges with the `tokenizers` package (tokenizer.json, and tokenizer_config.json with the
 chat template), for the tests of targets loaded from safetensors.
 
-    python3 gguf_to_hf.py MODEL.gguf OUT_DIR [--no-tokenizer]
+    python3 gguf_to_hf.py MODEL.gguf OUT_DIR [--no-tokenizer | --tokenizer-only]
 
 llama.cpp's converter permutes the query and key rows of Llama models for its interleaved
 rotary embedding; this undoes it, so the folder is in the layout transformers uses."""
@@ -38,44 +38,46 @@ def unpermute(w, n_head):
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-layer_names = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-tensors = {}
-for t in r.tensors:
-    w = dequantize(t.data, t.tensor_type).astype(np.float32)
-    w = w.reshape([int(d) for d in reversed(t.shape)])
-    base = t.name.removesuffix(".weight")
-    if base.startswith("blk."):
-        _, i, part = base.split(".", 2)
-        if part == "attn_q":
-            w = unpermute(w, heads)
-        elif part == "attn_k":
-            w = unpermute(w, kv_heads)
-        name = f"model.layers.{i}.{layer_names[part]}"
-    else:
-        name = names[base]
-    tensors[f"{name}.weight"] = np.ascontiguousarray(w)
-save_file(tensors, os.path.join(out, "model.safetensors"))
+# `--tokenizer-only`: the tokenizer files alone (for another model that shares the vocabulary).
+if "--tokenizer-only" not in sys.argv:
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+    layer_names = {
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    tensors = {}
+    for t in r.tensors:
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        base = t.name.removesuffix(".weight")
+        if base.startswith("blk."):
+            _, i, part = base.split(".", 2)
+            if part == "attn_q":
+                w = unpermute(w, heads)
+            elif part == "attn_k":
+                w = unpermute(w, kv_heads)
+            name = f"model.layers.{i}.{layer_names[part]}"
+        else:
+            name = names[base]
+        tensors[f"{name}.weight"] = np.ascontiguousarray(w)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
 
-vocab = tensors["model.embed_tokens.weight"].shape[0]
-config = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "hidden_size": hidden, "num_hidden_layers": meta("llama.block_count"),
-    "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-    "head_dim": meta("llama.attention.key_length", hidden // heads),
-    "intermediate_size": meta("llama.feed_forward_length"), "vocab_size": vocab,
-    "rms_norm_eps": meta("llama.attention.layer_norm_rms_epsilon"),
-    "rope_theta": meta("llama.rope.freq_base", 10000.0),
-    "max_position_embeddings": meta("llama.context_length", 2048),
-    "tie_word_embeddings": "lm_head.weight" not in tensors, "torch_dtype": "float32",
-}
-with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump(config, f, indent=2)
+    vocab = tensors["model.embed_tokens.weight"].shape[0]
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "num_hidden_layers": meta("llama.block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": meta("llama.attention.key_length", hidden // heads),
+        "intermediate_size": meta("llama.feed_forward_length"), "vocab_size": vocab,
+        "rms_norm_eps": meta("llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta("llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": meta("llama.context_length", 2048),
+        "tie_word_embeddings": "lm_head.weight" not in tensors, "torch_dtype": "float32",
+    }
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 if "--no-tokenizer" in sys.argv:

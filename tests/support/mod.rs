@@ -30,6 +30,18 @@ pub fn qwen3_5_model(dir: &std::path::Path, name: &str) {
     python_helper("qwen3_5_reference.py", dir, &["write", name]);
 }
 
+/// The same, at SmolLM2's vocabulary and with its tokenizer and chat template (converted from
+/// the GGUF in `.assets/`), so pipelines can tokenize, generate and bench with it.
+pub fn qwen3_5_model_with_tokenizer(dir: &std::path::Path, name: &str) {
+    let gguf = hub::assets().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    gguf_to_hf(&gguf, &dir.join(name), &["--tokenizer-only"]);
+    python_helper(
+        "qwen3_5_reference.py",
+        dir,
+        &["write", name, "--vocab", "49152"],
+    );
+}
+
 /// Run one of the Python helpers in `tests/support` in `dir`, failing with its stderr.
 fn python_helper(script: &str, dir: &std::path::Path, args: &[&str]) {
     let out = Command::new("python3")

@@ -2,7 +2,7 @@
 where torch is present, transformers' outputs for it: the reference `tests/qwen3_5.rs` compares
 dflash's implementation against.
 
-    python3 tests/support/qwen3_5_reference.py write DIR          # numpy only: the model folder
+    python3 tests/support/qwen3_5_reference.py write DIR [--vocab N]  # numpy only: the folder
     python3 tests/support/qwen3_5_reference.py reference DIR OUT  # torch + transformers 5.24
     python3 tests/support/qwen3_5_reference.py moe DIR OUT        # torch + transformers 5.24
     python3 tests/support/qwen3_5_reference.py next DIR OUT       # torch + transformers 5.24
@@ -98,13 +98,14 @@ def tensors(c):
     return out
 
 
-def write(folder):
+def write(folder, vocab=None):
     from safetensors.numpy import save_file
 
+    config = dict(CONFIG, vocab_size=vocab) if vocab else CONFIG
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(CONFIG, f, indent=1)
-    save_file(tensors(CONFIG), os.path.join(folder, "model.safetensors"))
+        json.dump(config, f, indent=1)
+    save_file(tensors(config), os.path.join(folder, "model.safetensors"))
 
 
 def reference(folder, out):
@@ -200,7 +201,8 @@ def saved(kind, folder, out):
 
 if __name__ == "__main__":
     if sys.argv[1] == "write":
-        write(sys.argv[2])
+        # `--vocab N`: another vocabulary size (a real tokenizer's, for pipeline tests).
+        write(sys.argv[2], int(sys.argv[sys.argv.index("--vocab") + 1]) if "--vocab" in sys.argv else None)
     elif sys.argv[1] in ("moe", "next"):
         saved(sys.argv[1], sys.argv[2], sys.argv[3])
     else:
