@@ -249,3 +249,41 @@ fn a_bench_is_sized_from_its_prompts_methods_and_target() {
     let e = json(&env, &["served.yaml", PINNED[0], PINNED[1]]);
     assert!(stage(&e, "bench")["wall_hours"].is_null());
 }
+
+/// A hybrid target (Qwen3.5-27B's published config): its parameters, and the memory a decoding
+/// sequence keeps, most of it the Gated DeltaNet layers' fixed state rather than keys and values.
+#[test]
+fn a_hybrid_target_is_sized_with_its_fixed_state() {
+    let env = Env::new();
+    env.write(
+        "q27/config.json",
+        r#"{"model_type": "qwen3_5", "tie_word_embeddings": false, "text_config": {
+            "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
+            "intermediate_size": 17408, "num_attention_heads": 24, "num_key_value_heads": 4,
+            "head_dim": 256, "vocab_size": 248320, "full_attention_interval": 4,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}}"#,
+    );
+    env.write(
+        "p.yaml",
+        "stages:\n  chats: {kind: download, params: {hf: HuggingFaceH4/ultrachat_200k, limit: 1000}}\n  \
+         gen:\n    kind: generate\n    inputs: [chats]\n    params: {endpoints: ['http://127.0.0.1:1/v1'], model: q27}\n",
+    );
+    let e = json(&env, &["p.yaml", "--gpus", "1xH200"]);
+    let notes: Vec<&str> = stage(&e, "gen")["notes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    assert!(
+        notes.iter().any(|n| n.contains("26.9 B parameters")),
+        "{notes:?}"
+    );
+    // 16 attention layers x 4 KV heads x 256 x 2 (K, V) x 2 bytes per token, plus 48 states.
+    let kept = notes.iter().find(|n| n.contains("keeps")).unwrap();
+    assert!(
+        kept.contains("154 MB of it the Gated DeltaNet layers' state"),
+        "{kept}"
+    );
+}

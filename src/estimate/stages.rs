@@ -409,6 +409,29 @@ impl Sizer<'_> {
         ));
         let weights = 2.0 * p;
         let memory = hw.gpu.memory_gb * 1e9;
+        // What one sequence keeps while it decodes, and how many fit beside the weights: the
+        // servers' batch. A hybrid's Gated DeltaNet state is per layer, not per token.
+        let context = (prompt.value + output.value).ceil() as u64;
+        let per_seq = model.decode_state_bytes(context) as f64;
+        if per_seq > 0.0 {
+            let fixed = model
+                .linear
+                .as_ref()
+                .map(|l| {
+                    format!(
+                        ", {} of it the Gated DeltaNet layers' state, the same at any length",
+                        bytes((l.count * l.state_bytes()) as f64)
+                    )
+                })
+                .unwrap_or_default();
+            let room = (0.9 * memory - weights).max(0.0);
+            s.notes.push(format!(
+                "a sequence of {context} tokens keeps {} while decoding (bf16 keys and values{fixed}): {} fit beside the weights on one {}",
+                bytes(per_seq),
+                count((room / per_seq).floor()),
+                hw.gpu.name
+            ));
+        }
         let min_tp = (1..=8u32)
             .map(|t| 1u32 << t.trailing_zeros().min(3))
             .find(|&t| weights <= 0.9 * memory * f64::from(t))
