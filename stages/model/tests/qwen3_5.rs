@@ -67,45 +67,60 @@ fn prompt() -> Vec<u32> {
     (0..150u32).map(|i| (i * 37 + 11) % 96).collect()
 }
 
+/// A reference file in `fixtures/` (what `tests/support/qwen3_5_reference.py` wrote).
+fn reference(file: &str) -> serde_json::Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(file);
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(fixture["transformers"], "5.24.0", "the reference's version");
+    fixture
+}
+
+/// A prompt's token ids, and the logits and every layer's output over the whole prompt (a
+/// hybrid's chunked form) against the reference's.
+fn matches_prompt(target: &Target, p: &serde_json::Value, what: &str) -> Vec<u32> {
+    let ids: Vec<u32> = p["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let c = &target.config;
+    let mut cache = KvCache::default();
+    let (logits, _) = target.extend(&ids, &mut cache, &[]).unwrap();
+    let d = max_diff(&rows(&logits), &json_rows(&p["logits"]));
+    assert!(
+        d < 2e-3,
+        "{what}, prompt of {}: logits differ by {d}",
+        ids.len()
+    );
+    let all: Vec<usize> = (0..c.layers).collect();
+    let tapped = rows(&target.tapped(&ids, &all).unwrap());
+    for (i, layer) in p["layers"].as_array().unwrap().iter().enumerate() {
+        let got: Vec<Vec<f32>> = tapped
+            .iter()
+            .map(|r| r[i * c.hidden..(i + 1) * c.hidden].to_vec())
+            .collect();
+        let d = max_diff(&got, &json_rows(layer));
+        assert!(d < 2e-3, "{what}, layer {i}: {d}");
+    }
+    ids
+}
+
 #[test]
 fn the_hybrid_matches_transformers_logits_and_every_layer() {
     let (_dir, folder) = model_dir();
     let target = Target::load(&folder, &Device::Cpu).unwrap();
-    let c = &target.config;
-    let h = c.hybrid.as_ref().expect("a hybrid");
+    let h = target.config.hybrid.as_ref().expect("a hybrid");
     assert_eq!(h.linear, vec![true, true, false, true]);
     assert_eq!(h.rotary_dim, 4);
-    let fixture: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_5_reference.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    assert_eq!(fixture["transformers"], "5.24.0", "the reference's version");
-    for p in fixture["prompts"].as_array().unwrap() {
-        let ids: Vec<u32> = p["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
-        // Prefill: the chunked form over the whole prompt.
-        let mut cache = KvCache::default();
-        let (logits, _) = target.extend(&ids, &mut cache, &[]).unwrap();
-        let d = max_diff(&rows(&logits), &json_rows(&p["logits"]));
-        assert!(d < 2e-3, "prompt of {}: logits differ by {d}", ids.len());
-        let all: Vec<usize> = (0..c.layers).collect();
-        let tapped = rows(&target.tapped(&ids, &all).unwrap());
-        for (i, layer) in p["layers"].as_array().unwrap().iter().enumerate() {
-            let want = json_rows(layer);
-            let got: Vec<Vec<f32>> = tapped
-                .iter()
-                .map(|r| r[i * c.hidden..(i + 1) * c.hidden].to_vec())
-                .collect();
-            let d = max_diff(&got, &want);
-            assert!(d < 2e-3, "layer {i}: {d}");
-        }
+    for p in reference("qwen3_5_reference.json")["prompts"]
+        .as_array()
+        .unwrap()
+    {
+        let ids = matches_prompt(&target, p, "qwen3_5");
         // Decoding: the recurrent form with its state, one token at a time after a prefix.
         if let Some(from) = p["decode_from"].as_u64() {
             let from = from as usize;
@@ -159,39 +174,15 @@ fn a_verification_pass_is_cropped_to_its_accepted_prefix() {
 /// transformers' outputs for a model it wrote itself (`tests/support/qwen3_5_reference.py moe`
 /// or `next`), folder and outputs both in `fixtures/`: logits and every layer's output.
 fn matches_saved_reference(name: &str) {
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let target = Target::load(&fixtures.join(name), &Device::Cpu).unwrap();
-    let c = &target.config;
-    let fixture: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures.join(format!("{name}_reference.json"))).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(fixture["transformers"], "5.24.0", "the reference's version");
-    let all: Vec<usize> = (0..c.layers).collect();
-    for p in fixture["prompts"].as_array().unwrap() {
-        let ids: Vec<u32> = p["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
-        let mut cache = KvCache::default();
-        let (logits, _) = target.extend(&ids, &mut cache, &[]).unwrap();
-        let d = max_diff(&rows(&logits), &json_rows(&p["logits"]));
-        assert!(
-            d < 2e-3,
-            "{name}, prompt of {}: logits differ by {d}",
-            ids.len()
-        );
-        let tapped = rows(&target.tapped(&ids, &all).unwrap());
-        for (i, layer) in p["layers"].as_array().unwrap().iter().enumerate() {
-            let got: Vec<Vec<f32>> = tapped
-                .iter()
-                .map(|r| r[i * c.hidden..(i + 1) * c.hidden].to_vec())
-                .collect();
-            let d = max_diff(&got, &json_rows(layer));
-            assert!(d < 2e-3, "{name}, layer {i}: {d}");
-        }
+    let folder = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    let target = Target::load(&folder, &Device::Cpu).unwrap();
+    for p in reference(&format!("{name}_reference.json"))["prompts"]
+        .as_array()
+        .unwrap()
+    {
+        matches_prompt(&target, p, name);
     }
 }
 

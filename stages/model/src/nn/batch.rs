@@ -248,17 +248,7 @@ mod tests {
         Target::random(config, 3, DType::F32, &Device::Cpu).expect("target")
     }
 
-    /// The largest absolute difference between two tensors of one shape.
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .expect("diff")
-            .abs()
-            .expect("abs")
-            .max_all()
-            .expect("max")
-            .to_scalar()
-            .expect("scalar")
-    }
+    use crate::nn::testing::max_diff;
 
     /// Each sequence of a padded batch gets the logits it gets decoded alone, at the prefill
     /// and at every step after it, prompts of different lengths together.

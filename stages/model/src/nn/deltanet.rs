@@ -373,18 +373,7 @@ mod tests {
         }
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
+    use crate::nn::testing::max_diff;
 
     /// The chunked form equals the token-by-token one, over several chunks and a ragged end, from
     /// a fresh state and from a carried one; and a sequence cut in two and resumed from the

@@ -715,15 +715,7 @@ pub(crate) mod tests {
             all
         };
         for (i, (a, b)) in run(true).iter().zip(run(false)).enumerate() {
-            let diff = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap();
-            assert!(diff.to_scalar::<f64>().unwrap() < 1e-12, "tensor {i}");
+            assert!(crate::nn::testing::max_diff(a, &b) < 1e-12, "tensor {i}");
         }
     }
 }

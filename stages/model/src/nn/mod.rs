@@ -22,5 +22,25 @@ pub use objective::{Batch, StepMetrics};
 pub use optim::{AdamW, Schedule};
 pub use target::{Target, TargetConfig};
 
+/// What the unit tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use candle_core::{DType, Tensor};
+
+    /// The largest absolute difference between two tensors of one shape (in f64).
+    pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+}
+
 /// Errors of the networks: candle's, or a model file that is not what it should be.
 pub type Result<T> = candle_core::Result<T>;

@@ -193,21 +193,14 @@ pub fn decode(
         let at = prompt.len() + tokens.len() - 1;
         // The round commits at most the proposals plus one.
         let room = (s.max_new_tokens - tokens.len()).min(block) - 1;
-        if let Proposer::DrafterTree {
+        // This round's accepted proposals and the target's token after them.
+        let (accepted, next): (Vec<u32>, u32) = if let Proposer::DrafterTree {
             drafter: d,
             width,
             budget,
         } = proposer
         {
-            let ctx = pending.take().expect("the taps of the accepted tokens");
-            let first_pos = drafter_ctx.as_ref().map_or(0, ContextKv::len) as u32;
-            let positions: Vec<u32> = (first_pos..first_pos + ctx.dim(0)? as u32).collect();
-            let more = d.context_kv(&ctx.to_dtype(target.dtype)?, &positions)?;
-            match drafter_ctx.as_mut() {
-                Some(c) => c.extend(more)?,
-                None => drafter_ctx = Some(more),
-            }
-            let ctx = drafter_ctx.as_ref().expect("set");
+            let ctx = extend_context(target, d, &mut pending, &mut drafter_ctx)?;
             let tree = if room == 0 {
                 Tree::root(anchor)
             } else {
@@ -226,58 +219,39 @@ pub fn decode(
                 logits.device(),
             )?;
             pending = tapped.map(|t| t.index_select(&rows, 0)).transpose()?;
-            let k = path.len() - 1;
-            out.rounds += 1;
-            for hit in &mut out.accepted_at[..k] {
-                *hit += 1;
-            }
-            for t in path[1..].iter().map(|&i| tree.tokens[i]).chain([next]) {
-                out.committed += 1;
-                if s.stop.contains(&t) {
-                    stopped = true;
-                    break;
+            (path[1..].iter().map(|&i| tree.tokens[i]).collect(), next)
+        } else {
+            let proposed: Vec<u32> = match proposer {
+                Proposer::Autoregressive => Vec::new(),
+                _ if room == 0 => Vec::new(),
+                Proposer::Ngram { n } => {
+                    let history: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
+                    ngram_lookup(&history, *n, room)
                 }
-                tokens.push(t);
-            }
-            continue;
-        }
-        let proposed: Vec<u32> = match proposer {
-            Proposer::Autoregressive => Vec::new(),
-            _ if room == 0 => Vec::new(),
-            Proposer::Ngram { n } => {
-                let history: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
-                ngram_lookup(&history, *n, room)
-            }
-            Proposer::Oracle(known) => known
-                .iter()
-                .skip(tokens.len())
-                .take(room)
-                .copied()
-                .collect(),
-            Proposer::DrafterTree { .. } => unreachable!("handled above"),
-            Proposer::Drafter(d) => {
-                let ctx = pending.take().expect("the taps of the accepted tokens");
-                let first_pos = drafter_ctx.as_ref().map_or(0, ContextKv::len) as u32;
-                let positions: Vec<u32> = (first_pos..first_pos + ctx.dim(0)? as u32).collect();
-                let more = d.context_kv(&ctx.to_dtype(target.dtype)?, &positions)?;
-                match drafter_ctx.as_mut() {
-                    Some(c) => c.extend(more)?,
-                    None => drafter_ctx = Some(more),
+                Proposer::Oracle(known) => known
+                    .iter()
+                    .skip(tokens.len())
+                    .take(room)
+                    .copied()
+                    .collect(),
+                Proposer::DrafterTree { .. } => unreachable!("handled above"),
+                Proposer::Drafter(d) => {
+                    let ctx = extend_context(target, d, &mut pending, &mut drafter_ctx)?;
+                    propose(target, d, ctx, anchor, at, room)?
                 }
-                let ctx = drafter_ctx.as_ref().expect("set");
-                propose(target, d, ctx, anchor, at, room)?
-            }
+            };
+            let ids: Vec<u32> = std::iter::once(anchor).chain(proposed.clone()).collect();
+            let (logits, tapped) = target.extend(&ids, &mut cache, taps)?;
+            let (k, next) = verify(&logits, &proposed, s.temperature, &mut rng)?;
+            cache.truncate(at + k + 1)?;
+            pending = tapped.map(|t| t.narrow(0, 0, k + 1)).transpose()?;
+            (proposed[..k].to_vec(), next)
         };
-        let ids: Vec<u32> = std::iter::once(anchor).chain(proposed.clone()).collect();
-        let (logits, tapped) = target.extend(&ids, &mut cache, taps)?;
-        let (k, next) = verify(&logits, &proposed, s.temperature, &mut rng)?;
-        cache.truncate(at + k + 1)?;
-        pending = tapped.map(|t| t.narrow(0, 0, k + 1)).transpose()?;
         out.rounds += 1;
-        for hit in &mut out.accepted_at[..k] {
+        for hit in &mut out.accepted_at[..accepted.len()] {
             *hit += 1;
         }
-        for t in proposed[..k].iter().copied().chain([next]) {
+        for t in accepted.into_iter().chain([next]) {
             out.committed += 1;
             if s.stop.contains(&t) {
                 stopped = true;
@@ -298,6 +272,50 @@ pub fn decode(
     Ok(out)
 }
 
+/// Hand the taps of the tokens accepted last round (`pending`) to the drafter's cached context
+/// (its keys and values are computed once per accepted token); the context as it now is.
+fn extend_context<'c>(
+    target: &Target,
+    d: &Drafter,
+    pending: &mut Option<Tensor>,
+    drafter_ctx: &'c mut Option<ContextKv>,
+) -> Result<&'c ContextKv> {
+    let ctx = pending.take().expect("the taps of the accepted tokens");
+    let first_pos = drafter_ctx.as_ref().map_or(0, ContextKv::len) as u32;
+    let positions: Vec<u32> = (first_pos..first_pos + ctx.dim(0)? as u32).collect();
+    let more = d.context_kv(&ctx.to_dtype(target.dtype)?, &positions)?;
+    match drafter_ctx.as_mut() {
+        Some(c) => c.extend(more)?,
+        None => *drafter_ctx = Some(more),
+    }
+    Ok(drafter_ctx.as_ref().expect("set"))
+}
+
+/// The drafter's logits `[B - 1, V]` at the block positions after `anchor` (at position `at`):
+/// one non-causal pass over `[anchor, MASK x (B - 1)]`, which sees all of the context.
+fn block_logits(
+    target: &Target,
+    d: &Drafter,
+    ctx: &ContextKv,
+    anchor: u32,
+    at: usize,
+) -> Result<Tensor> {
+    let b = d.config.block_size;
+    let device = target.embed.device();
+    let ids: Vec<u32> = std::iter::once(anchor)
+        .chain(std::iter::repeat_n(d.config.mask_token_id, b - 1))
+        .collect();
+    let embedded = target.embed(&Tensor::new(ids.as_slice(), device)?)?;
+    let positions: Vec<u32> = (at as u32..(at + b) as u32).collect();
+    let mask = super::ops::BlockMask::new(vec![ctx.len() as u32], ctx.len(), b);
+    let hidden = d.forward_block(ctx, &embedded, &positions, &mask)?;
+    super::ops::Linear::Dense(target.lm_head.to_dtype(hidden.dtype())?).forward(&hidden.narrow(
+        0,
+        1,
+        b - 1,
+    )?)
+}
+
 /// The drafter's greedy proposals for the `room` positions after `anchor` (at position `at`).
 fn propose(
     target: &Target,
@@ -307,18 +325,7 @@ fn propose(
     at: usize,
     room: usize,
 ) -> Result<Vec<u32>> {
-    let b = d.config.block_size;
-    let device = target.embed.device();
-    let ids: Vec<u32> = std::iter::once(anchor)
-        .chain(std::iter::repeat_n(d.config.mask_token_id, b - 1))
-        .collect();
-    let embedded = target.embed(&Tensor::new(ids.as_slice(), device)?)?;
-    let positions: Vec<u32> = (at as u32..(at + b) as u32).collect();
-    // The block sees all of the context and all of itself.
-    let mask = super::ops::BlockMask::new(vec![ctx.len() as u32], ctx.len(), b);
-    let hidden = d.forward_block(ctx, &embedded, &positions, &mask)?;
-    let logits = super::ops::Linear::Dense(target.lm_head.to_dtype(hidden.dtype())?)
-        .forward(&hidden.narrow(0, 1, b - 1)?)?;
+    let logits = block_logits(target, d, ctx, anchor, at)?;
     let mut best: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
     best.truncate(room);
     Ok(best)
@@ -335,17 +342,8 @@ fn propose_top(
     room: usize,
     width: usize,
 ) -> Result<Vec<Vec<(u32, f32)>>> {
-    let b = d.config.block_size;
-    let device = target.embed.device();
-    let ids: Vec<u32> = std::iter::once(anchor)
-        .chain(std::iter::repeat_n(d.config.mask_token_id, b - 1))
-        .collect();
-    let embedded = target.embed(&Tensor::new(ids.as_slice(), device)?)?;
-    let positions: Vec<u32> = (at as u32..(at + b) as u32).collect();
-    let mask = super::ops::BlockMask::new(vec![ctx.len() as u32], ctx.len(), b);
-    let hidden = d.forward_block(ctx, &embedded, &positions, &mask)?;
-    let logits = super::ops::Linear::Dense(target.lm_head.to_dtype(hidden.dtype())?)
-        .forward(&hidden.narrow(0, 1, room.min(b - 1))?)?;
+    let logits = block_logits(target, d, ctx, anchor, at)?;
+    let logits = logits.narrow(0, 0, room.min(logits.dim(0)?))?;
     let probs: Vec<Vec<f32>> =
         candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?.to_vec2()?;
     Ok(probs

@@ -32,18 +32,7 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
         .expect("cpu")
 }
 
-fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-}
+use crate::nn::testing::max_diff;
 
 /// A mask with a fully masked row and a row that sees one key.
 fn mask(nq: usize, nk: usize) -> Tensor {
