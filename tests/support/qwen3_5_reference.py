@@ -6,6 +6,7 @@ dflash's implementation against.
     python3 tests/support/qwen3_5_reference.py reference DIR OUT  # torch + transformers 5.24
     python3 tests/support/qwen3_5_reference.py moe DIR OUT        # torch + transformers 5.24
     python3 tests/support/qwen3_5_reference.py next DIR OUT       # torch + transformers 5.24
+    python3 tests/support/qwen3_5_reference.py qwen3_moe DIR OUT  # torch + transformers 5.24
 
 The committed references (stages/model/tests/fixtures/) were computed on CPU with torch 2.11.0
 from PyPI (`pip install --target DIR torch==2.11.0`, then PYTHONPATH=DIR) and transformers 5.24.0.
@@ -17,8 +18,9 @@ f32 and writes OUT (JSON): for each prompt, the logits and every layer's output 
 states a drafter taps) over the whole prompt at once (the chunked Gated DeltaNet form), and the
 logits of decoding it one token at a time after a prefix (the recurrent form with its state).
 
-`moe` and `next` do the same for a tiny `qwen3_5_moe_text` model (the experts and router of
-Qwen3.5-MoE on the same hybrid layers) and a tiny `qwen3_next` one: their weights are drawn by
+`moe`, `next` and `qwen3_moe` do the same for a tiny `qwen3_5_moe_text` model (the experts and
+router of Qwen3.5-MoE on the same hybrid layers), a tiny `qwen3_next` one and a tiny `qwen3_moe`
+one (dense attention, experts without a shared one, a dense layer among them): their weights are drawn by
 torch and written by transformers' `save_pretrained` into DIR, which travels with the reference
 (the on-disk layout is transformers' own)."""
 import json
@@ -174,7 +176,14 @@ def saved(kind, folder, out):
 
     c = dict(CONFIG, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
              shared_expert_intermediate_size=20)
-    if kind == "moe":
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeForCausalLM as Model, Qwen3MoeConfig as Config
+
+        c = {k: v for k, v in c.items() if not k.startswith("linear_") and k not in
+             ("layer_types", "shared_expert_intermediate_size", "rope_parameters")}
+        c.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                 mlp_only_layers=[1], norm_topk_prob=True, rope_theta=10000.0)
+    elif kind == "moe":
         from transformers import Qwen3_5MoeForCausalLM as Model, Qwen3_5MoeTextConfig as Config
 
         c.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
@@ -203,7 +212,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "write":
         # `--vocab N`: another vocabulary size (a real tokenizer's, for pipeline tests).
         write(sys.argv[2], int(sys.argv[sys.argv.index("--vocab") + 1]) if "--vocab" in sys.argv else None)
-    elif sys.argv[1] in ("moe", "next"):
+    elif sys.argv[1] in ("moe", "next", "qwen3_moe"):
         saved(sys.argv[1], sys.argv[2], sys.argv[3])
     else:
         reference(sys.argv[2], sys.argv[3])

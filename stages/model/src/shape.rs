@@ -317,7 +317,10 @@ impl ModelShape {
         let hidden = need("hidden_size")?;
         let heads = need("num_attention_heads")?;
         let layers = need("num_hidden_layers")?;
-        let experts = match (int("num_experts"), int("num_experts_per_tok")) {
+        let experts = match (
+            int("num_experts").or_else(|| int("num_local_experts")),
+            int("num_experts_per_tok"),
+        ) {
             (Some(count), Some(per_token)) if count > 0 && per_token > 0 => Some(Experts {
                 count,
                 per_token,
@@ -475,7 +478,13 @@ impl ModelShape {
             None => 3 * h * self.ffn,
             Some(e) => {
                 let routed = if active { e.per_token } else { e.count };
-                routed * 3 * h * self.ffn + 3 * h * e.shared_ffn + e.count * h + h
+                // The router, and a shared expert with its scale where there is one.
+                let shared = if e.shared_ffn > 0 {
+                    3 * h * e.shared_ffn + h
+                } else {
+                    0
+                };
+                routed * 3 * h * self.ffn + e.count * h + shared
             }
         }
     }

@@ -198,3 +198,9 @@ fn a_qwen3_5_moe_target_matches_transformers() {
 fn a_qwen3_next_target_matches_transformers() {
     matches_saved_reference("qwen3_next");
 }
+
+/// Qwen3-MoE: dense attention, routed experts without a shared one, a dense layer among them.
+#[test]
+fn a_qwen3_moe_target_matches_transformers() {
+    matches_saved_reference("qwen3_moe");
+}

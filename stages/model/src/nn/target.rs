@@ -73,17 +73,31 @@ pub(super) struct Layer {
     pub(super) attn_norm: Tensor,
     pub(super) mixer: Mixer,
     pub(super) ffn_norm: Tensor,
-    /// The MLP; a mixture-of-experts layer's shared expert.
-    pub(super) gate: Linear,
-    pub(super) up: Linear,
-    pub(super) down: Linear,
-    /// A mixture-of-experts layer's router and experts (Qwen3.5-MoE).
-    pub(super) moe: Option<Moe>,
+    pub(super) mlp: Mlp,
 }
 
-/// A mixture-of-experts MLP (Qwen3.5-MoE): each token goes to its `top_k` experts by the
-/// router's softmax, their outputs weighted by the renormalised probabilities, plus the shared
-/// expert (the layer's `gate`/`up`/`down`) scaled by `sigmoid(shared_gate(x))`.
+/// A layer's MLP.
+pub(super) enum Mlp {
+    /// SwiGLU: `down(silu(gate(x)) * up(x))`.
+    Dense {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    /// A mixture of experts.
+    Experts(Moe),
+}
+
+impl Mlp {
+    fn dense(gate: Linear, up: Linear, down: Linear) -> Self {
+        Self::Dense { gate, up, down }
+    }
+}
+
+/// A mixture-of-experts MLP (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next): each token goes to its
+/// `top_k` experts by the router's softmax, their outputs weighted by those probabilities
+/// (renormalised over the k where the model says so), plus, where the model has one, the shared
+/// expert scaled by `sigmoid(shared.scale(x))`.
 pub(super) struct Moe {
     /// `[experts, H]`.
     pub(super) router: Linear,
@@ -91,15 +105,24 @@ pub(super) struct Moe {
     pub(super) experts: Vec<(Linear, Linear, Linear)>,
     pub(super) top_k: usize,
     /// Whether the top k probabilities are renormalised to sum to 1 (Qwen3.5-MoE always;
-    /// Qwen3-Next's `norm_topk_prob`).
+    /// Qwen3-MoE's and Qwen3-Next's `norm_topk_prob`).
     pub(super) renormalise: bool,
-    /// `[1, H]`.
-    pub(super) shared_gate: Linear,
+    /// The shared expert (Qwen3.5-MoE, Qwen3-Next; not Qwen3-MoE).
+    pub(super) shared: Option<SharedExpert>,
+}
+
+/// An expert every token goes through, scaled per token.
+pub(super) struct SharedExpert {
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
+    /// `[1, H]`: the scale's logit.
+    pub(super) scale: Linear,
 }
 
 impl Moe {
     /// The routed experts' and the shared expert's output for rows `x` `[n, H]`.
-    fn forward(&self, x: &Tensor, layer: &Layer) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let n = x.dim(0)?;
         let probs =
             candle_nn::ops::softmax_last_dim(&self.router.forward(x)?.to_dtype(DType::F32)?)?;
@@ -134,8 +157,11 @@ impl Moe {
                 .unsqueeze(1)?;
             out = out.index_add(&at, &y.broadcast_mul(&w)?, 0)?;
         }
-        let shared = super::ops::swiglu(x, &layer.gate, &layer.up, &layer.down)?;
-        let scale = candle_nn::ops::sigmoid(&self.shared_gate.forward(x)?)?;
+        let Some(s) = &self.shared else {
+            return Ok(out);
+        };
+        let shared = super::ops::swiglu(x, &s.gate, &s.up, &s.down)?;
+        let scale = candle_nn::ops::sigmoid(&s.scale.forward(x)?)?;
         out + shared.broadcast_mul(&scale)?
     }
 }
@@ -143,9 +169,9 @@ impl Moe {
 impl Layer {
     /// The MLP's output for rows `h` (normed).
     pub(super) fn mlp(&self, h: &Tensor) -> Result<Tensor> {
-        match &self.moe {
-            Some(moe) => moe.forward(h, self),
-            None => super::ops::swiglu(h, &self.gate, &self.up, &self.down),
+        match &self.mlp {
+            Mlp::Experts(moe) => moe.forward(h),
+            Mlp::Dense { gate, up, down } => super::ops::swiglu(h, gate, up, down),
         }
     }
 }
@@ -304,10 +330,7 @@ impl Target {
                     gated: false,
                 }),
                 ffn_norm: dense("ffn_norm")?,
-                gate,
-                up,
-                down,
-                moe: None,
+                mlp: Mlp::dense(gate, up, down),
             });
         }
         let config = TargetConfig {
@@ -344,9 +367,9 @@ impl Target {
         let shape = crate::shape::ModelShape::from_config_json(&config_path)
             .map_err(|e| msg(e.to_string()))?;
         let hybrid_family = is_hybrid_family(&shape.family);
-        if shape.family != "llama" && shape.family != "qwen3" && !hybrid_family {
+        if !matches!(shape.family.as_str(), "llama" | "qwen3" | "qwen3_moe") && !hybrid_family {
             return Err(msg(format!(
-                "model_type `{}`; targets are `llama`, `qwen3` and `qwen3_5` models",
+                "model_type `{}`; targets are `llama`, `qwen3`, `qwen3_moe`, `qwen3_5` (and its MoE) and `qwen3_next` models",
                 shape.family
             )));
         }
@@ -366,7 +389,10 @@ impl Target {
         };
         // Mixture-of-experts MLPs: (experts, experts per token).
         let experts = match (
-            doc.get("num_experts").and_then(serde_json::Value::as_u64),
+            // Qwen3-MoE's config names them `num_local_experts`.
+            doc.get("num_experts")
+                .or_else(|| doc.get("num_local_experts"))
+                .and_then(serde_json::Value::as_u64),
             doc.get("num_experts_per_tok")
                 .and_then(serde_json::Value::as_u64),
         ) {
@@ -404,7 +430,7 @@ impl Target {
             vocab: shape.vocab as usize,
             eps: float("rms_norm_eps").unwrap_or(1e-6),
             rope_theta: rope("rope_theta").unwrap_or(10_000.0),
-            qk_norm: shape.family == "qwen3" || hybrid_family,
+            qk_norm: shape.family.starts_with("qwen3"),
             context: doc
                 .get("max_position_embeddings")
                 .and_then(serde_json::Value::as_u64)
@@ -496,12 +522,11 @@ impl Target {
                 })
             };
             let sparse = !dense_layers.contains(&(i as u64)) && (i as u64 + 1) % sparse_step == 0;
-            let (gate, up, down, moe) = match experts.filter(|_| sparse) {
-                None => (
+            let mlp = match experts.filter(|_| sparse) {
+                None => Mlp::dense(
                     Linear::Dense(w("mlp.gate_proj.weight")?),
                     Linear::Dense(w("mlp.up_proj.weight")?),
                     Linear::Dense(w("mlp.down_proj.weight")?),
-                    None,
                 ),
                 Some((count, top_k)) => {
                     // Published checkpoints hold one tensor per expert; transformers' own
@@ -526,26 +551,28 @@ impl Target {
                             list.push((x("gate_proj")?, x("up_proj")?, x("down_proj")?));
                         }
                     }
-                    (
-                        Linear::Dense(w("mlp.shared_expert.gate_proj.weight")?),
-                        Linear::Dense(w("mlp.shared_expert.up_proj.weight")?),
-                        Linear::Dense(w("mlp.shared_expert.down_proj.weight")?),
-                        Some(Moe {
-                            router: Linear::Dense(w("mlp.gate.weight")?),
-                            experts: list,
-                            top_k,
-                            renormalise,
-                            shared_gate: Linear::Dense(w("mlp.shared_expert_gate.weight")?),
+                    // Qwen3-MoE has no shared expert.
+                    let shared = match w("mlp.shared_expert_gate.weight") {
+                        Ok(scale) => Some(SharedExpert {
+                            gate: Linear::Dense(w("mlp.shared_expert.gate_proj.weight")?),
+                            up: Linear::Dense(w("mlp.shared_expert.up_proj.weight")?),
+                            down: Linear::Dense(w("mlp.shared_expert.down_proj.weight")?),
+                            scale: Linear::Dense(scale),
                         }),
-                    )
+                        Err(_) => None,
+                    };
+                    Mlp::Experts(Moe {
+                        router: Linear::Dense(w("mlp.gate.weight")?),
+                        experts: list,
+                        top_k,
+                        renormalise,
+                        shared,
+                    })
                 }
             };
             layers.push(Layer {
                 mixer,
-                gate,
-                up,
-                down,
-                moe,
+                mlp,
                 attn_norm: centred(w("input_layernorm.weight")?)?,
                 ffn_norm: centred(w("post_attention_layernorm.weight")?)?,
             });
@@ -608,10 +635,11 @@ impl Target {
                     gated: false,
                 }),
                 ffn_norm: ones(c.hidden)?,
-                moe: None,
-                gate: Linear::Dense(w(c.ffn, c.hidden)?),
-                up: Linear::Dense(w(c.ffn, c.hidden)?),
-                down: Linear::Dense(w(c.hidden, c.ffn)?),
+                mlp: Mlp::dense(
+                    Linear::Dense(w(c.ffn, c.hidden)?),
+                    Linear::Dense(w(c.ffn, c.hidden)?),
+                    Linear::Dense(w(c.hidden, c.ffn)?),
+                ),
             });
         }
         let lm_head = w(c.vocab, c.hidden)?;
@@ -643,15 +671,17 @@ impl Target {
             out.push((p("input_layernorm"), l.attn_norm.clone()));
             out.push((p("post_attention_layernorm"), l.ffn_norm.clone()));
             // Hybrids' layers are not written back (nothing reads them in this layout).
-            let Ok(a) = l.attention() else { continue };
+            let (Ok(a), Mlp::Dense { gate, up, down }) = (l.attention(), &l.mlp) else {
+                continue;
+            };
             for (n, x) in [
                 ("self_attn.q_proj", &a.q),
                 ("self_attn.k_proj", &a.k),
                 ("self_attn.v_proj", &a.v),
                 ("self_attn.o_proj", &a.o),
-                ("mlp.gate_proj", &l.gate),
-                ("mlp.up_proj", &l.up),
-                ("mlp.down_proj", &l.down),
+                ("mlp.gate_proj", gate),
+                ("mlp.up_proj", up),
+                ("mlp.down_proj", down),
             ] {
                 if let Some(w) = dense(x) {
                     out.push((p(n), w));
@@ -703,9 +733,9 @@ impl Target {
                         eps: d.eps,
                     }),
                 };
-                let moe = match &l.moe {
-                    None => None,
-                    Some(m) => Some(Moe {
+                let mlp = match &l.mlp {
+                    Mlp::Dense { gate, up, down } => Mlp::dense(lin(gate)?, lin(up)?, lin(down)?),
+                    Mlp::Experts(m) => Mlp::Experts(Moe {
                         router: lin(&m.router)?,
                         experts: m
                             .experts
@@ -714,17 +744,25 @@ impl Target {
                             .collect::<Result<_>>()?,
                         top_k: m.top_k,
                         renormalise: m.renormalise,
-                        shared_gate: lin(&m.shared_gate)?,
+                        shared: m
+                            .shared
+                            .as_ref()
+                            .map(|s| -> Result<SharedExpert> {
+                                Ok(SharedExpert {
+                                    gate: lin(&s.gate)?,
+                                    up: lin(&s.up)?,
+                                    down: lin(&s.down)?,
+                                    scale: lin(&s.scale)?,
+                                })
+                            })
+                            .transpose()?,
                     }),
                 };
                 Ok(Layer {
                     attn_norm: mv(&l.attn_norm)?,
                     mixer,
-                    moe,
+                    mlp,
                     ffn_norm: mv(&l.ffn_norm)?,
-                    gate: lin(&l.gate)?,
-                    up: lin(&l.up)?,
-                    down: lin(&l.down)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -1375,20 +1413,25 @@ mod tests {
                 gated: false,
             }),
             ffn_norm: Tensor::ones(h, DType::F64, &cpu).unwrap(),
-            gate: dense(w(ffn, h)),
-            up: dense(w(ffn, h)),
-            down: dense(w(h, ffn)),
-            moe: Some(Moe {
+            mlp: Mlp::Experts(Moe {
                 router: dense(w(experts, h)),
                 experts: list,
                 top_k: k,
                 renormalise: true,
-                shared_gate: dense(w(1, h)),
+                shared: Some(SharedExpert {
+                    gate: dense(w(ffn, h)),
+                    up: dense(w(ffn, h)),
+                    down: dense(w(h, ffn)),
+                    scale: dense(w(1, h)),
+                }),
             }),
         };
         let x = w(n, h);
         let got: Vec<Vec<f64>> = layer.mlp(&x).unwrap().to_vec2().unwrap();
-        let moe = layer.moe.as_ref().unwrap();
+        let Mlp::Experts(moe) = &layer.mlp else {
+            unreachable!("built above")
+        };
+        let s = moe.shared.as_ref().unwrap();
         let probs: Vec<Vec<f64>> =
             candle_nn::ops::softmax_last_dim(&moe.router.forward(&x).unwrap())
                 .unwrap()
@@ -1404,12 +1447,11 @@ mod tests {
                     .unwrap()
             })
             .collect();
-        let shared: Vec<Vec<f64>> =
-            super::super::ops::swiglu(&x, &layer.gate, &layer.up, &layer.down)
-                .unwrap()
-                .to_vec2()
-                .unwrap();
-        let gate: Vec<Vec<f64>> = moe.shared_gate.forward(&x).unwrap().to_vec2().unwrap();
+        let shared: Vec<Vec<f64>> = super::super::ops::swiglu(&x, &s.gate, &s.up, &s.down)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        let gate: Vec<Vec<f64>> = s.scale.forward(&x).unwrap().to_vec2().unwrap();
         for r in 0..n {
             let mut order: Vec<usize> = (0..experts).collect();
             order.sort_by(|&a, &b| probs[r][b].total_cmp(&probs[r][a]));
