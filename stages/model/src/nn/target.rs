@@ -1,5 +1,7 @@
-//! The frozen target: a Llama- or Qwen3-family decoder that returns the outputs of chosen layers
-//! (the drafter's context) and lends the drafter its embedding table and LM head. Loaded from
+//! The frozen target: a Llama- or Qwen3-family decoder (dense or mixture-of-experts MLPs; the
+//! hybrids Qwen3.5 / Qwen3-Next, whose Gated DeltaNet layers are in [`super::deltanet`]) that
+//! returns the outputs of chosen layers (the drafter's context) and lends the drafter its
+//! embedding table and LM head. Loaded from
 //! GGUF (quantized weights stay quantized) or a Hugging Face folder (safetensors), or built
 //! with random weights at a real shape (for benchmarks and tests). Training calls
 //! [`Target::tapped`], a fresh causal forward over one sequence; decoding calls
