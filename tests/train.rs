@@ -235,4 +235,14 @@ stages:
             "{name}: greedy speculation changed the output: {r}"
         );
     }
+    // Tree verification follows branches a Gated DeltaNet state cannot: refused at plan time.
+    let p = std::fs::read_to_string(env.path().join("p.yaml")).unwrap();
+    env.write(
+        "tree.yaml",
+        &p.replace("max_new_tokens: 20}", "max_new_tokens: 20, verify: tree}"),
+    );
+    let o = env.dflash(&["plan", "tree.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("attention-only target"), "{err}");
 }

@@ -179,6 +179,21 @@ impl StageKind for BenchKind {
                 );
             }
         }
+        // A tree is verified in one pass over branches; a Gated DeltaNet state follows one
+        // sequence, so hybrid targets verify chains only.
+        if params["verify"].as_str().is_some_and(|v| v != "chain")
+            && let Some(target) = params["target"].as_str()
+            && let Ok(shape) = dflash_model::shape::ModelShape::locate(target, env.cwd)
+            && shape.linear.is_some()
+        {
+            issues.push(
+                Issue::new(
+                    "verify",
+                    format!("tree verification needs an attention-only target; `{target}` has Gated DeltaNet layers"),
+                )
+                .help("use `verify: chain` with this target"),
+            );
+        }
         // Prompt lookup measured at another block size than the drafter would compare two
         // things at once.
         if let Some(b) = params["block_size"].as_u64()
