@@ -244,5 +244,8 @@ stages:
     let o = env.dflash(&["plan", "tree.yaml"]);
     assert_eq!(o.status.code(), Some(2));
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("attention-only target"), "{err}");
+    assert!(
+        err.contains("attention-only") && err.contains("verify: chain"),
+        "{err}"
+    );
 }
