@@ -18,6 +18,11 @@
 //! value and the gradients of its five inputs, the target's causal attention after a cache) in
 //! bf16 on the device against the composed path in f64 on CPU, one JSON line per tensor.
 //!
+//! `train_probe target FOLDER [--tokens 512] [--repeats 3]`: a Hugging Face target folder's
+//! forward over one sequence of `--tokens` random ids (every layer, no KV cache: what `train`
+//! runs per sequence), timed `--repeats` times after a warm-up; one JSON line with the median
+//! seconds (`bench/hybrid_forward.py` runs transformers beside it).
+//!
 //! `train_probe parity OUT.safetensors`: a small target and drafter (f32, weights drawn on CPU),
 //! one sequence, one loss; writes every weight, the batch, the loss, the taps and every
 //! gradient, for `bench/train_reference.py` to recompute in PyTorch and compare.
@@ -672,6 +677,35 @@ fn parity(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// `train_probe target`: see the module docs.
+fn target_forward(args: &[String]) -> Result<()> {
+    let folder = args.get(2).ok_or("train_probe target FOLDER [--tokens N] [--repeats N]")?;
+    let tokens: usize = arg(args, "--tokens", 512);
+    let repeats: usize = arg(args, "--repeats", 3);
+    let device = dflash_model::nn::device::select("auto")?;
+    let target = Target::load(std::path::Path::new(folder), &device)?;
+    let vocab = target.config.vocab as u32;
+    let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let all: Vec<usize> = (0..target.config.layers).collect();
+    let run = || -> Result<f64> {
+        let t = Instant::now();
+        let out = target.tapped(&ids, &all)?;
+        // Wait for the device: the sum crosses to the host.
+        out.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    run()?;
+    let mut times: Vec<f64> = (0..repeats.max(1)).map(|_| run()).collect::<Result<_>>()?;
+    times.sort_by(f64::total_cmp);
+    println!(
+        "{}",
+        serde_json::json!({"tokens": tokens, "layers": target.config.layers,
+            "device": if device.is_cuda() { "cuda" } else { "cpu" },
+            "seconds": times[times.len() / 2], "all": times})
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
@@ -680,8 +714,9 @@ fn main() -> Result<()> {
         Some("fused") => fused(&args),
         Some("parts") => parts(&args),
         Some("flash") => flash(&args),
+        Some("target") => target_forward(&args),
         _ => Err(
-            "usage: train_probe speed [...] | parts [...] | fused | flash | parity OUT.safetensors"
+            "usage: train_probe speed [...] | parts [...] | fused | flash | target FOLDER [...] | parity OUT.safetensors"
                 .into(),
         ),
     }
