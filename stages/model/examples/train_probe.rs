@@ -679,13 +679,17 @@ fn parity(args: &[String]) -> Result<()> {
 
 /// `train_probe target`: see the module docs.
 fn target_forward(args: &[String]) -> Result<()> {
-    let folder = args.get(2).ok_or("train_probe target FOLDER [--tokens N] [--repeats N]")?;
+    let folder = args
+        .get(2)
+        .ok_or("train_probe target FOLDER [--tokens N] [--repeats N]")?;
     let tokens: usize = arg(args, "--tokens", 512);
     let repeats: usize = arg(args, "--repeats", 3);
     let device = dflash_model::nn::device::select("auto")?;
     let target = Target::load(std::path::Path::new(folder), &device)?;
     let vocab = target.config.vocab as u32;
-    let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let ids: Vec<u32> = (0..tokens as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
     let all: Vec<usize> = (0..target.config.layers).collect();
     let run = || -> Result<f64> {
         let t = Instant::now();
