@@ -20,9 +20,8 @@ logits of decoding it one token at a time after a prefix (the recurrent form wit
 
 `moe`, `next` and `qwen3_moe` do the same for a tiny `qwen3_5_moe_text` model (the experts and
 router of Qwen3.5-MoE on the same hybrid layers), a tiny `qwen3_next` one and a tiny `qwen3_moe`
-one (dense attention, experts without a shared one, a dense layer among them): their weights are drawn by
-torch and written by transformers' `save_pretrained` into DIR, which travels with the reference
-(the on-disk layout is transformers' own)."""
+one (dense attention, experts without a shared one, a dense layer among them); `write-kind KIND
+DIR` writes one of them (numpy only, the published per-expert layout)."""
 import json
 import os
 import sys
@@ -60,38 +59,64 @@ PREFIX = 70
 
 
 def tensors(c):
+    """Seeded weights for config `c` in the published on-disk layout: Qwen3.5's (the default),
+    with experts per layer where `num_experts` is set (one tensor per expert, a shared expert
+    where `shared_expert_intermediate_size` is), Qwen3-Next's fused Gated DeltaNet projections,
+    Qwen3-MoE's plain attention."""
     rng = np.random.default_rng(20261205)
     h, v = c["hidden_size"], c["vocab_size"]
     hd, nh, kvh = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
-    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
-    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
-    ffn, kernel = c["intermediate_size"], c["linear_conv_kernel_dim"]
+    dk, dv = c.get("linear_key_head_dim", 0), c.get("linear_value_head_dim", 0)
+    nk, nv = c.get("linear_num_key_heads", 1), c.get("linear_num_value_heads", 0)
+    ffn, kernel = c.get("intermediate_size", 0), c.get("linear_conv_kernel_dim", 4)
+    family = c["model_type"]
+    gated = family != "qwen3_moe"
+    kinds = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
 
     def w(*shape, std=0.2):
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
     out = {"model.embed_tokens.weight": w(v, h, std=1.0), "model.norm.weight": w(h, std=0.1),
            "lm_head.weight": w(v, h)}
-    for i, kind in enumerate(c["layer_types"]):
+    for i, kind in enumerate(kinds):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = w(h, std=0.1)
         out[p + "post_attention_layernorm.weight"] = w(h, std=0.1)
-        out[p + "mlp.gate_proj.weight"] = w(ffn, h)
-        out[p + "mlp.up_proj.weight"] = w(ffn, h)
-        out[p + "mlp.down_proj.weight"] = w(h, ffn)
+        if c.get("num_experts") and i not in c.get("mlp_only_layers", []):
+            e_ffn = c["moe_intermediate_size"]
+            out[p + "mlp.gate.weight"] = w(c["num_experts"], h)
+            for e in range(c["num_experts"]):
+                out[p + f"mlp.experts.{e}.gate_proj.weight"] = w(e_ffn, h)
+                out[p + f"mlp.experts.{e}.up_proj.weight"] = w(e_ffn, h)
+                out[p + f"mlp.experts.{e}.down_proj.weight"] = w(h, e_ffn)
+            s_ffn = c.get("shared_expert_intermediate_size")
+            if s_ffn:
+                out[p + "mlp.shared_expert.gate_proj.weight"] = w(s_ffn, h)
+                out[p + "mlp.shared_expert.up_proj.weight"] = w(s_ffn, h)
+                out[p + "mlp.shared_expert.down_proj.weight"] = w(h, s_ffn)
+                out[p + "mlp.shared_expert_gate.weight"] = w(1, h)
+        else:
+            out[p + "mlp.gate_proj.weight"] = w(ffn, h)
+            out[p + "mlp.up_proj.weight"] = w(ffn, h)
+            out[p + "mlp.down_proj.weight"] = w(h, ffn)
         if kind == "linear_attention":
             conv = 2 * nk * dk + nv * dv
-            out[p + "linear_attn.in_proj_qkv.weight"] = w(conv, h)
-            out[p + "linear_attn.in_proj_z.weight"] = w(nv * dv, h)
-            out[p + "linear_attn.in_proj_b.weight"] = w(nv, h)
-            out[p + "linear_attn.in_proj_a.weight"] = w(nv, h)
+            if family == "qwen3_next":
+                # Per key head: [q, k, v, z] and [b, a].
+                out[p + "linear_attn.in_proj_qkvz.weight"] = w(conv + nv * dv, h)
+                out[p + "linear_attn.in_proj_ba.weight"] = w(2 * nv, h)
+            else:
+                out[p + "linear_attn.in_proj_qkv.weight"] = w(conv, h)
+                out[p + "linear_attn.in_proj_z.weight"] = w(nv * dv, h)
+                out[p + "linear_attn.in_proj_b.weight"] = w(nv, h)
+                out[p + "linear_attn.in_proj_a.weight"] = w(nv, h)
             out[p + "linear_attn.conv1d.weight"] = w(conv, 1, kernel, std=0.5)
             out[p + "linear_attn.dt_bias"] = w(nv, std=0.5)
             out[p + "linear_attn.A_log"] = np.log(rng.uniform(0.5, 4.0, nv)).astype(np.float32)
             out[p + "linear_attn.norm.weight"] = (1.0 + w(dv, std=0.1)).astype(np.float32)
             out[p + "linear_attn.out_proj.weight"] = w(h, nv * dv)
         else:
-            out[p + "self_attn.q_proj.weight"] = w(nh * hd * 2, h)
+            out[p + "self_attn.q_proj.weight"] = w(nh * hd * (2 if gated else 1), h)
             out[p + "self_attn.k_proj.weight"] = w(kvh * hd, h)
             out[p + "self_attn.v_proj.weight"] = w(kvh * hd, h)
             out[p + "self_attn.o_proj.weight"] = w(h, nh * hd)
@@ -100,10 +125,10 @@ def tensors(c):
     return out
 
 
-def write(folder, vocab=None):
+def write(folder, vocab=None, config=None):
     from safetensors.numpy import save_file
 
-    config = dict(CONFIG, vocab_size=vocab) if vocab else CONFIG
+    config = config or (dict(CONFIG, vocab_size=vocab) if vocab else CONFIG)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
@@ -167,41 +192,36 @@ def outputs(model, prompts):
     return entries
 
 
-def saved(kind, folder, out):
-    """A tiny model of `kind` (`moe`: Qwen3.5-MoE; `next`: Qwen3-Next, whose Gated DeltaNet
-    projections are fused per key head, with one dense layer and the top-k left unnormalised),
-    drawn by torch and written by transformers; its outputs on two prompts."""
-    import torch
-    import transformers
-
+def kind_config(kind):
+    """The tiny config of `kind`: `moe` (Qwen3.5-MoE), `next` (Qwen3-Next: Gated DeltaNet
+    projections fused per key head, one dense layer, the top-k left unnormalised) or `qwen3_moe`
+    (plain attention, experts without a shared one, one dense layer)."""
     c = dict(CONFIG, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
              shared_expert_intermediate_size=20)
     if kind == "qwen3_moe":
-        from transformers import Qwen3MoeForCausalLM as Model, Qwen3MoeConfig as Config
-
         c = {k: v for k, v in c.items() if not k.startswith("linear_") and k not in
              ("layer_types", "shared_expert_intermediate_size", "rope_parameters")}
         c.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
                  mlp_only_layers=[1], norm_topk_prob=True, rope_theta=10000.0)
     elif kind == "moe":
-        from transformers import Qwen3_5MoeForCausalLM as Model, Qwen3_5MoeTextConfig as Config
-
         c.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
         c.pop("intermediate_size")
     else:
-        from transformers import Qwen3NextForCausalLM as Model, Qwen3NextConfig as Config
-
         c.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"],
                  mlp_only_layers=[1], norm_topk_prob=False, partial_rotary_factor=0.25,
                  rope_theta=10000.0)
         c.pop("rope_parameters")
-    torch.manual_seed(5)
-    model = Model(Config(**c)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (1.0 if "embed" in name else 0.2))
-    model.save_pretrained(folder)
-    model = Model.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    return c
+
+
+def saved(kind, folder, out):
+    """The tiny model of `kind` ([`kind_config`]) written with numpy draws, loaded by
+    transformers as a user loads a checkpoint; its outputs on two prompts."""
+    import torch
+    import transformers
+
+    write(folder, config=kind_config(kind))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     result = {"transformers": transformers.__version__, "torch": torch.__version__,
               "prompts": outputs(model, [PROMPTS[1], PROMPTS[0][:80]])}
     with open(out, "w") as f:
@@ -209,7 +229,9 @@ def saved(kind, folder, out):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "write":
+    if sys.argv[1] == "write-kind":
+        write(sys.argv[3], config=kind_config(sys.argv[2]))
+    elif sys.argv[1] == "write":
         # `--vocab N`: another vocabulary size (a real tokenizer's, for pipeline tests).
         write(sys.argv[2], int(sys.argv[sys.argv.index("--vocab") + 1]) if "--vocab" in sys.argv else None)
     elif sys.argv[1] in ("moe", "next", "qwen3_moe"):

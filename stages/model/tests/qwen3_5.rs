@@ -171,12 +171,25 @@ fn a_verification_pass_is_cropped_to_its_accepted_prefix() {
     assert!(e.contains("position 50"), "{e}");
 }
 
-/// transformers' outputs for a model it wrote itself (`tests/support/qwen3_5_reference.py moe`
-/// or `next`), folder and outputs both in `fixtures/`: logits and every layer's output.
-fn matches_saved_reference(name: &str) {
-    let folder = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name);
+/// A tiny model of `kind` (`tests/support/qwen3_5_reference.py write-kind`: numpy draws in the
+/// published per-expert layout) against transformers' outputs for it in
+/// `fixtures/{name}_reference.json`: logits and every layer's output.
+fn matches_saved_reference(kind: &str, name: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join(name);
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/support/qwen3_5_reference.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .args(["write-kind", kind])
+        .arg(&folder)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let target = Target::load(&folder, &Device::Cpu).unwrap();
     for p in reference(&format!("{name}_reference.json"))["prompts"]
         .as_array()
@@ -189,18 +202,18 @@ fn matches_saved_reference(name: &str) {
 /// Qwen3.5-MoE: routed experts and the gated shared expert on the hybrid layers.
 #[test]
 fn a_qwen3_5_moe_target_matches_transformers() {
-    matches_saved_reference("qwen3_5_moe");
+    matches_saved_reference("moe", "qwen3_5_moe");
 }
 
 /// Qwen3-Next: fused per-key-head projections, a dense layer among sparse ones, the top-k
 /// probabilities not renormalised.
 #[test]
 fn a_qwen3_next_target_matches_transformers() {
-    matches_saved_reference("qwen3_next");
+    matches_saved_reference("next", "qwen3_next");
 }
 
 /// Qwen3-MoE: dense attention, routed experts without a shared one, a dense layer among them.
 #[test]
 fn a_qwen3_moe_target_matches_transformers() {
-    matches_saved_reference("qwen3_moe");
+    matches_saved_reference("qwen3_moe", "qwen3_moe");
 }

@@ -531,27 +531,12 @@ impl Target {
                     Linear::Dense(w("mlp.down_proj.weight")?),
                 ),
                 Some((count, top_k)) => {
-                    // Published checkpoints hold one tensor per expert; transformers' own
-                    // layout one 3-D tensor for all (gate and up concatenated).
+                    // Checkpoints hold one tensor per expert (transformers fuses them at load).
                     let mut list = Vec::with_capacity(count);
-                    if let Ok(gate_up) = w("mlp.experts.gate_up_proj") {
-                        let down = w("mlp.experts.down_proj")?;
-                        let half = gate_up.dim(1)? / 2;
-                        for e in 0..count {
-                            let gu = gate_up.get(e)?;
-                            list.push((
-                                Linear::Dense(gu.narrow(0, 0, half)?.contiguous()?),
-                                Linear::Dense(gu.narrow(0, half, half)?.contiguous()?),
-                                Linear::Dense(down.get(e)?.contiguous()?),
-                            ));
-                        }
-                    } else {
-                        for e in 0..count {
-                            let mut x = |n: &str| {
-                                w(&format!("mlp.experts.{e}.{n}.weight")).map(Linear::Dense)
-                            };
-                            list.push((x("gate_proj")?, x("up_proj")?, x("down_proj")?));
-                        }
+                    for e in 0..count {
+                        let mut x =
+                            |n: &str| w(&format!("mlp.experts.{e}.{n}.weight")).map(Linear::Dense);
+                        list.push((x("gate_proj")?, x("up_proj")?, x("down_proj")?));
                     }
                     // Qwen3-MoE has no shared expert.
                     let shared = match w("mlp.shared_expert_gate.weight") {
