@@ -12,6 +12,7 @@ use rand::SeedableRng;
 use rand_distr::Distribution;
 
 use super::Result;
+use super::dflash2::{self, Dflash2Config};
 use super::ops::{self, BlockMask, Linear};
 use super::target::TargetConfig;
 
@@ -66,6 +67,9 @@ pub struct DrafterConfig {
     pub block_size: usize,
     /// The mask token's id.
     pub mask_token_id: u32,
+    /// DFlash 2's convolutions and candidate selector ([`super::dflash2`]); `None`: DFlash.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dflash2: Option<Dflash2Config>,
 }
 
 impl DrafterConfig {
@@ -90,7 +94,14 @@ impl DrafterConfig {
             target_layers,
             block_size,
             mask_token_id,
+            dflash2: None,
         }
+    }
+
+    /// The same drafter with DFlash 2's additions.
+    pub fn with_dflash2(mut self, dflash2: Dflash2Config) -> Self {
+        self.dflash2 = Some(dflash2);
+        self
     }
 
     /// Read [`DrafterConfig::hf_config`]'s output back (a drafter `config.json`); the error
@@ -113,6 +124,20 @@ impl DrafterConfig {
             .as_array()
             .and_then(|a| a.iter().map(|l| l.as_u64().map(|l| l as usize)).collect())
             .ok_or("`dflash_config.target_layer_ids` is missing or not a list of integers")?;
+        let dflash2 = if dflash.get("selector_top_k").is_some()
+            || v["architectures"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|x| x == "DFlash2DraftModel"))
+        {
+            Some(Dflash2Config {
+                conv_kernel_size: int(dflash, "conv_kernel_size")?,
+                conv_group_size: int(dflash, "conv_group_size")?,
+                selector_rank: int(dflash, "selector_rank")?,
+                selector_top_k: int(dflash, "selector_top_k")?,
+            })
+        } else {
+            None
+        };
         Ok(Self {
             hidden: int(v, "hidden_size")?,
             layers: int(v, "num_hidden_layers")?,
@@ -126,6 +151,7 @@ impl DrafterConfig {
             target_layers,
             block_size: int(dflash, "block_size").or_else(|_| int(v, "block_size"))?,
             mask_token_id: int(dflash, "mask_token_id")? as u32,
+            dflash2,
         })
     }
 
@@ -160,6 +186,9 @@ impl DrafterConfig {
                 (format!("{p}.mlp.down_proj.weight"), vec![h, self.ffn]),
             ]);
         }
+        if let Some(d) = &self.dflash2 {
+            t.extend(d.tensors(h, self.vocab, self.layers));
+        }
         t
     }
 
@@ -174,7 +203,7 @@ impl DrafterConfig {
     /// The Hugging Face `config.json` of the reference implementation (a Qwen3 config with a
     /// `dflash_config` block), which SGLang and vLLM load for DFlash.
     pub fn hf_config(&self, target_family: &str) -> serde_json::Value {
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden,
@@ -199,7 +228,17 @@ impl DrafterConfig {
                 "mask_token_id": self.mask_token_id,
                 "target_model_type": target_family,
             },
-        })
+        });
+        if let Some(d) = &self.dflash2 {
+            // `DFlash2DraftModel` (its harness picks the class by this name).
+            v["architectures"] = serde_json::json!(["DFlash2DraftModel"]);
+            let block = &mut v["dflash_config"];
+            block["conv_kernel_size"] = d.conv_kernel_size.into();
+            block["conv_group_size"] = d.conv_group_size.into();
+            block["selector_rank"] = d.selector_rank.into();
+            block["selector_top_k"] = d.selector_top_k.into();
+        }
+        v
     }
 }
 
@@ -247,7 +286,9 @@ impl Drafter {
         let mut rng = Init::new(seed);
         let mut vars = BTreeMap::new();
         for (name, shape) in config.tensors() {
-            let t = if shape.len() == 1 {
+            let t = if let Some(v) = dflash2::initial(&name, &shape) {
+                Tensor::from_vec(v, shape.as_slice(), device)?.to_dtype(dtype)?
+            } else if shape.len() == 1 {
                 Tensor::ones(shape.as_slice(), dtype, device)?
             } else {
                 rng.normal(&shape, 0.02, dtype, device)?
@@ -275,7 +316,8 @@ impl Drafter {
         Ok(Self { config, vars })
     }
 
-    fn w(&self, name: &str) -> &Tensor {
+    /// A trainable tensor by name.
+    pub fn w(&self, name: &str) -> &Tensor {
         self.vars[name].as_tensor()
     }
 
@@ -380,9 +422,42 @@ impl Drafter {
         let (dtype, device) = (block.dtype(), block.device());
         let (cos, sin) = ops::rope_tables(block_pos, c.head_dim, c.rope_theta, dtype, device)?;
         let mut x = block.clone();
+        // DFlash 2: each block convolved on its own (see `dflash2`); a pass over fewer rows
+        // than a block (the end of a decode) is one short block.
+        let rows_per_block = if m % c.block_size == 0 {
+            c.block_size
+        } else {
+            m
+        };
+        let conv = |name: String, h: &Tensor| -> Result<Option<(Tensor, Tensor)>> {
+            let Some(d) = &c.dflash2 else {
+                return Ok(None);
+            };
+            let (before, after) = dflash2::dynamic_kernels(
+                h,
+                self.w(&format!("{name}.kernel_projection.weight")),
+                d,
+            )?;
+            let base = self.w(&format!("{name}.base_kernel"));
+            let mixed = dflash2::convolve(h, &before, &base.get(0)?, rows_per_block)?;
+            Ok(Some((mixed, after)))
+        };
+        let finish = |name: String, out: Tensor, after: Option<Tensor>| -> Result<Tensor> {
+            match after {
+                None => Ok(out),
+                Some(after) => {
+                    let base = self.w(&format!("{name}.base_kernel")).get(1)?;
+                    dflash2::convolve(&out, &after, &base, rows_per_block)
+                }
+            }
+        };
         for (i, (ck, cv)) in ctx.layers.iter().enumerate() {
             let p = |n: &str| format!("layers.{i}.{n}");
             let h = ops::rms_norm(&x, self.w(&p("input_layernorm.weight")), c.eps)?;
+            let (h, after) = match conv(p("attention_conv"), &h)? {
+                Some((h, after)) => (h, Some(after)),
+                None => (h, None),
+            };
             let q = self
                 .lin(&p("self_attn.q_proj.weight"), dtype)?
                 .forward(&h)?;
@@ -402,17 +477,22 @@ impl Drafter {
                 masks,
             )?;
             let a = a.transpose(0, 1)?.reshape((m, c.heads * c.head_dim))?;
-            x = (x + self
+            let a = self
                 .lin(&p("self_attn.o_proj.weight"), dtype)?
-                .forward(&a)?)?;
+                .forward(&a)?;
+            x = (x + finish(p("attention_conv"), a, after)?)?;
             let h = ops::rms_norm(&x, self.w(&p("post_attention_layernorm.weight")), c.eps)?;
+            let (h, after) = match conv(p("mlp_conv"), &h)? {
+                Some((h, after)) => (h, Some(after)),
+                None => (h, None),
+            };
             let mlp = ops::swiglu(
                 &h,
                 &self.lin(&p("mlp.gate_proj.weight"), dtype)?,
                 &self.lin(&p("mlp.up_proj.weight"), dtype)?,
                 &self.lin(&p("mlp.down_proj.weight"), dtype)?,
             )?;
-            x = (x + mlp)?;
+            x = (x + finish(p("mlp_conv"), mlp, after)?)?;
         }
         ops::rms_norm(&x, self.w("norm.weight"), c.eps)
     }
@@ -482,18 +562,43 @@ pub(crate) mod tests {
     /// Every trainable tensor's gradient against central finite differences, in f64.
     #[test]
     fn gradients_match_finite_differences() {
+        check_gradients(None);
+    }
+
+    /// The same for DFlash 2: the convolutions' base kernels and projections, the selector's
+    /// codebooks and projection, through both losses.
+    #[test]
+    fn dflash2_gradients_match_finite_differences() {
+        check_gradients(Some(Dflash2Config {
+            conv_kernel_size: 3,
+            conv_group_size: 4,
+            selector_rank: 3,
+            // Every token a candidate: a smaller set changes where two logits cross, and the
+            // loss jumps there (finite differences would see the jump, not the gradient).
+            selector_top_k: 40,
+        }));
+    }
+
+    fn check_gradients(dflash2: Option<Dflash2Config>) {
         let dtype = DType::F64;
         let target = tiny_target(dtype);
-        let config = DrafterConfig::for_target(&target.config, 2, vec![0, 2], 4, 39);
+        let mut config = DrafterConfig::for_target(&target.config, 2, vec![0, 2], 4, 39);
+        config.dflash2 = dflash2;
         let drafter = Drafter::init(config, 7, dtype, &Device::Cpu).unwrap();
-        // Perturb the norms off 1 so their gradients are generic.
+        // Perturb the norms off 1, and DFlash 2's identity kernels and small codebooks, so
+        // their gradients are generic.
+        let mut init = Init::new(11);
         for (name, var) in &drafter.vars {
+            let shape = var.as_tensor().dims().to_vec();
             if name.ends_with("norm.weight") {
                 let n = var.as_tensor().dim(0).unwrap();
                 let v: Vec<f64> = (0..n)
                     .map(|i| 1.0 + 0.1 * ((i * 13 % 7) as f64 - 3.0) / 3.0)
                     .collect();
                 var.set(&Tensor::new(v, &Device::Cpu).unwrap()).unwrap();
+            } else if name.contains("_conv.") || name.starts_with("candidate_selector") {
+                let noise = init.normal(&shape, 0.3, dtype, &Device::Cpu).unwrap();
+                var.set(&(var.as_tensor() + noise).unwrap()).unwrap();
             }
         }
         let (ids, mask) = sequence();
@@ -522,8 +627,14 @@ pub(crate) mod tests {
             let g: Vec<f64> = g.flatten_all().unwrap().to_vec1().unwrap();
             let w: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
             let shape = var.as_tensor().shape().clone();
-            // A few coordinates of every tensor, spread over it.
-            for i in (0..w.len()).step_by((w.len() / 5).max(1)) {
+            // A few coordinates of every tensor, spread over it, and its largest gradient
+            // (a codebook's rows mostly have none), which must not be zero.
+            let largest = (0..g.len())
+                .max_by(|&a, &b| g[a].abs().total_cmp(&g[b].abs()))
+                .unwrap();
+            assert!(g[largest].abs() > 1e-9, "{name} gets no gradient");
+            let spread = (0..w.len()).step_by((w.len() / 5).max(1));
+            for i in spread.chain([largest]) {
                 let at = |x: f64| {
                     let mut p = w.clone();
                     p[i] = x;
@@ -550,10 +661,32 @@ pub(crate) mod tests {
     /// gradient are those of the sequences run one at a time, summed.
     #[test]
     fn a_packed_pass_is_the_sum_of_the_sequences_passes() {
+        packed_equals_separate(None);
+        // DFlash 2's convolutions stay within each block of the packed rows.
+        packed_equals_separate(Some(Dflash2Config {
+            conv_kernel_size: 3,
+            conv_group_size: 4,
+            selector_rank: 3,
+            selector_top_k: 6,
+        }));
+    }
+
+    fn packed_equals_separate(dflash2: Option<Dflash2Config>) {
         let dtype = DType::F64;
         let target = tiny_target(dtype);
-        let config = DrafterConfig::for_target(&target.config, 2, vec![0, 2], 4, 39);
+        let mut config = DrafterConfig::for_target(&target.config, 2, vec![0, 2], 4, 39);
+        config.dflash2 = dflash2;
         let drafter = Drafter::init(config, 3, dtype, &Device::Cpu).unwrap();
+        // Kernels off the identity, so a convolution across blocks would show.
+        let mut init = Init::new(5);
+        for (name, var) in &drafter.vars {
+            if name.contains("_conv.") {
+                let noise = init
+                    .normal(var.as_tensor().dims(), 0.3, dtype, &Device::Cpu)
+                    .unwrap();
+                var.set(&(var.as_tensor() + noise).unwrap()).unwrap();
+            }
+        }
         let taps = drafter.config.target_layers.clone();
         let seqs: Vec<(Vec<u32>, Vec<i8>)> = [14usize, 9, 21]
             .iter()

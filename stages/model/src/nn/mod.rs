@@ -9,6 +9,7 @@
 pub mod batch;
 pub mod deltanet;
 pub mod device;
+pub mod dflash2;
 pub mod drafter;
 pub mod fused;
 pub mod objective;

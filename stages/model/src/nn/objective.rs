@@ -240,7 +240,31 @@ pub fn loss_packed(
     let weights_t = Tensor::new(weights.as_slice(), device)?.to_dtype(nll.dtype())?;
     let total = (nll.mul(&weights_t)?.sum_all()? / normalizer)?;
 
-    let predicted: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+    // DFlash 2: the selector's loss, and its picks are what decoding would propose.
+    let (total, predicted) = match &drafter.config.dflash2 {
+        None => (total, logits.argmax(D::Minus1)?.to_vec1()?),
+        Some(d) => {
+            // Teacher forcing: the predecessor of position k is the true token k - 1 (the
+            // anchor for k = 1): acceptance needs every token before k right.
+            let predecessors: Vec<u32> = (0..blocks)
+                .flat_map(|j| {
+                    let anchor = block_ids[j * bs];
+                    let labels = &labels[j * (bs - 1)..(j + 1) * (bs - 1)];
+                    std::iter::once(anchor).chain(labels[..bs - 2].iter().copied())
+                })
+                .collect();
+            let (selector, picks) = selector_loss(
+                drafter,
+                &hidden,
+                &logits,
+                &predecessors,
+                &labels,
+                &weights,
+                d.selector_top_k,
+            )?;
+            ((total + (selector / normalizer)?)?, picks)
+        }
+    };
     let mut m = StepMetrics {
         loss: total.to_dtype(DType::F64)?.to_scalar::<f64>()?,
         correct: vec![0; bs - 1],
@@ -264,4 +288,46 @@ pub fn loss_packed(
         }
     }
     Ok((total, m))
+}
+
+/// The candidate selector's weighted cross-entropy (summed, not normalised) over each row's
+/// top-`k` candidates, at rows whose label is among them ([`super::dflash2`]), and the token it
+/// picks at every row after the true predecessor.
+fn selector_loss(
+    drafter: &Drafter,
+    hidden: &Tensor,
+    logits: &Tensor,
+    predecessors: &[u32],
+    labels: &[u32],
+    weights: &[f32],
+    k: usize,
+) -> Result<(Tensor, Vec<u32>)> {
+    let device = hidden.device();
+    let candidates = super::dflash2::top_k(logits, k)?;
+    let before = Tensor::new(predecessors, device)?;
+    let scores = super::dflash2::scores(hidden, logits, &candidates, &before, &|n| {
+        drafter.w(n).clone()
+    })?;
+    let host: Vec<Vec<u32>> = candidates.to_vec2()?;
+    let best: Vec<u32> = scores.argmax(D::Minus1)?.to_vec1()?;
+    let picks: Vec<u32> = host
+        .iter()
+        .zip(&best)
+        .map(|(c, &b)| c[b as usize])
+        .collect();
+    // Where the label is among the candidates: its index and the row's weight; else nothing.
+    let (at, w): (Vec<u32>, Vec<f32>) = host
+        .iter()
+        .zip(labels.iter().zip(weights))
+        .map(|(c, (l, &w))| match c.iter().position(|x| x == l) {
+            Some(i) => (i as u32, w),
+            None => (0, 0.0),
+        })
+        .unzip();
+    let log_p = candle_nn::ops::log_softmax(&scores, D::Minus1)?
+        .gather(&Tensor::new(at.as_slice(), device)?.unsqueeze(1)?, 1)?
+        .squeeze(1)?;
+    let w = Tensor::new(w.as_slice(), device)?.to_dtype(log_p.dtype())?;
+    let loss = (log_p.mul(&w)?.sum_all()? * -1.0)?;
+    Ok((loss.to_dtype(hidden.dtype())?, picks))
 }

@@ -291,15 +291,16 @@ fn extend_context<'c>(
     Ok(drafter_ctx.as_ref().expect("set"))
 }
 
-/// The drafter's logits `[B - 1, V]` at the block positions after `anchor` (at position `at`):
-/// one non-causal pass over `[anchor, MASK x (B - 1)]`, which sees all of the context.
+/// The drafter's final hidden states `[B - 1, H]` and logits `[B - 1, V]` at the block
+/// positions after `anchor` (at position `at`): one non-causal pass over
+/// `[anchor, MASK x (B - 1)]`, which sees all of the context.
 fn block_logits(
     target: &Target,
     d: &Drafter,
     ctx: &ContextKv,
     anchor: u32,
     at: usize,
-) -> Result<Tensor> {
+) -> Result<(Tensor, Tensor)> {
     let b = d.config.block_size;
     let device = target.embed.device();
     let ids: Vec<u32> = std::iter::once(anchor)
@@ -309,11 +310,10 @@ fn block_logits(
     let positions: Vec<u32> = (at as u32..(at + b) as u32).collect();
     let mask = super::ops::BlockMask::new(vec![ctx.len() as u32], ctx.len(), b);
     let hidden = d.forward_block(ctx, &embedded, &positions, &mask)?;
-    super::ops::Linear::Dense(target.lm_head.to_dtype(hidden.dtype())?).forward(&hidden.narrow(
-        0,
-        1,
-        b - 1,
-    )?)
+    let hidden = hidden.narrow(0, 1, b - 1)?;
+    let logits =
+        super::ops::Linear::Dense(target.lm_head.to_dtype(hidden.dtype())?).forward(&hidden)?;
+    Ok((hidden, logits))
 }
 
 /// The drafter's greedy proposals for the `room` positions after `anchor` (at position `at`).
@@ -325,8 +325,12 @@ fn propose(
     at: usize,
     room: usize,
 ) -> Result<Vec<u32>> {
-    let logits = block_logits(target, d, ctx, anchor, at)?;
-    let mut best: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+    let (hidden, logits) = block_logits(target, d, ctx, anchor, at)?;
+    // DFlash 2: the candidate selector picks each position's token, left to right.
+    let mut best: Vec<u32> = match &d.config.dflash2 {
+        Some(sel) => super::dflash2::select(&hidden, &logits, anchor, sel, &|n| d.w(n).clone())?,
+        None => logits.argmax(D::Minus1)?.to_vec1()?,
+    };
     best.truncate(room);
     Ok(best)
 }
@@ -342,7 +346,8 @@ fn propose_top(
     room: usize,
     width: usize,
 ) -> Result<Vec<Vec<(u32, f32)>>> {
-    let logits = block_logits(target, d, ctx, anchor, at)?;
+    // A DFlash 2 drafter's tree is built from its logits (the selector scores one chain).
+    let (_, logits) = block_logits(target, d, ctx, anchor, at)?;
     let logits = logits.narrow(0, 0, room.min(logits.dim(0)?))?;
     let probs: Vec<Vec<f32>> =
         candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?.to_vec2()?;
@@ -510,10 +515,23 @@ mod tests {
             4,
             target.config.vocab as u32 - 1,
         );
-        let drafter = Drafter::init(config, 7, DType::F64, target.embed.device()).unwrap();
+        let drafter = Drafter::init(config.clone(), 7, DType::F64, target.embed.device()).unwrap();
+        let dflash2 = Drafter::init(
+            config.with_dflash2(crate::nn::dflash2::Dflash2Config {
+                conv_kernel_size: 3,
+                conv_group_size: 4,
+                selector_rank: 4,
+                selector_top_k: 5,
+            }),
+            7,
+            DType::F64,
+            target.embed.device(),
+        )
+        .unwrap();
         for p in [
             Proposer::Ngram { n: 3 },
             Proposer::Drafter(&drafter),
+            Proposer::Drafter(&dflash2),
             Proposer::Oracle(&ar.tokens),
             Proposer::DrafterTree {
                 drafter: &drafter,

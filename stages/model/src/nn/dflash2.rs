@@ -1,0 +1,393 @@
+//! DFlash 2's two additions to the drafter (the reference package `dflash==0.1.0`,
+//! `DFlash2DraftModel`), and how they are trained here.
+//!
+//! - **Grouped dynamic causal convolution** around each layer's attention and MLP: the normed
+//!   input is mixed with the `K - 1` positions before it, per channel, by a learned base kernel
+//!   plus a per-position, per-group kernel projected from that input; the sublayer's output is
+//!   mixed the same way with the second half of the projection. It runs along the block's
+//!   positions only (a drafted block is the sequence the reference's layer sees), so in a packed
+//!   training pass every block is convolved on its own, zero-padded at its anchor.
+//! - **Candidate selector**: at each block position the drafter's top-k tokens are re-scored
+//!   with a low-rank bilinear term between the token chosen before it (its predecessor codebook
+//!   row), the position's hidden state (projected to the rank) and the candidate (its successor
+//!   codebook row), and chosen left to right, the anchor token being the first predecessor.
+//!
+//! The reference ships the model, not its training. The objective here follows from how the
+//! selector decodes: a draft is accepted only while every token before it was right, so the
+//! predecessor that matters at position k is the true token k - 1 (teacher forcing), and the
+//! selector's job is to pick the true token among the candidates. Its loss is the cross-entropy
+//! over the top-k candidates at each block position whose label is among them (the rest it can
+//! never pick), with the DFlash position weights, added to DFlash's vocabulary-wide
+//! cross-entropy. The drafter's logits are the unary score and get this loss's gradient too: it
+//! asks them for what decoding needs, the label first among the candidates. Only the choice of
+//! candidates is discrete (no gradient). Initialised as the identity (base kernel
+//! 1 at offset 0, projections 0) and with small codebooks, a fresh DFlash 2 drafter decodes as a
+//! DFlash one.
+
+use candle_core::{D, DType, Tensor};
+
+use super::Result;
+
+/// DFlash 2's settings (the `dflash_config` fields the reference reads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Dflash2Config {
+    /// Convolution taps K (the position itself and the K - 1 before it).
+    pub conv_kernel_size: usize,
+    /// Channels per group sharing one dynamic kernel; divides the hidden size.
+    pub conv_group_size: usize,
+    /// The selector's rank r.
+    pub selector_rank: usize,
+    /// Candidates re-scored per position.
+    pub selector_top_k: usize,
+}
+
+impl Dflash2Config {
+    /// The defaults for a hidden size: kernel 4, groups of 64 channels (or of the largest
+    /// divisor of `hidden` up to 64), rank 64, top 8.
+    pub fn for_hidden(hidden: usize) -> Self {
+        let group = (1..=64.min(hidden))
+            .rev()
+            .find(|g| hidden % g == 0)
+            .unwrap_or(1);
+        Self {
+            conv_kernel_size: 4,
+            conv_group_size: group,
+            selector_rank: 64,
+            selector_top_k: 8,
+        }
+    }
+
+    /// What is wrong with these settings for a hidden size and vocabulary, if anything.
+    pub fn problem(&self, hidden: usize, vocab: usize) -> Option<String> {
+        if self.conv_kernel_size == 0 {
+            return Some("`conv_kernel_size` must be at least 1".into());
+        }
+        if self.conv_group_size == 0 || hidden % self.conv_group_size != 0 {
+            return Some(format!(
+                "`conv_group_size` {} does not divide the hidden size {hidden}",
+                self.conv_group_size
+            ));
+        }
+        if self.selector_rank == 0 {
+            return Some("`selector_rank` must be at least 1".into());
+        }
+        if self.selector_top_k == 0 || self.selector_top_k > vocab {
+            return Some(format!(
+                "`selector_top_k` {} must be between 1 and the vocabulary ({vocab})",
+                self.selector_top_k
+            ));
+        }
+        None
+    }
+
+    /// Groups of the hidden size.
+    pub fn groups(&self, hidden: usize) -> usize {
+        hidden / self.conv_group_size
+    }
+
+    /// The added tensors' names and shapes for `layers` layers, in the reference's layout (its
+    /// codebooks are stored without `.weight`, which its `from_pretrained` maps).
+    pub fn tensors(&self, hidden: usize, vocab: usize, layers: usize) -> Vec<(String, Vec<usize>)> {
+        let (k, g, r) = (
+            self.conv_kernel_size,
+            self.groups(hidden),
+            self.selector_rank,
+        );
+        let mut t = Vec::new();
+        for i in 0..layers {
+            for conv in ["attention_conv", "mlp_conv"] {
+                t.push((format!("layers.{i}.{conv}.base_kernel"), vec![2, k, hidden]));
+                t.push((
+                    format!("layers.{i}.{conv}.kernel_projection.weight"),
+                    vec![2 * k * g, hidden],
+                ));
+            }
+        }
+        t.push((PREDECESSOR.into(), vec![vocab, r]));
+        t.push((SUCCESSOR.into(), vec![vocab, r]));
+        t.push((HIDDEN_PROJECTION.into(), vec![r, hidden]));
+        t
+    }
+}
+
+/// The selector's predecessor codebook `[V, r]`.
+pub const PREDECESSOR: &str = "candidate_selector.predecessor_codebook";
+/// The selector's successor codebook `[V, r]`.
+pub const SUCCESSOR: &str = "candidate_selector.successor_codebook";
+/// The selector's hidden projection `[r, H]`.
+pub const HIDDEN_PROJECTION: &str = "candidate_selector.hidden_projection.weight";
+
+/// The starting value of a DFlash 2 tensor that is not drawn at random: the base kernels pass
+/// the position through (1 at offset 0), the kernel projections add nothing. `None` for the
+/// tensors drawn like the rest of the drafter.
+pub fn initial(name: &str, shape: &[usize]) -> Option<Vec<f32>> {
+    if name.ends_with(".base_kernel") {
+        let (k, h) = (shape[1], shape[2]);
+        let mut v = vec![0f32; shape.iter().product()];
+        for half in 0..2 {
+            v[half * k * h..half * k * h + h].fill(1.0);
+        }
+        return Some(v);
+    }
+    if name.ends_with(".kernel_projection.weight") {
+        return Some(vec![0f32; shape.iter().product()]);
+    }
+    None
+}
+
+/// One half of a grouped dynamic causal convolution over blocks of `block` rows: row t of each
+/// block becomes `sum_o (base[o] + dynamic[t, o, group]) * x[t - o]` (zero before the block's
+/// first row). `x` `[m, H]`, `dynamic` `[m, K, G]`, `base` `[K, H]`.
+pub fn convolve(x: &Tensor, dynamic: &Tensor, base: &Tensor, block: usize) -> Result<Tensor> {
+    let (m, h) = x.dims2()?;
+    let (_, k, g) = dynamic.dims3()?;
+    if block == 0 || m % block != 0 {
+        candle_core::bail!("{m} rows are not whole blocks of {block}");
+    }
+    let blocks = m / block;
+    let x = x.reshape((blocks, block, h))?;
+    // Each group's scalar spread over its channels.
+    let dynamic = dynamic
+        .reshape((blocks, block, k, g, 1))?
+        .broadcast_as((blocks, block, k, g, h / g))?
+        .reshape((blocks, block, k, h))?;
+    let base = base.to_dtype(x.dtype())?;
+    let mut out: Option<Tensor> = None;
+    for o in 0..k.min(block) {
+        let shifted = if o == 0 {
+            x.clone()
+        } else {
+            x.narrow(1, 0, block - o)?.pad_with_zeros(1, o, 0)?
+        };
+        let kernel = dynamic
+            .narrow(2, o, 1)?
+            .squeeze(2)?
+            .broadcast_add(&base.narrow(0, o, 1)?.reshape((1, 1, h))?)?;
+        let term = (shifted * kernel)?;
+        out = Some(match out {
+            Some(acc) => (acc + term)?,
+            None => term,
+        });
+    }
+    out.expect("at least one tap").reshape((m, h))
+}
+
+/// The two dynamic kernels `[m, K, G]` (before the sublayer, after it) projected from `x`.
+pub fn dynamic_kernels(
+    x: &Tensor,
+    projection: &Tensor,
+    config: &Dflash2Config,
+) -> Result<(Tensor, Tensor)> {
+    let m = x.dim(0)?;
+    let (k, g) = (
+        config.conv_kernel_size,
+        projection.dim(0)? / (2 * config.conv_kernel_size),
+    );
+    let d = x.matmul(&projection.to_dtype(x.dtype())?.t()?)?;
+    Ok((
+        d.narrow(1, 0, k * g)?.reshape((m, k, g))?,
+        d.narrow(1, k * g, k * g)?.reshape((m, k, g))?,
+    ))
+}
+
+/// Each row's `k` largest logits' token ids `[n, k]`, largest first (detached: the candidates
+/// are a discrete choice).
+pub fn top_k(logits: &Tensor, k: usize) -> Result<Tensor> {
+    let mut l = logits.detach().to_dtype(DType::F32)?;
+    let n = l.dim(0)?;
+    let mut picked = Vec::with_capacity(k);
+    let floor = Tensor::full(f32::NEG_INFINITY, (n, 1), l.device())?;
+    for _ in 0..k {
+        let idx = l.argmax_keepdim(D::Minus1)?;
+        l = l.scatter(&idx, &floor, 1)?;
+        picked.push(idx);
+    }
+    Tensor::cat(&picked, 1)
+}
+
+/// The selector's scores `[n, k]` of `candidates` `[n, k]` at rows whose final hidden states are
+/// `hidden` `[n, H]`, after `predecessors` `[n]`: the drafter's logits of the candidates plus
+/// the bilinear term.
+pub fn scores(
+    hidden: &Tensor,
+    logits: &Tensor,
+    candidates: &Tensor,
+    predecessors: &Tensor,
+    weights: &dyn Fn(&str) -> Tensor,
+) -> Result<Tensor> {
+    let (n, k) = candidates.dims2()?;
+    // Scores in f32 at least (f64 stays f64: the gradient checks).
+    let dtype = super::ops::wide(hidden.dtype());
+    let unary = logits.to_dtype(dtype)?.gather(candidates, 1)?;
+    let projected = hidden
+        .matmul(&weights(HIDDEN_PROJECTION).to_dtype(hidden.dtype())?.t()?)?
+        .to_dtype(dtype)?;
+    let r = projected.dim(1)?;
+    let before = weights(PREDECESSOR)
+        .to_dtype(dtype)?
+        .index_select(predecessors, 0)?;
+    let after = weights(SUCCESSOR)
+        .to_dtype(dtype)?
+        .index_select(&candidates.flatten_all()?, 0)?
+        .reshape((n, k, r))?;
+    let query = (before * projected)?.unsqueeze(2)?; // [n, r, 1]
+    let pair = after.matmul(&query)?.squeeze(2)?; // [n, k]
+    unary + pair
+}
+
+/// The selector's greedy choice at each row of `hidden` `[n, H]` / `logits` `[n, V]` (a block's
+/// positions after `anchor`, in order), as the reference's `CandidateSelector.select` at T = 0.
+pub fn select(
+    hidden: &Tensor,
+    logits: &Tensor,
+    anchor: u32,
+    config: &Dflash2Config,
+    weights: &dyn Fn(&str) -> Tensor,
+) -> Result<Vec<u32>> {
+    let n = hidden.dim(0)?;
+    let candidates = top_k(logits, config.selector_top_k)?;
+    let k = candidates.dim(1)?;
+    let unary: Vec<Vec<f32>> = logits
+        .to_dtype(DType::F32)?
+        .gather(&candidates, 1)?
+        .to_vec2()?;
+    let projected: Vec<Vec<f32>> = hidden
+        .matmul(&weights(HIDDEN_PROJECTION).to_dtype(hidden.dtype())?.t()?)?
+        .to_dtype(DType::F32)?
+        .to_vec2()?;
+    let flat = candidates.flatten_all()?;
+    let rows = |name: &str| -> Result<Vec<Vec<Vec<f32>>>> {
+        let t: Vec<Vec<f32>> = weights(name)
+            .index_select(&flat, 0)?
+            .to_dtype(DType::F32)?
+            .to_vec2()?;
+        Ok(t.chunks(k).map(<[Vec<f32>]>::to_vec).collect())
+    };
+    let anchor_row: Vec<f32> = weights(PREDECESSOR)
+        .get(anchor as usize)?
+        .to_dtype(DType::F32)?
+        .to_vec1()?;
+    let chosen = select_greedy(
+        &unary,
+        &candidates.to_vec2()?,
+        &projected,
+        &rows(SUCCESSOR)?,
+        &rows(PREDECESSOR)?,
+        &anchor_row,
+    );
+    debug_assert_eq!(chosen.len(), n);
+    Ok(chosen)
+}
+
+/// Greedy selection left to right from host copies: `unary` / `candidates` `[n][k]`, the
+/// projected hidden rows `[n][r]`, the successor rows of the candidates `[n][k][r]`, the
+/// predecessor rows of the candidates `[n][k][r]` and of the anchor `[r]`. The chosen tokens.
+pub fn select_greedy(
+    unary: &[Vec<f32>],
+    candidates: &[Vec<u32>],
+    projected: &[Vec<f32>],
+    successor: &[Vec<Vec<f32>>],
+    predecessor: &[Vec<Vec<f32>>],
+    anchor: &[f32],
+) -> Vec<u32> {
+    let mut before: &[f32] = anchor;
+    let mut chosen = Vec::with_capacity(unary.len());
+    for p in 0..unary.len() {
+        let mut best = (f32::NEG_INFINITY, 0usize);
+        for j in 0..candidates[p].len() {
+            let pair: f32 = before
+                .iter()
+                .zip(&projected[p])
+                .zip(&successor[p][j])
+                .map(|((a, b), c)| a * b * c)
+                .sum();
+            let s = unary[p][j] + pair;
+            if s > best.0 {
+                best = (s, j);
+            }
+        }
+        chosen.push(candidates[p][best.1]);
+        before = &predecessor[p][best.1];
+    }
+    chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn the_convolution_is_causal_within_each_block_and_the_identity_at_init() {
+        let cpu = Device::Cpu;
+        let (h, k, g, block) = (4, 3, 2, 3);
+        let x = Tensor::arange(1f64, 25.0, &cpu)
+            .unwrap()
+            .reshape((6, h))
+            .unwrap();
+        let base: Vec<f32> = initial("l.base_kernel", &[2, k, h]).unwrap();
+        let base = Tensor::from_vec(base, (2, k, h), &cpu)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap();
+        let zero = Tensor::zeros((6, k, g), DType::F64, &cpu).unwrap();
+        let same = convolve(&x, &zero, &base.get(0).unwrap(), block).unwrap();
+        assert_eq!(same.to_vec2::<f64>().unwrap(), x.to_vec2::<f64>().unwrap());
+        // A kernel of ones at every offset sums the row and the two before it in its block.
+        let ones = Tensor::ones((k, h), DType::F64, &cpu).unwrap();
+        let sum = convolve(&x, &zero, &ones, block).unwrap();
+        let rows = x.to_vec2::<f64>().unwrap();
+        let got = sum.to_vec2::<f64>().unwrap();
+        for t in 0..6 {
+            let start = t / block * block;
+            for c in 0..h {
+                let want: f64 = (start.max(t.saturating_sub(k - 1))..=t)
+                    .map(|s| rows[s][c])
+                    .sum();
+                assert_eq!(got[t][c], want, "row {t} channel {c}");
+            }
+        }
+        // The dynamic part scales each group: group 1 (channels 2, 3) of row 4 by 2 at offset 1.
+        let mut d = vec![0f64; 6 * k * g];
+        d[4 * k * g + g + 1] = 2.0;
+        let d = Tensor::from_vec(d, (6, k, g), &cpu).unwrap();
+        let out = convolve(&x, &d, &base.get(0).unwrap(), block)
+            .unwrap()
+            .to_vec2::<f64>()
+            .unwrap();
+        assert_eq!(
+            out[4],
+            vec![
+                rows[4][0],
+                rows[4][1],
+                rows[4][2] + 2.0 * rows[3][2],
+                rows[4][3] + 2.0 * rows[3][3]
+            ]
+        );
+        // Rows that are not whole blocks are refused.
+        assert!(convolve(&x, &zero, &ones, 4).is_err());
+    }
+
+    #[test]
+    fn top_k_takes_the_largest_in_order() {
+        let l = Tensor::new(&[[0.1f32, 3.0, -1.0, 2.0, 2.5]], &Device::Cpu).unwrap();
+        let t: Vec<Vec<u32>> = top_k(&l, 3).unwrap().to_vec2().unwrap();
+        assert_eq!(t, vec![vec![1, 4, 3]]);
+    }
+
+    #[test]
+    fn greedy_selection_follows_the_chosen_predecessor() {
+        // Two positions, two candidates each, rank 1. Position 0: unary prefers token 5, but
+        // after the anchor the pair term favours 6; position 1 then scores with 6's row.
+        let chosen = select_greedy(
+            &[vec![1.0, 0.5], vec![0.0, 0.1]],
+            &[vec![5, 6], vec![7, 8]],
+            &[vec![1.0], vec![1.0]],
+            &[vec![vec![0.0], vec![1.0]], vec![vec![1.0], vec![0.0]]],
+            &[vec![vec![0.0], vec![-1.0]], vec![vec![0.0], vec![0.0]]],
+            &[1.0],
+        );
+        // Position 0: 1.0 vs 0.5 + 1 = 1.5: token 6. Position 1 after 6 (row -1): 0 - 1 vs 0.1.
+        assert_eq!(chosen, vec![6, 8]);
+    }
+}
