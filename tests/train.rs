@@ -177,7 +177,7 @@ fn a_hugging_face_folder_target_trains_as_its_gguf_does() {
 /// trained against its taps, and a bench that is lossless: every verification pass is cropped to
 /// its accepted prefix, the Gated DeltaNet layers' state included.
 #[test]
-fn a_hybrid_qwen3_5_target_runs_the_story_and_benches_losslessly() {
+fn a_hybrid_qwen3_5_target_runs_the_story_and_benches_dflash_and_dflash2_losslessly() {
     let env = Env::new();
     support::qwen3_5_model_with_tokenizer(env.path(), "qwen35");
     let rows: Vec<String> = (0..10)
@@ -213,6 +213,16 @@ stages:
     kind: bench
     inputs: [drafter, chats]
     params: {target: qwen35, prompts: 3, max_new_tokens: 20}
+  drafter2:
+    kind: train
+    inputs: [tokens]
+    params: {target: qwen35, head: dflash2, dflash2: {conv_group_size: 16, selector_rank: 8},
+             draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 3,
+             target_layers: [0, 2], epochs: 4, max_steps: 12, lr: 0.003}
+  bench2:
+    kind: bench
+    inputs: [drafter2, chats]
+    params: {target: qwen35, prompts: 3, max_new_tokens: 20}
 "#,
     );
     let (st, _) = env.run("p.yaml", 0);
@@ -235,6 +245,37 @@ stages:
             "{name}: greedy speculation changed the output: {r}"
         );
     }
+    // DFlash 2: exported as the reference's `DFlash2DraftModel`, and lossless too.
+    let dir = env.path().join("d2");
+    let o = env.dflash(&["export", "drafter2", "-p", "p.yaml", dir.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("drafter/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["architectures"][0], "DFlash2DraftModel", "{config}");
+    let d = &config["dflash_config"];
+    assert_eq!(
+        (
+            &d["conv_kernel_size"],
+            &d["conv_group_size"],
+            &d["selector_rank"],
+            &d["selector_top_k"]
+        ),
+        (&4.into(), &16.into(), &8.into(), &8.into()),
+        "{config}"
+    );
+    let set = &env.show("bench2", "p.yaml")["stats"]["sets"]["chats"];
+    assert_eq!(set["methods"]["drafter2"]["identical"], 3, "{set}");
+    // A setting DFlash 2 does not have: refused at plan time, by name.
+    let p = std::fs::read_to_string(env.path().join("p.yaml")).unwrap();
+    env.write(
+        "bad.yaml",
+        &p.replace("selector_rank: 8}", "selector_rank: 8, kernel: 3}"),
+    );
+    let o = env.dflash(&["plan", "bad.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("`kernel` is not a DFlash 2 setting"), "{err}");
     // Tree verification follows branches a Gated DeltaNet state cannot: refused at plan time.
     let p = std::fs::read_to_string(env.path().join("p.yaml")).unwrap();
     env.write(

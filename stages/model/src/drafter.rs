@@ -1,6 +1,7 @@
 //! The DFlash drafter's shape, derived from its target as the reference implementation does
 //! (../shared/DFLASH.md): a short stack of the target family's decoder layers at the target's
 //! widths, a fusion of `n` tapped target layers, and the target's frozen embedding and LM head.
+//! DFlash 2 adds convolutions and a candidate selector ([`Dflash2Config`]; `nn::dflash2`).
 
 use serde::Serialize;
 
@@ -101,6 +102,95 @@ impl DrafterShape {
         target_weight_bytes + drafter + activations + logits + taps
     }
 }
+
+/// DFlash 2's settings (the `dflash_config` fields the reference reads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Dflash2Config {
+    /// Convolution taps K (the position itself and the K - 1 before it).
+    pub conv_kernel_size: usize,
+    /// Channels per group sharing one dynamic kernel; divides the hidden size.
+    pub conv_group_size: usize,
+    /// The selector's rank r.
+    pub selector_rank: usize,
+    /// Candidates re-scored per position.
+    pub selector_top_k: usize,
+}
+
+impl Dflash2Config {
+    /// The defaults for a hidden size: kernel 4, groups of 64 channels (or of the largest
+    /// divisor of `hidden` up to 64), rank 64, top 8.
+    pub fn for_hidden(hidden: usize) -> Self {
+        let group = (1..=64.min(hidden))
+            .rev()
+            .find(|g| hidden % g == 0)
+            .unwrap_or(1);
+        Self {
+            conv_kernel_size: 4,
+            conv_group_size: group,
+            selector_rank: 64,
+            selector_top_k: 8,
+        }
+    }
+
+    /// What is wrong with these settings for a hidden size and vocabulary, if anything.
+    pub fn problem(&self, hidden: usize, vocab: usize) -> Option<String> {
+        if self.conv_kernel_size == 0 {
+            return Some("`conv_kernel_size` must be at least 1".into());
+        }
+        if self.conv_group_size == 0 || hidden % self.conv_group_size != 0 {
+            return Some(format!(
+                "`conv_group_size` {} does not divide the hidden size {hidden}",
+                self.conv_group_size
+            ));
+        }
+        if self.selector_rank == 0 {
+            return Some("`selector_rank` must be at least 1".into());
+        }
+        if self.selector_top_k == 0 || self.selector_top_k > vocab {
+            return Some(format!(
+                "`selector_top_k` {} must be between 1 and the vocabulary ({vocab})",
+                self.selector_top_k
+            ));
+        }
+        None
+    }
+
+    /// Groups of the hidden size.
+    pub fn groups(&self, hidden: usize) -> usize {
+        hidden / self.conv_group_size
+    }
+
+    /// The added tensors' names and shapes for `layers` layers, in the reference's layout (its
+    /// codebooks are stored without `.weight`, which its `from_pretrained` maps).
+    pub fn tensors(&self, hidden: usize, vocab: usize, layers: usize) -> Vec<(String, Vec<usize>)> {
+        let (k, g, r) = (
+            self.conv_kernel_size,
+            self.groups(hidden),
+            self.selector_rank,
+        );
+        let mut t = Vec::new();
+        for i in 0..layers {
+            for conv in ["attention_conv", "mlp_conv"] {
+                t.push((format!("layers.{i}.{conv}.base_kernel"), vec![2, k, hidden]));
+                t.push((
+                    format!("layers.{i}.{conv}.kernel_projection.weight"),
+                    vec![2 * k * g, hidden],
+                ));
+            }
+        }
+        t.push((PREDECESSOR.into(), vec![vocab, r]));
+        t.push((SUCCESSOR.into(), vec![vocab, r]));
+        t.push((HIDDEN_PROJECTION.into(), vec![r, hidden]));
+        t
+    }
+}
+
+/// The selector's predecessor codebook `[V, r]`.
+pub const PREDECESSOR: &str = "candidate_selector.predecessor_codebook";
+/// The selector's successor codebook `[V, r]`.
+pub const SUCCESSOR: &str = "candidate_selector.successor_codebook";
+/// The selector's hidden projection `[r, H]`.
+pub const HIDDEN_PROJECTION: &str = "candidate_selector.hidden_projection.weight";
 
 #[cfg(test)]
 mod tests {

@@ -9,5 +9,5 @@ pub mod drafter;
 pub mod nn;
 pub mod shape;
 
-pub use drafter::DrafterShape;
+pub use drafter::{Dflash2Config, DrafterShape};
 pub use shape::{ModelShape, ShapeSource};

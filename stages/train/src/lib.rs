@@ -114,6 +114,65 @@ fn target_issues(params: &serde_json::Value, shape: &ModelShape, target: &str) -
     issues
 }
 
+/// The keys `dflash2:` takes.
+const DFLASH2_KEYS: [&str; 4] = [
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+];
+
+/// DFlash 2's settings from the params: `None` for `head: dflash`; an error names a key that is
+/// not one, or a value the target's shape rules out.
+pub fn dflash2_settings(
+    params: &serde_json::Value,
+    hidden: u64,
+    vocab: u64,
+) -> Result<Option<dflash_model::Dflash2Config>, Issue> {
+    let given = params["dflash2"].as_object().cloned().unwrap_or_default();
+    if params["head"] != "dflash2" {
+        if let Some(k) = given.keys().next() {
+            return Err(Issue::new(
+                "dflash2",
+                format!("`{k}` is set, but `head` is not `dflash2`"),
+            )
+            .help("set `head: dflash2` to train a DFlash 2 drafter, or remove `dflash2:`"));
+        }
+        return Ok(None);
+    }
+    let mut c = dflash_model::Dflash2Config::for_hidden(hidden as usize);
+    for (k, v) in &given {
+        let n = v.as_u64().unwrap_or(0) as usize;
+        match k.as_str() {
+            "conv_kernel_size" => c.conv_kernel_size = n,
+            "conv_group_size" => c.conv_group_size = n,
+            "selector_rank" => c.selector_rank = n,
+            "selector_top_k" => c.selector_top_k = n,
+            _ => {
+                return Err(
+                    Issue::new("dflash2", format!("`{k}` is not a DFlash 2 setting"))
+                        .below(PathSeg::Key(k.clone()))
+                        .help(format!("the settings are {}", DFLASH2_KEYS.join(", "))),
+                );
+            }
+        }
+    }
+    if let Some(problem) = c.problem(hidden as usize, vocab as usize) {
+        return Err(Issue::new("dflash2", problem).help(format!(
+            "the target's hidden size is {hidden}; defaults: {:?}",
+            dflash_model::Dflash2Config::for_hidden(hidden as usize)
+        )));
+    }
+    Ok(Some(c))
+}
+
+fn dflash2_issues(params: &serde_json::Value, shape: &ModelShape) -> Vec<Issue> {
+    match dflash2_settings(params, shape.hidden, shape.vocab) {
+        Ok(_) => Vec::new(),
+        Err(issue) => vec![issue],
+    }
+}
+
 impl StageKind for TrainKind {
     fn name(&self) -> &'static str {
         "train"
@@ -140,6 +199,8 @@ impl StageKind for TrainKind {
             Param::new("target_layers", ParamType::List(Box::new(int())), "target decoder layers (0-based) whose outputs feed the drafter; empty: `taps` layers spread from 1 to L-3").default(json!([])).at_least(0.0),
             Param::new("taps", int(), "how many target layers to tap when `target_layers` is empty").default(5).at_least(1.0),
             Param::new("mask_token_id", int(), "the mask token's id: a token the data never uses, below the target's vocabulary size (Qwen3: 151669)").required().at_least(0.0),
+            Param::new("head", ParamType::Enum(&["dflash", "dflash2"]), "the drafter: `dflash`, or `dflash2` (DFlash 2: grouped dynamic causal convolutions around each layer's attention and MLP, and a candidate selector; exported as `DFlash2DraftModel`)").default("dflash"),
+            Param::new("dflash2", ParamType::Map(Box::new(int())), "DFlash 2's settings, with `head: dflash2`: `conv_kernel_size` (4), `conv_group_size` (64, or the largest divisor of the hidden size below it), `selector_rank` (64), `selector_top_k` (8)").default(json!({})),
             Param::new("anchors", int(), "blocks sampled per sequence, among positions whose next token is trained on").default(512).at_least(1.0),
             Param::new("gamma", float(), "loss weight decay over block positions, exp(-(k-1)/gamma) (null: 7 for B=16, 4 for B=8)").above(0.0),
             Param::new("epochs", int(), "passes over the data").default(6).at_least(1.0),
@@ -206,6 +267,7 @@ impl StageKind for TrainKind {
             }
         };
         issues.extend(target_issues(params, &shape, target));
+        issues.extend(dflash2_issues(params, &shape));
         issues
     }
 

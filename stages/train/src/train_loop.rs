@@ -121,8 +121,10 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         cosine: raw["schedule"] != "constant",
     };
     let clip = raw["grad_clip"].as_f64().unwrap_or(1.0);
-    let config =
+    let mut config =
         DrafterConfig::for_target(tc, p.draft_layers as usize, taps.clone(), block, mask_token);
+    config.dflash2 = crate::dflash2_settings(raw, tc.hidden as u64, tc.vocab as u64)
+        .map_err(|issue| StageError::new(issue.message.clone()))?;
 
     // Resume from the latest checkpoint an earlier attempt committed.
     let mut done: Vec<String> = ctx
