@@ -1,5 +1,6 @@
 """The exported drafter in z-lab's reference implementation (PyPI `dflash==0.1.0`): load the
-`drafter/` folder that `train` wrote, unchanged, with `DFlashDraftModel.from_pretrained`, decode
+`drafter/` folder that `train` wrote, unchanged, with `DFlashDraftModel.from_pretrained` (or
+`DFlash2DraftModel`'s, for a `head: dflash2` drafter, as the reference's harness picks), decode
 the prompts `dflash bench` decoded with its `dflash_generate` against the same target as a
 transformers model, and compare the acceptance lengths (and, greedy, the output tokens) with
 what `dflash bench` recorded for them in `sets/<set>.jsonl`.
@@ -21,7 +22,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.model import DFlashDraftModel, dflash_generate
+from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
 
 
 def main():
@@ -38,7 +39,10 @@ def main():
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
     target = AutoModelForCausalLM.from_pretrained(a.target, torch_dtype=dtype).to(a.device).eval()
-    draft = DFlashDraftModel.from_pretrained(a.drafter, torch_dtype=dtype).to(a.device).eval()
+    # The class the reference's own harness picks: DFlash 2 by its architecture name.
+    arch = json.load(open(os.path.join(a.drafter, "config.json"))).get("architectures") or []
+    cls = DFlash2DraftModel if "DFlash2DraftModel" in arch else DFlashDraftModel
+    draft = cls.from_pretrained(a.drafter, torch_dtype=dtype).to(a.device).eval()
     stop = a.stop or [2]
     summary = {}
     for path in sorted(glob.glob(os.path.join(a.bench, "sets", "*.jsonl"))):
