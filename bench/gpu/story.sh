@@ -71,10 +71,12 @@ run)
 smoke)
     # There: the same pipeline, small (256 prompts, 40 training steps, 4 prompts per set), into
     # its own store: the speeds that size the real run, and any failure before it costs much.
+    # HEAD=dflash2 trains a DFlash 2 drafter instead.
     cuda_env
     sed -e 's/total: [0-9]*/total: 256/' -e 's/limit: 12000/limit: 600/' \
         -e 's/max_steps: [0-9]*/max_steps: 40/' \
-        -e 's/prompts: [0-9]* .*/prompts: 4/' pipelines/smollm2.yaml > pipelines/smoke.yaml
+        -e 's/prompts: [0-9]* .*/prompts: 4/' \
+        -e "s/      draft_layers: 3/      head: ${HEAD:-dflash}\n      draft_layers: 3/" pipelines/smollm2.yaml > pipelines/smoke.yaml
     timeout -s INT -k 20 "${1:-300}" $STASH/dflash run pipelines/smoke.yaml --store $STASH/smoke || echo "smoke stopped: exit $?"
     # Each stage's figures (not the per-step curves): the speeds that size the real run.
     python3 - $STASH/smoke <<'PY'

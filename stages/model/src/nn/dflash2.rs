@@ -106,10 +106,12 @@ pub fn dynamic_kernels(
 /// Each row's `k` largest logits' token ids `[n, k]`, largest first (detached: the candidates
 /// are a discrete choice).
 pub fn top_k(logits: &Tensor, k: usize) -> Result<Tensor> {
-    let mut l = logits.detach().to_dtype(DType::F32)?;
+    // In the logits' own dtype: a training step's logits are rows x vocabulary (gigabytes), and
+    // each pass below makes one copy.
+    let mut l = logits.detach();
     let n = l.dim(0)?;
     let mut picked = Vec::with_capacity(k);
-    let floor = Tensor::full(f32::NEG_INFINITY, (n, 1), l.device())?;
+    let floor = Tensor::full(f32::NEG_INFINITY, (n, 1), l.device())?.to_dtype(l.dtype())?;
     for _ in 0..k {
         let idx = l.argmax_keepdim(D::Minus1)?;
         l = l.scatter(&idx, &floor, 1)?;
@@ -131,7 +133,7 @@ pub fn scores(
     let (n, k) = candidates.dims2()?;
     // Scores in f32 at least (f64 stays f64: the gradient checks).
     let dtype = super::ops::wide(hidden.dtype());
-    let unary = logits.to_dtype(dtype)?.gather(candidates, 1)?;
+    let unary = logits.gather(candidates, 1)?.to_dtype(dtype)?;
     let projected = hidden
         .matmul(&weights(HIDDEN_PROJECTION).to_dtype(hidden.dtype())?.t()?)?
         .to_dtype(dtype)?;
@@ -161,8 +163,8 @@ pub fn select(
     let candidates = top_k(logits, config.selector_top_k)?;
     let k = candidates.dim(1)?;
     let unary: Vec<Vec<f32>> = logits
-        .to_dtype(DType::F32)?
         .gather(&candidates, 1)?
+        .to_dtype(DType::F32)?
         .to_vec2()?;
     let projected: Vec<Vec<f32>> = hidden
         .matmul(&weights(HIDDEN_PROJECTION).to_dtype(hidden.dtype())?.t()?)?
