@@ -25,9 +25,7 @@ import sys
 import tempfile
 import time
 
-# bench/ holds tokenize.py, which would shadow the standard library's module of that name.
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
 import qwen3_5_reference as q  # noqa: E402
 

@@ -488,7 +488,7 @@ fn a_model_folder_in_an_object_store_is_pinned_by_etag_and_tokenizes_the_same() 
 
 /// Long unbroken text (a markdown table rule, a base64 blob, a run of one character) merges in
 /// O(n log n), not by rescanning the word for every merge; the ids and offsets stay those of
-/// `tokenizers`. (Its speed is measured in `bench/tokenize.py long`, not timed here.)
+/// `tokenizers`. (Its speed is measured in `bench/tokenizer_speed.py long`, not timed here.)
 #[test]
 fn long_unbroken_words_tokenize_as_tokenizers_does() {
     let mut blob = String::new();

@@ -235,7 +235,7 @@ impl Assumptions {
                 name: "tokenize_tokens_per_s",
                 value: 3_279_000.0,
                 meaning: "tokens/s `tokenize` sustains per CPU core, loading included",
-                source: "measured: bench/tokenize.py on one core (README)".into(),
+                source: "measured: bench/tokenizer_speed.py on one core (README)".into(),
             },
             Assumption {
                 name: "cpu_cores",

@@ -2,8 +2,8 @@
 """Tokenize benchmark: dflash's `tokenize` stage against Python `transformers` + `datasets.map`
 doing the same templating and masking, on the same real conversations, in the same run.
 
-    python3 bench/tokenize.py [--rows 5000]
-    python3 bench/tokenize.py --long        # long unbroken text: time as the length doubles
+    python3 bench/tokenizer_speed.py [--rows 5000]
+    python3 bench/tokenizer_speed.py --long        # long unbroken text: time as the length doubles
 
 Needs transformers, datasets and pyarrow, and `scripts/fetch-assets` (the real Qwen3 tokenizer
 and chat template, and the ShareGPT dump: real multi-turn conversations, code and many
