@@ -90,6 +90,52 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
         serde_json::json!([8])
     );
     assert_eq!(shapes.as_object().unwrap().len(), 14);
+
+    // Another run starts from that export (`init`): its first steps are where the first run
+    // ended, not where a random drafter starts.
+    let p = std::fs::read_to_string(env.path().join("p.yaml")).unwrap();
+    let cont = p.replace(
+        "checkpoint_every: 50}",
+        "checkpoint_every: 50, init: out, max_steps: 10}",
+    );
+    env.write("cont.yaml", &cont);
+    let (st, _) = env.run("cont.yaml", 0);
+    assert_eq!(st["drafter"], "ran");
+    let again = env.path().join("again");
+    let o = env.dflash(&[
+        "export",
+        "drafter",
+        "-p",
+        "cont.yaml",
+        again.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let losses: Vec<f64> = std::fs::read_to_string(again.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    let start = losses[..5].iter().sum::<f64>() / 5.0;
+    assert!(
+        start < 0.8 * first,
+        "continued at {start}, fresh at {first}, ended at {last}"
+    );
+    // A drafter of another shape is refused before anything runs, naming the param.
+    env.write(
+        "other.yaml",
+        &cont.replace("draft_layers: 1", "draft_layers: 2"),
+    );
+    let o = env.dflash(&["plan", "other.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("draft_layers") && err.contains("`init`'s drafter has 1 layers"),
+        "{err}"
+    );
 }
 
 #[test]

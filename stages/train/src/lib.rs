@@ -166,6 +166,107 @@ pub fn dflash2_settings(
     Ok(Some(c))
 }
 
+/// Where `init`'s drafter is not the one these params describe: each differing setting, by the
+/// param that sets it.
+fn init_issues(
+    params: &serde_json::Value,
+    shape: &ModelShape,
+    dir: &std::path::Path,
+) -> Vec<Issue> {
+    let config = match read_init(dir) {
+        Ok(c) => c,
+        Err(e) => return vec![Issue::new("init", e).help("`init` is a drafter folder as `dflash export` writes it: drafter/config.json + model.safetensors")],
+    };
+    let taps: Vec<u64> = match params["target_layers"].as_array() {
+        Some(a) if !a.is_empty() => a.iter().filter_map(serde_json::Value::as_u64).collect(),
+        _ => dflash_model::drafter::spread_target_layers(
+            shape.layers,
+            params["taps"].as_u64().unwrap_or(5),
+        ),
+    };
+    let drafter_taps: Vec<u64> = config.target_layers.iter().map(|&l| l as u64).collect();
+    let dflash2 = dflash2_settings(params, shape.hidden, shape.vocab)
+        .ok()
+        .flatten();
+    let mut differ = Vec::new();
+    let mut check = |param: &str, ours: String, theirs: String| {
+        if ours != theirs {
+            differ.push(
+                Issue::new(
+                    param,
+                    format!("`init`'s drafter has {theirs}, these params give {ours}"),
+                )
+                .help(format!(
+                    "set `{param}` to match `init` (or start from a drafter of this shape)"
+                )),
+            );
+        }
+    };
+    check(
+        "draft_layers",
+        format!("{} layers", params["draft_layers"]),
+        format!("{} layers", config.layers),
+    );
+    check(
+        "block_size",
+        format!("blocks of {}", params["block_size"]),
+        format!("blocks of {}", config.block_size),
+    );
+    check(
+        "target_layers",
+        format!("taps {taps:?}"),
+        format!("taps {drafter_taps:?}"),
+    );
+    check(
+        "mask_token_id",
+        format!("mask token {}", params["mask_token_id"]),
+        format!("mask token {}", config.mask_token_id),
+    );
+    check(
+        "head",
+        describe_head(dflash2.as_ref()),
+        describe_head(config.dflash2.as_ref()),
+    );
+    check(
+        "target",
+        format!("hidden size {}", shape.hidden),
+        format!("hidden size {}", config.hidden),
+    );
+    differ
+}
+
+/// A head as messages show it.
+fn describe_head(d: Option<&dflash_model::Dflash2Config>) -> String {
+    match d {
+        None => "head dflash".into(),
+        Some(d) => format!(
+            "head dflash2 (conv_kernel_size {}, conv_group_size {}, selector_rank {}, selector_top_k {})",
+            d.conv_kernel_size, d.conv_group_size, d.selector_rank, d.selector_top_k
+        ),
+    }
+}
+
+/// The drafter config of an `init` folder (the folder itself, or one holding `drafter/`).
+pub fn read_init(dir: &std::path::Path) -> Result<dflash_model::nn::DrafterConfig, String> {
+    let dir = init_folder(dir);
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
+    dflash_model::nn::DrafterConfig::from_hf_config(&v)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// `dir`, or `dir/drafter` where `dir` is a whole exported artifact.
+pub fn init_folder(dir: &std::path::Path) -> std::path::PathBuf {
+    if !dir.join("config.json").is_file() && dir.join("drafter/config.json").is_file() {
+        dir.join("drafter")
+    } else {
+        dir.to_path_buf()
+    }
+}
+
 fn dflash2_issues(params: &serde_json::Value, shape: &ModelShape) -> Vec<Issue> {
     match dflash2_settings(params, shape.hidden, shape.vocab) {
         Ok(_) => Vec::new(),
@@ -201,6 +302,7 @@ impl StageKind for TrainKind {
             Param::new("mask_token_id", int(), "the mask token's id: a token the data never uses, below the target's vocabulary size (Qwen3: 151669)").required().at_least(0.0),
             Param::new("head", ParamType::Enum(&["dflash", "dflash2"]), "the drafter: `dflash`, or `dflash2` (DFlash 2: grouped dynamic causal convolutions around each layer's attention and MLP, and a candidate selector; exported as `DFlash2DraftModel`)").default("dflash"),
             Param::new("dflash2", ParamType::Map(Box::new(int())), "DFlash 2's settings, with `head: dflash2`: `conv_kernel_size` (4), `conv_group_size` (64, or the largest divisor of the hidden size below it), `selector_rank` (64), `selector_top_k` (8)").default(json!({})),
+            Param::new("init", ParamType::Str, "start from this drafter instead of a random one: a `drafter/` folder in the reference layout (config.json + model.safetensors: dflash's export, or a published DFlash drafter), of the shape these params give; pinned by content").content(),
             Param::new("anchors", int(), "blocks sampled per sequence, among positions whose next token is trained on").default(512).at_least(1.0),
             Param::new("gamma", float(), "loss weight decay over block positions, exp(-(k-1)/gamma) (null: 7 for B=16, 4 for B=8)").above(0.0),
             Param::new("epochs", int(), "passes over the data").default(6).at_least(1.0),
@@ -223,15 +325,28 @@ impl StageKind for TrainKind {
         // The frozen target enters the key by content: another model under the same name
         // retrains. (A path that is not there is refused when the stage runs, with the reason.)
         let target = params["target"].as_str().unwrap_or_default();
-        if !std::path::Path::new(target).exists() {
-            return Ok(Vec::new());
+        let mut pins = Vec::new();
+        if std::path::Path::new(target).exists() {
+            pins = dflash_stage_api::pin_model(
+                "target",
+                target,
+                pinner,
+                "`target:` is the frozen target: a .gguf file or a Hugging Face model folder",
+            )?;
         }
-        dflash_stage_api::pin_model(
-            "target",
-            target,
-            pinner,
-            "`target:` is the frozen target: a .gguf file or a Hugging Face model folder",
-        )
+        // The starting drafter, by content too.
+        if let Some(init) = params["init"].as_str()
+            && std::path::Path::new(init).exists()
+        {
+            let folder = init_folder(std::path::Path::new(init));
+            pins.extend(dflash_stage_api::pin_model(
+                "init",
+                &folder.to_string_lossy(),
+                pinner,
+                "`init:` is a drafter folder: config.json + model.safetensors",
+            )?);
+        }
+        Ok(pins)
     }
 
     fn check(&self, params: &serde_json::Value, env: &CheckEnv<'_>) -> Vec<Issue> {
@@ -268,6 +383,15 @@ impl StageKind for TrainKind {
         };
         issues.extend(target_issues(params, &shape, target));
         issues.extend(dflash2_issues(params, &shape));
+        if let Some(missing) = env.must_exist(
+            params,
+            "init",
+            "a drafter folder to start from (config.json + model.safetensors)",
+        ) {
+            issues.push(missing);
+        } else if let Some(init) = params["init"].as_str() {
+            issues.extend(init_issues(params, &shape, &env.path(init)));
+        }
         issues
     }
 

@@ -54,6 +54,43 @@ fn order(seed: u64, n: usize, epoch: u64) -> Vec<usize> {
 
 const CKPT: &str = "ckpt-";
 
+/// The drafter in the folder `init` (the reference layout), as the f32 weights training
+/// updates; its config must be `config` (the check at plan time says which param differs).
+fn start_from(
+    init: &std::path::Path,
+    config: &DrafterConfig,
+    device: &candle_core::Device,
+) -> Result<Drafter, StageError> {
+    let theirs = crate::read_init(init).map_err(StageError::new)?;
+    if &theirs != config {
+        return Err(StageError::new(format!(
+            "`init`'s drafter is not the one these params give: it has {} layers, taps {:?}, blocks of {}, hidden size {}",
+            theirs.layers, theirs.target_layers, theirs.block_size, theirs.hidden
+        ))
+        .with_help("set `draft_layers`, `target_layers`, `block_size`, `mask_token_id` and `head` as the drafter was trained"));
+    }
+    let folder = crate::init_folder(init);
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&folder)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(StageError::new(format!(
+            "`init`: no .safetensors file in {}",
+            folder.display()
+        )));
+    }
+    for f in files {
+        for (name, t) in candle_core::safetensors::load(&f, device).map_err(nn("reading `init`"))? {
+            tensors.insert(name, t.to_dtype(DType::F32).map_err(nn("reading `init`"))?);
+        }
+    }
+    Drafter::from_tensors(config.clone(), &tensors).map_err(nn("`init`"))
+}
+
 /// Train; see the module docs.
 pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError> {
     let raw = ctx.params;
@@ -166,8 +203,16 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             (d, a, step)
         }
         None => {
-            let d = Drafter::init(config.clone(), seed, DType::F32, &device)
-                .map_err(nn("initialising the drafter"))?;
+            let d = match raw["init"].as_str() {
+                Some(init) => {
+                    if let Ok(mut log) = dflash_stage_api::StageLog::open(ctx.log_path) {
+                        log.line(&format!("starting from the drafter in {init}"));
+                    }
+                    start_from(&ctx.cwd.join(init), &config, &device)?
+                }
+                None => Drafter::init(config.clone(), seed, DType::F32, &device)
+                    .map_err(nn("initialising the drafter"))?,
+            };
             let a = AdamW::new(&d.vars, raw["weight_decay"].as_f64().unwrap_or(0.0))
                 .map_err(nn("optimizer"))?;
             (d, a, 0)
