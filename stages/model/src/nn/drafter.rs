@@ -579,6 +579,41 @@ pub(crate) mod tests {
         }));
     }
 
+    /// A GPU runs the drafter's activations in bf16 with f32 master weights: DFlash 2's loss
+    /// and its backward must hold together in those dtypes too (CPU has bf16 ops).
+    #[test]
+    fn dflash2_trains_with_bf16_activations() {
+        let target = tiny_target(DType::BF16);
+        let config = DrafterConfig::for_target(&target.config, 2, vec![0, 2], 4, 39).with_dflash2(
+            Dflash2Config {
+                conv_kernel_size: 3,
+                conv_group_size: 4,
+                selector_rank: 3,
+                selector_top_k: 6,
+            },
+        );
+        let drafter = Drafter::init(config, 7, DType::F32, &Device::Cpu).unwrap();
+        let (ids, mask) = sequence();
+        let context = target.tapped(&ids, &drafter.config.target_layers).unwrap();
+        assert_eq!(context.dtype(), DType::BF16);
+        let batch = Batch::sample(&ids, &mask, 3, 4, 39, 2.0, 5).unwrap();
+        let embed = |t: &Tensor| target.embed(t);
+        let (l, m) = loss(
+            &drafter,
+            &embed,
+            &target.lm_head,
+            &context,
+            &batch,
+            batch.weight(),
+        )
+        .unwrap();
+        assert!(m.loss.is_finite() && m.blocks == 3);
+        let grads = l.backward().unwrap();
+        let g = drafter.gradients(&grads);
+        assert_eq!(g.len(), drafter.vars.len(), "every tensor gets a gradient");
+        assert!(g.values().all(|t| t.dtype() == DType::F32));
+    }
+
     fn check_gradients(dflash2: Option<Dflash2Config>) {
         let dtype = DType::F64;
         let target = tiny_target(dtype);

@@ -262,7 +262,11 @@ pub fn loss_packed(
                 &weights,
                 d.selector_top_k,
             )?;
-            ((total + (selector / normalizer)?)?, picks)
+            {
+                // The selector's loss is in f32 at least, as the cross-entropy's.
+                let selector = (selector / normalizer)?.to_dtype(total.dtype())?;
+                ((total + selector)?, picks)
+            }
         }
     };
     let mut m = StepMetrics {
@@ -329,5 +333,5 @@ fn selector_loss(
         .squeeze(1)?;
     let w = Tensor::new(w.as_slice(), device)?.to_dtype(log_p.dtype())?;
     let loss = (log_p.mul(&w)?.sum_all()? * -1.0)?;
-    Ok((loss.to_dtype(hidden.dtype())?, picks))
+    Ok((loss, picks))
 }
