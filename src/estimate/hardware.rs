@@ -199,37 +199,37 @@ impl Assumptions {
             },
             Assumption {
                 name: "gpu_candle_decode_tokens_per_s",
-                value: (3_544.0 * g.bandwidth_tbs / 4.8).round(),
+                value: (5_556.0 * g.bandwidth_tbs / 3.35).round(),
                 meaning: "output tokens/s of the in-process candle backend on one GPU for a 135M model, batched (scaled by 135M / parameters)",
                 source: format!(
-                    "measured: pipelines/smollm2.yaml on one H200, 643,872 tokens in 181.8 s at batch 512 (README); x{:.2} memory bandwidth of the {}",
-                    g.bandwidth_tbs / 4.8,
+                    "measured: pipelines/smollm2.yaml on one H100, 643,872 tokens in 115.9 s at batch 512, waves kept full (README); x{:.2} memory bandwidth of the {}",
+                    g.bandwidth_tbs / 3.35,
                     g.name
                 ),
             },
             Assumption {
                 name: "train_launch_s_per_layer",
-                value: 0.0008,
+                value: 0.0006,
                 meaning: "seconds a training step spends per sequence and layer pass (target layers forward, drafter layers x3) on kernel launches and small ops; a step takes the longer of this and its FLOPs",
-                source: "measured: pipelines/smollm2.yaml on one H200, 0.26 s per step of 8 sequences (30 + 3x3 layer passes each), 0.011 s of it FLOPs (README)".into(),
+                source: "measured: pipelines/smollm2.yaml on one H100, 0.38 s per step of 16 sequences (30 + 3x3 layer passes each; 0.26 s per 8 on an H200 before) (README)".into(),
             },
             Assumption {
                 name: "decode_step_s_per_layer",
-                value: 0.000_23,
+                value: 0.000_18,
                 meaning: "seconds one in-process decoding step (one token, batch 1) spends per target layer on a GPU",
-                source: "measured: pipelines/smollm2.yaml's bench on one H200, 7.0 ms per step of the 30-layer target (README)".into(),
+                source: "measured: pipelines/smollm2.yaml's bench on one H100, 5.2-5.7 ms per step of the 30-layer target (7.0 ms on an H200 before) (README)".into(),
             },
             Assumption {
                 name: "bench_verify_step_ratio",
                 value: 1.6,
                 meaning: "a verification round of up to 16 tokens, in target steps (prompt lookup's round)",
-                source: "measured: the same bench, 11.2-11.7 ms against 7.0 ms (README)".into(),
+                source: "measured: the same bench, 8.4-9.2 ms against 5.2-5.7 ms (README)".into(),
             },
             Assumption {
                 name: "bench_drafter_round_ratio",
                 value: 2.3,
                 meaning: "a drafter's round (its pass and the verification), in target steps",
-                source: "measured: the same bench, a 3-layer drafter's round 15.2-16.9 ms against 7.0 ms (README)".into(),
+                source: "measured: the same bench, a 3-layer drafter's round 11.9-12.9 ms against 5.2-5.7 ms (README)".into(),
             },
             Assumption {
                 name: "tokenize_tokens_per_s",
