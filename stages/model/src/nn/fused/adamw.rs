@@ -6,11 +6,11 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::{Result, cpu, span};
+use super::{CpuArg, Result, cpu, span};
 
 /// `sum(x^2)` as a one-element f32 tensor, reduced on the device (no sync).
 pub fn sum_squares(x: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op1_no_bwd(&SumSquares)
+    x.contiguous()?.apply_op1_no_bwd(&SumSquares {})
 }
 
 /// The AdamW update of one parameter in place: `m` and `v` (f32, the parameter's shape) take
@@ -66,29 +66,17 @@ struct Moment {
     squared: bool,
 }
 
-struct SumSquares;
-
-impl candle_core::CustomOp1 for SumSquares {
-    fn name(&self) -> &'static str {
-        "sum-squares"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        fn go<T: WithDType>(s: &CpuStorage, l: &Layout) -> Result<f64> {
+fused_op! {
+    /// The sum of the squares of every element, one f32 (the gradient norm's pieces).
+    SumSquares {} = "sum-squares", inputs(x);
+    cpu(_op) => {
+        fn go<T: WithDType>((s, l): CpuArg<'_>) -> Result<f64> {
             Ok(cpu::<T>(s, l)?.par_iter().map(|v| v.to_f64().powi(2)).sum())
         }
-        let total = by_float!(s.dtype(), self.name(), go(s, l))?;
+        let total = by_float!(x.0.dtype(), "sum-squares", go(x))?;
         Ok((CpuStorage::F32(vec![total as f32]), Shape::from(1)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((super::cuda::sum_squares(s, l)?, Shape::from(1)))
-    }
+    };
+    cuda(_op) => Ok((super::cuda::sum_squares(x)?, Shape::from(1)));
 }
 
 /// The mutable f32 elements of an optimizer moment.
@@ -139,7 +127,7 @@ impl InplaceOp2 for Moment {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<()> {
-        super::cuda::moment(s1, l1, s2, l2, self.beta, self.scale, self.squared)
+        super::cuda::moment(s1, l1, (s2, l2), self.beta, self.scale, self.squared)
     }
 }
 
@@ -197,6 +185,6 @@ impl InplaceOp3 for AdamStep {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<()> {
-        super::cuda::adam_apply(s1, l1, s2, l2, s3, l3, self)
+        super::cuda::adam_apply(s1, l1, (s2, l2), (s3, l3), self)
     }
 }

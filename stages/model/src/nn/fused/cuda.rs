@@ -1,12 +1,14 @@
 //! Launches of the kernels in `kernels.cu` (compiled to PTX by `build.rs`). A kernel launch is
-//! FFI, hence `unsafe`; each states what it reads and writes, all of it allocated or checked here.
+//! FFI, hence `unsafe`, in one place ([`launch!`]); each op below is its inputs as views, its
+//! outputs allocated for the kernel to write, and one launch with the kernel's arguments in
+//! order, saying what it reads and writes.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, DType, Layout, WithDType, bail};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, bail};
 
 use super::{AdamStep, Result, rows, span};
 
@@ -50,343 +52,276 @@ fn reducing(n: usize) -> LaunchConfig {
     }
 }
 
+/// Run `$body` with `$t` the Rust type of the CUDA kernels' float type `$dtype` (f32 or bf16),
+/// else fail naming `$what`.
 macro_rules! by_type {
-    ($dtype:expr, $what:expr, $f:ident ( $($arg:expr),* )) => {
+    ($dtype:expr, $what:expr, |$t:ident| $body:block) => {
         match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::BF16 => $f::<half::bf16>($($arg),*),
-            d => bail!("{}: no CUDA kernel for {d:?} (f32 and bf16 have one)", $what),
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            d => bail!(
+                "{}: no CUDA kernel for {d:?} (f32 and bf16 have one)",
+                $what
+            ),
         }
     };
 }
 
-pub fn masked_softmax(
-    s: &CudaStorage,
-    l: &Layout,
-    mask: &CudaStorage,
-    lm: &Layout,
-    scale: f32,
-) -> Result<CudaStorage> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        s: &CudaStorage,
-        l: &Layout,
-        mask: &CudaStorage,
-        lm: &Layout,
-        scale: f32,
-    ) -> Result<CudaStorage> {
-        let dev = s.device();
-        let (count, n) = rows(l);
-        let x = s.as_cuda_slice::<T>()?.slice(span(l)?);
-        let m = mask.as_cuda_slice::<T>()?.slice(span(lm)?);
-        let out = unsafe { dev.alloc::<T>(count * n)? };
-        let (n32, nq) = (n as u32, lm.dims()[0] as u32);
-        let f = kernel(dev, "masked_softmax", T::DTYPE)?;
-        let stream = dev.cuda_stream();
+/// Launch kernel `$name` (its `$t` instance) on `$dev`'s stream with `$cfg` and the arguments
+/// in the kernel's own order (`kernels.cu`). Each call site says what the launch reads and
+/// writes; all of it is allocated (`fresh`) or bounds-checked (`view`, `rows`) there.
+macro_rules! launch {
+    ($dev:expr, $name:expr, $t:ty, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        let f = kernel($dev, $name, <$t as candle_core::WithDType>::DTYPE)?;
+        let stream = $dev.cuda_stream();
         let mut b = stream.launch_builder(&f);
-        b.arg(&x).arg(&m).arg(&out).arg(&n32).arg(&nq).arg(&scale);
-        // SAFETY: the kernel reads count*n and nq*n elements and writes count*n.
-        unsafe { b.launch(per_row(count, n)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-    by_type!(s.dtype(), "masked-softmax", go(s, l, mask, lm, scale))
+        $( b.arg($arg); )*
+        // SAFETY: the kernel reads and writes only the ranges its arguments cover (see the
+        // call site), each a live allocation of the element type the kernel declares.
+        unsafe { b.launch($cfg) }.w()?;
+    }};
 }
 
-pub fn softmax_grad(
-    p: &CudaStorage,
-    lp: &Layout,
-    dp: &CudaStorage,
-    ldp: &Layout,
-    scale: f32,
-) -> Result<CudaStorage> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        p: &CudaStorage,
-        lp: &Layout,
-        dp: &CudaStorage,
-        ldp: &Layout,
-        scale: f32,
-    ) -> Result<CudaStorage> {
-        let dev = p.device();
-        let (count, n) = rows(lp);
-        let ps = p.as_cuda_slice::<T>()?.slice(span(lp)?);
-        let dps = dp.as_cuda_slice::<T>()?.slice(span(ldp)?);
-        let out = unsafe { dev.alloc::<T>(count * n)? };
-        let n32 = n as u32;
-        let f = kernel(dev, "softmax_grad", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&ps).arg(&dps).arg(&out).arg(&n32).arg(&scale);
-        // SAFETY: reads and writes count*n elements of each.
-        unsafe { b.launch(per_row(count, n)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-    by_type!(p.dtype(), "masked-softmax-grad", go(p, lp, dp, ldp, scale))
-}
-
-pub fn cross_entropy(
-    z: &CudaStorage,
-    lz: &Layout,
-    y: &CudaStorage,
-    ly: &Layout,
-) -> Result<CudaStorage> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        z: &CudaStorage,
-        lz: &Layout,
-        y: &CudaStorage,
-        ly: &Layout,
-    ) -> Result<CudaStorage> {
-        let dev = z.device();
-        let (count, n) = rows(lz);
-        let zs = z.as_cuda_slice::<T>()?.slice(span(lz)?);
-        let ys = y.as_cuda_slice::<u32>()?.slice(span(ly)?);
-        let out = unsafe { dev.alloc::<f32>(count)? };
-        let n32 = n as u32;
-        let f = kernel(dev, "cross_entropy", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&zs).arg(&ys).arg(&out).arg(&n32);
-        // SAFETY: reads count*n logits and count labels (checked < n), writes count.
-        unsafe { b.launch(per_row(count, n)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-    by_type!(z.dtype(), "cross-entropy", go(z, lz, y, ly))
-}
-
-pub fn cross_entropy_grad(
-    z: &CudaStorage,
-    lz: &Layout,
-    y: &CudaStorage,
-    ly: &Layout,
-    g: &CudaStorage,
-    lg: &Layout,
-) -> Result<CudaStorage> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        z: &CudaStorage,
-        lz: &Layout,
-        y: &CudaStorage,
-        ly: &Layout,
-        g: &CudaStorage,
-        lg: &Layout,
-    ) -> Result<CudaStorage> {
-        let dev = z.device();
-        let (count, n) = rows(lz);
-        let zs = z.as_cuda_slice::<T>()?.slice(span(lz)?);
-        let ys = y.as_cuda_slice::<u32>()?.slice(span(ly)?);
-        let gs = g.as_cuda_slice::<f32>()?.slice(span(lg)?);
-        let out = unsafe { dev.alloc::<T>(count * n)? };
-        let n32 = n as u32;
-        let f = kernel(dev, "cross_entropy_grad", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&zs).arg(&ys).arg(&gs).arg(&out).arg(&n32);
-        // SAFETY: reads count*n logits, count labels and gradients; writes count*n.
-        unsafe { b.launch(per_row(count, n)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-    by_type!(z.dtype(), "cross-entropy-grad", go(z, lz, y, ly, g, lg))
-}
-
-pub fn rms_norm(
-    x: &CudaStorage,
-    lx: &Layout,
-    w: &CudaStorage,
-    lw: &Layout,
-    eps: f32,
-) -> Result<CudaStorage> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        x: &CudaStorage,
-        lx: &Layout,
-        w: &CudaStorage,
-        lw: &Layout,
-        eps: f32,
-    ) -> Result<CudaStorage> {
-        let dev = x.device();
-        let (count, n) = rows(lx);
-        let xs = x.as_cuda_slice::<T>()?.slice(span(lx)?);
-        let ws = w.as_cuda_slice::<T>()?.slice(span(lw)?);
-        let out = unsafe { dev.alloc::<T>(count * n)? };
-        let n32 = n as u32;
-        let f = kernel(dev, "rms_norm", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xs).arg(&ws).arg(&out).arg(&n32).arg(&eps);
-        // SAFETY: reads count*n and n elements, writes count*n.
-        unsafe { b.launch(per_row(count, n)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-    by_type!(x.dtype(), "rms-norm", go(x, lx, w, lw, eps))
-}
-
+/// A tensor's storage and layout, as a kernel argument.
 type Arg<'a> = (&'a CudaStorage, &'a Layout);
 
-pub fn rms_norm_grad(x: Arg<'_>, w: Arg<'_>, dy: Arg<'_>, eps: f32) -> Result<CudaStorage> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        (x, lx): Arg<'_>,
-        (w, lw): Arg<'_>,
-        (dy, ldy): Arg<'_>,
-        eps: f32,
-    ) -> Result<CudaStorage> {
-        let dev = x.device();
-        let (count, n) = rows(lx);
-        let xs = x.as_cuda_slice::<T>()?.slice(span(lx)?);
-        let ws = w.as_cuda_slice::<T>()?.slice(span(lw)?);
-        let dys = dy.as_cuda_slice::<T>()?.slice(span(ldy)?);
-        let out = unsafe { dev.alloc::<T>(count * n)? };
+/// A contiguous input's elements as a device view of `E`.
+fn view<E: CudaDType + DeviceRepr>((s, l): Arg<'_>) -> Result<CudaView<'_, E>> {
+    Ok(s.as_cuda_slice::<E>()?.slice(span(l)?))
+}
+
+/// `n` elements of `E` for a kernel to write: every launch below that takes one writes all of
+/// it before anything reads it.
+fn fresh<E: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<E>> {
+    // SAFETY: uninitialised memory, written in full by the kernel it is handed to.
+    Ok(unsafe { dev.alloc::<E>(n)? })
+}
+
+/// A kernel's output as a tensor's storage.
+fn stored<E: CudaDType>(dev: &CudaDevice, out: CudaSlice<E>) -> CudaStorage {
+    CudaStorage::wrap_cuda_slice(out, dev.clone())
+}
+
+/// Softmax over each row of `s * scale + mask` (the mask's `nq` rows repeat over the heads).
+pub fn masked_softmax(s: Arg<'_>, mask: Arg<'_>, scale: f32) -> Result<CudaStorage> {
+    by_type!(s.0.dtype(), "masked-softmax", |T| {
+        let dev = s.0.device();
+        let (count, n) = rows(s.1);
+        let (x, m) = (view::<T>(s)?, view::<T>(mask)?);
+        let out = fresh::<T>(dev, count * n)?;
+        let (n32, nq) = (n as u32, mask.1.dims()[0] as u32);
+        // Reads count*n and nq*n elements, writes count*n.
+        launch!(
+            dev,
+            "masked_softmax",
+            T,
+            per_row(count, n),
+            [&x, &m, &out, &n32, &nq, &scale]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
+/// The softmax's input gradient from its output `p` and the output's gradient `dp`.
+pub fn softmax_grad(p: Arg<'_>, dp: Arg<'_>, scale: f32) -> Result<CudaStorage> {
+    by_type!(p.0.dtype(), "masked-softmax-grad", |T| {
+        let dev = p.0.device();
+        let (count, n) = rows(p.1);
+        let (ps, dps) = (view::<T>(p)?, view::<T>(dp)?);
+        let out = fresh::<T>(dev, count * n)?;
         let n32 = n as u32;
-        let f = kernel(dev, "rms_norm_grad", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xs).arg(&ws).arg(&dys).arg(&out).arg(&n32).arg(&eps);
-        // SAFETY: reads count*n, n and count*n elements, writes count*n.
-        unsafe { b.launch(per_row(count, n)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-    by_type!(x.0.dtype(), "rms-norm-grad", go(x, w, dy, eps))
+        // Reads and writes count*n elements of each.
+        launch!(
+            dev,
+            "softmax_grad",
+            T,
+            per_row(count, n),
+            [&ps, &dps, &out, &n32, &scale]
+        );
+        Ok(stored(dev, out))
+    })
 }
 
+/// Per row of logits `z`: logsumexp minus the label's logit, in f32.
+pub fn cross_entropy(z: Arg<'_>, y: Arg<'_>) -> Result<CudaStorage> {
+    by_type!(z.0.dtype(), "cross-entropy", |T| {
+        let dev = z.0.device();
+        let (count, n) = rows(z.1);
+        let (zs, ys) = (view::<T>(z)?, view::<u32>(y)?);
+        let out = fresh::<f32>(dev, count)?;
+        let n32 = n as u32;
+        // Reads count*n logits and count labels (checked < n), writes count.
+        launch!(
+            dev,
+            "cross_entropy",
+            T,
+            per_row(count, n),
+            [&zs, &ys, &out, &n32]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
+/// The cross-entropy's gradient in the logits, scaled per row by `g` (f32).
+pub fn cross_entropy_grad(z: Arg<'_>, y: Arg<'_>, g: Arg<'_>) -> Result<CudaStorage> {
+    by_type!(z.0.dtype(), "cross-entropy-grad", |T| {
+        let dev = z.0.device();
+        let (count, n) = rows(z.1);
+        let (zs, ys, gs) = (view::<T>(z)?, view::<u32>(y)?, view::<f32>(g)?);
+        let out = fresh::<T>(dev, count * n)?;
+        let n32 = n as u32;
+        // Reads count*n logits, count labels and gradients; writes count*n.
+        launch!(
+            dev,
+            "cross_entropy_grad",
+            T,
+            per_row(count, n),
+            [&zs, &ys, &gs, &out, &n32]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
+/// RMSNorm of each row of `x`, times `w`.
+pub fn rms_norm(x: Arg<'_>, w: Arg<'_>, eps: f32) -> Result<CudaStorage> {
+    by_type!(x.0.dtype(), "rms-norm", |T| {
+        let dev = x.0.device();
+        let (count, n) = rows(x.1);
+        let (xs, ws) = (view::<T>(x)?, view::<T>(w)?);
+        let out = fresh::<T>(dev, count * n)?;
+        let n32 = n as u32;
+        // Reads count*n and n elements, writes count*n.
+        launch!(
+            dev,
+            "rms_norm",
+            T,
+            per_row(count, n),
+            [&xs, &ws, &out, &n32, &eps]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
+/// RMSNorm's input gradient.
+pub fn rms_norm_grad(x: Arg<'_>, w: Arg<'_>, dy: Arg<'_>, eps: f32) -> Result<CudaStorage> {
+    by_type!(x.0.dtype(), "rms-norm-grad", |T| {
+        let dev = x.0.device();
+        let (count, n) = rows(x.1);
+        let (xs, ws, dys) = (view::<T>(x)?, view::<T>(w)?, view::<T>(dy)?);
+        let out = fresh::<T>(dev, count * n)?;
+        let n32 = n as u32;
+        // Reads count*n, n and count*n elements, writes count*n.
+        launch!(
+            dev,
+            "rms_norm_grad",
+            T,
+            per_row(count, n),
+            [&xs, &ws, &dys, &out, &n32, &eps]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
+/// Rotary embedding of `x` (`[.., n, d]`) by the `cos` / `sin` tables; `sign` -1 undoes it.
 pub fn rope(x: Arg<'_>, cos: Arg<'_>, sin: Arg<'_>, sign: f32) -> Result<CudaStorage> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        (x, lx): Arg<'_>,
-        (c, lc): Arg<'_>,
-        (s, ls): Arg<'_>,
-        sign: f32,
-    ) -> Result<CudaStorage> {
-        let dev = x.device();
-        let dims = lx.dims();
+    by_type!(x.0.dtype(), "rope", |T| {
+        let dev = x.0.device();
+        let dims = x.1.dims();
         let (n, d) = (dims[dims.len() - 2] as u32, dims[dims.len() - 1] as u32);
-        let total = lx.shape().elem_count();
-        let xs = x.as_cuda_slice::<T>()?.slice(span(lx)?);
-        let cs = c.as_cuda_slice::<T>()?.slice(span(lc)?);
-        let ss = s.as_cuda_slice::<T>()?.slice(span(ls)?);
-        let out = unsafe { dev.alloc::<T>(total)? };
-        let f = kernel(dev, "rope", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xs)
-            .arg(&cs)
-            .arg(&ss)
-            .arg(&out)
-            .arg(&total)
-            .arg(&n)
-            .arg(&d)
-            .arg(&sign);
-        // SAFETY: reads `total` elements and two n*d/2 tables, writes `total`.
-        unsafe { b.launch(elementwise(total)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-    by_type!(x.0.dtype(), "rope", go(x, cos, sin, sign))
+        let total = x.1.shape().elem_count();
+        let (xs, cs, ss) = (view::<T>(x)?, view::<T>(cos)?, view::<T>(sin)?);
+        let out = fresh::<T>(dev, total)?;
+        // Reads `total` elements and two n*d/2 tables, writes `total`.
+        launch!(
+            dev,
+            "rope",
+            T,
+            elementwise(total),
+            [&xs, &cs, &ss, &out, &total, &n, &d, &sign]
+        );
+        Ok(stored(dev, out))
+    })
 }
 
-pub fn sum_squares(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        x: &CudaStorage,
-        lx: &Layout,
-    ) -> Result<CudaStorage> {
-        let dev = x.device();
-        let n = lx.shape().elem_count();
-        let xs = x.as_cuda_slice::<T>()?.slice(span(lx)?);
+/// The sum of the squares of `x`'s elements, one f32.
+pub fn sum_squares(x: Arg<'_>) -> Result<CudaStorage> {
+    by_type!(x.0.dtype(), "sum-squares", |T| {
+        let dev = x.0.device();
+        let n = x.1.shape().elem_count();
+        let xs = view::<T>(x)?;
         let out = dev.alloc_zeros::<f32>(1)?;
-        let f = kernel(dev, "sum_squares", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xs).arg(&n).arg(&out);
-        // SAFETY: reads n elements, adds into one.
-        unsafe { b.launch(reducing(n)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-    by_type!(x.dtype(), "sum-squares", go(x, lx))
+        // Reads n elements, adds into one.
+        launch!(dev, "sum_squares", T, reducing(n), [&xs, &n, &out]);
+        Ok(stored(dev, out))
+    })
 }
 
+/// An AdamW moment, in place: `m = beta * m + scale * g` (`g * g` when `squared`).
 pub fn moment(
     m: &mut CudaStorage,
     lm: &Layout,
-    g: &CudaStorage,
-    lg: &Layout,
+    g: Arg<'_>,
     beta: f32,
     scale: f32,
     squared: bool,
 ) -> Result<()> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        m: &mut CudaStorage,
-        lm: &Layout,
-        g: &CudaStorage,
-        lg: &Layout,
-        beta: f32,
-        scale: f32,
-        squared: i32,
-    ) -> Result<()> {
-        let dev = g.device().clone();
+    let squared = i32::from(squared);
+    by_type!(g.0.dtype(), "adamw-moment", |T| {
+        let dev = g.0.device().clone();
         let r = span(lm)?;
         let n = r.len();
-        if span(lg)?.len() != n {
+        if span(g.1)?.len() != n {
             bail!("adamw-moment: gradient and moment sizes differ");
         }
-        let gs = g.as_cuda_slice::<T>()?.slice(span(lg)?);
+        let gs = view::<T>(g)?;
         let mut ms = m.as_cuda_slice_mut::<f32>()?.slice_mut(r);
-        let f = kernel(&dev, "moment", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&mut ms)
-            .arg(&gs)
-            .arg(&n)
-            .arg(&beta)
-            .arg(&scale)
-            .arg(&squared);
-        // SAFETY: n elements of each.
-        unsafe { b.launch(elementwise(n)) }.w()?;
+        // n elements of each.
+        launch!(
+            &dev,
+            "moment",
+            T,
+            elementwise(n),
+            [&mut ms, &gs, &n, &beta, &scale, &squared]
+        );
         Ok(())
-    }
-    let squared = i32::from(squared);
-    by_type!(
-        g.dtype(),
-        "adamw-moment",
-        go(m, lm, g, lg, beta, scale, squared)
-    )
+    })
 }
 
+/// AdamW's update of the parameters `p`, in place, from both moments.
 pub fn adam_apply(
     p: &mut CudaStorage,
     lp: &Layout,
-    m: &CudaStorage,
-    lm: &Layout,
-    v: &CudaStorage,
-    lv: &Layout,
+    m: Arg<'_>,
+    v: Arg<'_>,
     s: &AdamStep,
 ) -> Result<()> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        p: &mut CudaStorage,
-        lp: &Layout,
-        m: &CudaStorage,
-        lm: &Layout,
-        v: &CudaStorage,
-        lv: &Layout,
-        s: &AdamStep,
-    ) -> Result<()> {
-        let dev = m.device().clone();
+    by_type!(p.dtype(), "adamw-apply", |T| {
+        let dev = m.0.device().clone();
         let r = span(lp)?;
         let n = r.len();
-        if span(lm)?.len() != n || span(lv)?.len() != n {
+        if span(m.1)?.len() != n || span(v.1)?.len() != n {
             bail!("adamw-apply: parameter and moment sizes differ");
         }
-        let ms = m.as_cuda_slice::<f32>()?.slice(span(lm)?);
-        let vs = v.as_cuda_slice::<f32>()?.slice(span(lv)?);
+        let (ms, vs) = (view::<f32>(m)?, view::<f32>(v)?);
         let mut ps = p.as_cuda_slice_mut::<T>()?.slice_mut(r);
         let (lr, decay) = (s.lr as f32, s.weight_decay as f32);
         let (c1, c2, eps) = (s.corrections.0 as f32, s.corrections.1 as f32, s.eps as f32);
-        let f = kernel(&dev, "adam_apply", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&mut ps)
-            .arg(&ms)
-            .arg(&vs)
-            .arg(&n)
-            .arg(&lr)
-            .arg(&decay);
-        b.arg(&c1).arg(&c2).arg(&eps);
-        // SAFETY: n elements of each.
-        unsafe { b.launch(elementwise(n)) }.w()?;
+        // n elements of each.
+        launch!(
+            &dev,
+            "adam_apply",
+            T,
+            elementwise(n),
+            [&mut ps, &ms, &vs, &n, &lr, &decay, &c1, &c2, &eps]
+        );
         Ok(())
-    }
-    by_type!(p.dtype(), "adamw-apply", go(p, lp, m, lm, v, lv, s))
+    })
 }
 
 /// Let the device's memory pool keep what is freed (its release threshold at the maximum, as
@@ -417,92 +352,72 @@ pub fn prepare(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
+/// SwiGLU's product `silu(g) * u`.
 pub fn swiglu(g: Arg<'_>, u: Arg<'_>) -> Result<CudaStorage> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        (g, lg): Arg<'_>,
-        (u, lu): Arg<'_>,
-    ) -> Result<CudaStorage> {
-        let dev = g.device();
-        let n = lg.shape().elem_count();
-        let gs = g.as_cuda_slice::<T>()?.slice(span(lg)?);
-        let us = u.as_cuda_slice::<T>()?.slice(span(lu)?);
-        let out = unsafe { dev.alloc::<T>(n)? };
-        let f = kernel(dev, "swiglu", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&gs).arg(&us).arg(&out).arg(&n);
-        // SAFETY: reads n elements of each input, writes n.
-        unsafe { b.launch(elementwise(n)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-    by_type!(g.0.dtype(), "swiglu", go(g, u))
+    by_type!(g.0.dtype(), "swiglu", |T| {
+        let dev = g.0.device();
+        let n = g.1.shape().elem_count();
+        let (gs, us) = (view::<T>(g)?, view::<T>(u)?);
+        let out = fresh::<T>(dev, n)?;
+        // Reads n elements of each input, writes n.
+        launch!(dev, "swiglu", T, elementwise(n), [&gs, &us, &out, &n]);
+        Ok(stored(dev, out))
+    })
 }
 
+/// SwiGLU's gradient in its gate (`which` 0) or its up projection (1).
 pub fn swiglu_grad(g: Arg<'_>, u: Arg<'_>, dh: Arg<'_>, which: i32) -> Result<CudaStorage> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        (g, lg): Arg<'_>,
-        (u, lu): Arg<'_>,
-        (dh, ldh): Arg<'_>,
-        which: i32,
-    ) -> Result<CudaStorage> {
-        let dev = g.device();
-        let n = lg.shape().elem_count();
-        let gs = g.as_cuda_slice::<T>()?.slice(span(lg)?);
-        let us = u.as_cuda_slice::<T>()?.slice(span(lu)?);
-        let ds = dh.as_cuda_slice::<T>()?.slice(span(ldh)?);
-        let out = unsafe { dev.alloc::<T>(n)? };
-        let f = kernel(dev, "swiglu_grad", T::DTYPE)?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&gs).arg(&us).arg(&ds).arg(&out).arg(&n).arg(&which);
-        // SAFETY: reads n elements of each input, writes n.
-        unsafe { b.launch(elementwise(n)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-    by_type!(g.0.dtype(), "swiglu-grad", go(g, u, dh, which))
+    by_type!(g.0.dtype(), "swiglu-grad", |T| {
+        let dev = g.0.device();
+        let n = g.1.shape().elem_count();
+        let (gs, us, ds) = (view::<T>(g)?, view::<T>(u)?, view::<T>(dh)?);
+        let out = fresh::<T>(dev, n)?;
+        // Reads n elements of each input, writes n.
+        launch!(
+            dev,
+            "swiglu_grad",
+            T,
+            elementwise(n),
+            [&gs, &us, &ds, &out, &n, &which]
+        );
+        Ok(stored(dev, out))
+    })
 }
 
 /// RMSNorm's weight gradient as `[chunks, n]` f32 partial sums over ranges of rows (the caller
 /// adds them up): each row's rstd first, then a thread per column and range of rows.
 pub fn rms_norm_dw(x: Arg<'_>, dy: Arg<'_>, eps: f32) -> Result<(CudaStorage, usize)> {
-    fn go<T: CudaDType + DeviceRepr + WithDType>(
-        (x, lx): Arg<'_>,
-        (dy, ldy): Arg<'_>,
-        eps: f32,
-    ) -> Result<(CudaStorage, usize)> {
-        let dev = x.device();
-        let (count, n) = rows(lx);
-        let xs = x.as_cuda_slice::<T>()?.slice(span(lx)?);
-        let dys = dy.as_cuda_slice::<T>()?.slice(span(ldy)?);
-        let rstd = unsafe { dev.alloc::<f32>(count)? };
+    by_type!(x.0.dtype(), "rms-norm-dw", |T| {
+        let dev = x.0.device();
+        let (count, n) = rows(x.1);
+        let (xs, dys) = (view::<T>(x)?, view::<T>(dy)?);
+        let rstd = fresh::<f32>(dev, count)?;
         // Enough ranges to fill the GPU when rows are narrow, a few dozen rows each.
         let per_chunk = count.div_ceil(512).max(64).min(count.max(1));
         let chunks = count.div_ceil(per_chunk).max(1);
-        let partial = unsafe { dev.alloc::<f32>(chunks * n)? };
+        let partial = fresh::<f32>(dev, chunks * n)?;
         let (n32, rows32, per32) = (n as u32, count as u32, per_chunk as u32);
-        let stream = dev.cuda_stream();
-        let f = kernel(dev, "rms_rstd", T::DTYPE)?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xs).arg(&rstd).arg(&n32).arg(&eps);
-        // SAFETY: reads count*n elements, writes count.
-        unsafe { b.launch(per_row(count, n)) }.w()?;
-        let f = kernel(dev, "rms_norm_dw", T::DTYPE)?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xs)
-            .arg(&dys)
-            .arg(&rstd)
-            .arg(&partial)
-            .arg(&rows32)
-            .arg(&n32)
-            .arg(&per32);
+        // Reads count*n elements, writes count.
+        launch!(
+            dev,
+            "rms_rstd",
+            T,
+            per_row(count, n),
+            [&xs, &rstd, &n32, &eps]
+        );
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(256) as u32, chunks as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: reads count*n of x and dy and count of rstd; writes chunks*n.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok((CudaStorage::wrap_cuda_slice(partial, dev.clone()), chunks))
-    }
-    by_type!(x.0.dtype(), "rms-norm-dw", go(x, dy, eps))
+        // Reads count*n of x and dy and count of rstd; writes chunks*n.
+        launch!(
+            dev,
+            "rms_norm_dw",
+            T,
+            cfg,
+            [&xs, &dys, &rstd, &partial, &rows32, &n32, &per32]
+        );
+        Ok((stored(dev, partial), chunks))
+    })
 }

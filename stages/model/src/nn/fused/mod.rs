@@ -12,6 +12,23 @@
 //! Every op has a CPU implementation (used by CPU training and by the tests, which check it
 //! against the composed ops and finite differences) and, with the `cuda` feature, CUDA kernels
 //! (`kernels.cu`) for f32 and bf16; arithmetic is f32 on the GPU and f64 on the CPU.
+//!
+//! | op | computes | CPU | CUDA | backward |
+//! |---|---|---|---|---|
+//! | `CrossEntropy` (`loss.rs`) | per row, logsumexp minus the label's logit | yes | `cross_entropy` | `CrossEntropyGrad` |
+//! | `RmsNorm` (`norm.rs`) | RMSNorm times its weight | yes | `rms_norm` | `RmsNormGrad`, `RmsNormWeightGrad` |
+//! | `Rope` (`norm.rs`) | rotate-half rotary embedding | yes | `rope` | itself, inverted |
+//! | `MaskedSoftmax` (`softmax.rs`) | `softmax(scores * scale + mask)` | yes | `masked_softmax` | `SoftmaxGrad` |
+//! | `Swiglu` (`swiglu.rs`) | `silu(g) * u` | yes | `swiglu` | `SwigluGrad` (gate, up) |
+//! | `SumSquares`, `Moment`, `AdamStep` (`adamw.rs`) | gradient norm, AdamW in place | yes | `sum_squares`, `moment`, `adam_apply` | none |
+//! | flash attention ([`flash`]) | causal and block attention | no (composed ops) | `flash.cu`, bf16 | its own kernels |
+//! | `AttentionNode`, `LinearNode` (`nodes.rs`) | untracked forward, written-out backward | yes | yes | written out |
+//!
+//! **Adding an op**: its maths as a CPU function (`fn(inputs: CpuArg, ..) -> CpuStorage`), its
+//! kernel in `kernels.cu` with a launch in `cuda.rs` (inputs as `view`s, outputs `fresh`, one
+//! `launch!` with the kernel's arguments in order), and one `fused_op!` declaration tying them
+//! to candle with its backward; then its test in `tests.rs` against the composed ops and
+//! finite differences.
 
 use candle_core::{CpuStorage, Layout, WithDType};
 
@@ -51,6 +68,179 @@ macro_rules! by_float {
         }
     };
 }
+
+/// Declare a fused op: its struct (the op's settings) and candle's `CustomOp1/2/3` for it, from
+/// the parts that are the op's own, so adding one is its maths, its kernels and its test:
+///
+/// ```ignore
+/// fused_op! {
+///     /// What it computes.
+///     RmsNorm { eps: f64 } = "rms-norm", inputs(x, w);
+///     cpu(op) => norm_cpu(op, x, w),            // x, w: (&CpuStorage, &Layout)
+///     cuda(op) => norm_cuda(op, x, w),          // x, w: (&CudaStorage, &Layout)
+///     bwd(op, y, dy) => { ... Ok((Some(dx), Some(dw))) }   // x, w: &Tensor (optional)
+/// }
+/// ```
+///
+/// `cpu` and `cuda` return the output's storage and shape; `bwd` (absent: no gradient) gets the
+/// inputs, the output and its gradient, and returns the inputs' gradients. The CUDA arm is
+/// compiled only with the `cuda` feature.
+macro_rules! fused_op {
+    (@struct $(#[$m:meta])* $op:ident { $($f:ident: $t:ty),* }) => {
+        $(#[$m])*
+        pub(crate) struct $op {
+            $(pub(crate) $f: $t,)*
+        }
+    };
+    (
+        $(#[$m:meta])* $op:ident { $($f:ident: $t:ty),* $(,)? } = $name:literal, inputs($a:ident);
+        cpu($c:ident) => $cpu:expr;
+        cuda($g:ident) => $cuda:expr;
+        $(bwd($b:ident, $out:ident, $grad:ident) => $bwd:expr;)?
+    ) => {
+        fused_op!(@struct $(#[$m])* $op { $($f: $t),* });
+        impl candle_core::CustomOp1 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn cpu_fwd(
+                &self,
+                s1: &candle_core::CpuStorage,
+                l1: &candle_core::Layout,
+            ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                let ($c, $a) = (self, (s1, l1));
+                $cpu
+            }
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                s1: &candle_core::CudaStorage,
+                l1: &candle_core::Layout,
+            ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+                let ($g, $a) = (self, (s1, l1));
+                $cuda
+            }
+            $(
+                #[allow(unused_variables)]
+                fn bwd(
+                    &self,
+                    $a: &candle_core::Tensor,
+                    $out: &candle_core::Tensor,
+                    $grad: &candle_core::Tensor,
+                ) -> Result<Option<candle_core::Tensor>> {
+                    let $b = self;
+                    $bwd
+                }
+            )?
+        }
+    };
+    (
+        $(#[$m:meta])* $op:ident { $($f:ident: $t:ty),* $(,)? } = $name:literal, inputs($a1:ident, $a2:ident);
+        cpu($c:ident) => $cpu:expr;
+        cuda($g:ident) => $cuda:expr;
+        $(bwd($b:ident, $out:ident, $grad:ident) => $bwd:expr;)?
+    ) => {
+        fused_op!(@struct $(#[$m])* $op { $($f: $t),* });
+        impl candle_core::CustomOp2 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn cpu_fwd(
+                &self,
+                s1: &candle_core::CpuStorage,
+                l1: &candle_core::Layout,
+                s2: &candle_core::CpuStorage,
+                l2: &candle_core::Layout,
+            ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                let ($c, $a1, $a2) = (self, (s1, l1), (s2, l2));
+                $cpu
+            }
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                s1: &candle_core::CudaStorage,
+                l1: &candle_core::Layout,
+                s2: &candle_core::CudaStorage,
+                l2: &candle_core::Layout,
+            ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+                let ($g, $a1, $a2) = (self, (s1, l1), (s2, l2));
+                $cuda
+            }
+            $(
+                #[allow(unused_variables)]
+                fn bwd(
+                    &self,
+                    $a1: &candle_core::Tensor,
+                    $a2: &candle_core::Tensor,
+                    $out: &candle_core::Tensor,
+                    $grad: &candle_core::Tensor,
+                ) -> Result<(Option<candle_core::Tensor>, Option<candle_core::Tensor>)> {
+                    let $b = self;
+                    $bwd
+                }
+            )?
+        }
+    };
+    (
+        $(#[$m:meta])* $op:ident { $($f:ident: $t:ty),* $(,)? } = $name:literal, inputs($a1:ident, $a2:ident, $a3:ident);
+        cpu($c:ident) => $cpu:expr;
+        cuda($g:ident) => $cuda:expr;
+        $(bwd($b:ident, $out:ident, $grad:ident) => $bwd:expr;)?
+    ) => {
+        fused_op!(@struct $(#[$m])* $op { $($f: $t),* });
+        impl candle_core::CustomOp3 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn cpu_fwd(
+                &self,
+                s1: &candle_core::CpuStorage,
+                l1: &candle_core::Layout,
+                s2: &candle_core::CpuStorage,
+                l2: &candle_core::Layout,
+                s3: &candle_core::CpuStorage,
+                l3: &candle_core::Layout,
+            ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                let ($c, $a1, $a2, $a3) = (self, (s1, l1), (s2, l2), (s3, l3));
+                $cpu
+            }
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                s1: &candle_core::CudaStorage,
+                l1: &candle_core::Layout,
+                s2: &candle_core::CudaStorage,
+                l2: &candle_core::Layout,
+                s3: &candle_core::CudaStorage,
+                l3: &candle_core::Layout,
+            ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+                let ($g, $a1, $a2, $a3) = (self, (s1, l1), (s2, l2), (s3, l3));
+                $cuda
+            }
+            $(
+                #[allow(clippy::type_complexity, unused_variables)]
+                fn bwd(
+                    &self,
+                    $a1: &candle_core::Tensor,
+                    $a2: &candle_core::Tensor,
+                    $a3: &candle_core::Tensor,
+                    $out: &candle_core::Tensor,
+                    $grad: &candle_core::Tensor,
+                ) -> Result<(
+                    Option<candle_core::Tensor>,
+                    Option<candle_core::Tensor>,
+                    Option<candle_core::Tensor>,
+                )> {
+                    let $b = self;
+                    $bwd
+                }
+            )?
+        }
+    };
+}
+
+/// A CPU tensor's storage and layout, as an op's input.
+type CpuArg<'a> = (&'a CpuStorage, &'a Layout);
 
 mod adamw;
 #[cfg(feature = "cuda")]

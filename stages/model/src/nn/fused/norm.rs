@@ -1,12 +1,10 @@
 //! RMSNorm and the rotate-half rotary embedding, with their gradients.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, WithDType, bail,
-};
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor, WithDType, bail};
 use rayon::prelude::*;
 
-use super::{Result, cpu, rows};
+use super::{CpuArg, Result, cpu, rows};
 
 /// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension (`weight`: `[n]`).
 /// Differentiable in both.
@@ -38,158 +36,58 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op3(&cos, &sin, Rope { sign: 1.0 })
 }
 
-struct RmsNorm {
-    eps: f64,
-}
-
-struct RmsNormGrad {
-    eps: f64,
-}
-
-struct Rope {
-    sign: f64,
-}
-
-impl CustomOp2 for RmsNorm {
-    fn name(&self) -> &'static str {
-        "rms-norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (_, n) = rows(l1);
-        fn go<T: WithDType>(
-            s1: &CpuStorage,
-            l1: &Layout,
-            s2: &CpuStorage,
-            l2: &Layout,
-            n: usize,
-            eps: f64,
-        ) -> Result<CpuStorage> {
-            let (x, w) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
-            let mut out = vec![T::from_f64(0.0); x.len()];
-            out.par_chunks_mut(n)
-                .zip(x.par_chunks(n))
-                .for_each(|(y, x)| {
-                    let r = rstd(x, eps);
-                    for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
-                        *y = T::from_f64(x.to_f64() * r * w.to_f64());
-                    }
-                });
-            Ok(T::to_cpu_storage_owned(out))
-        }
-        let out = by_float!(s1.dtype(), self.name(), go(s1, l1, s2, l2, n, self.eps))?;
-        Ok((out, l1.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((
-            super::cuda::rms_norm(s1, l1, s2, l2, self.eps as f32)?,
-            l1.shape().clone(),
-        ))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+fused_op! {
+    /// RMSNorm over the last dimension, times the weight.
+    RmsNorm { eps: f64 } = "rms-norm", inputs(x, w);
+    cpu(op) => Ok((rms_norm_cpu(x, w, op.eps)?, x.1.shape().clone()));
+    cuda(op) => Ok((super::cuda::rms_norm(x, w, op.eps as f32)?, x.1.shape().clone()));
+    bwd(op, _y, dy) => {
         let dy = dy.contiguous()?;
-        let dx = x.apply_op3_no_bwd(w, &dy, &RmsNormGrad { eps: self.eps })?;
+        let dx = x.apply_op3_no_bwd(w, &dy, &RmsNormGrad { eps: op.eps })?;
         // dw = sum over rows of dy * x * rstd, in partial sums over ranges of rows (a column
         // reduction over every row, which candle's strided sum does slowly).
         let dw = x
-            .apply_op2_no_bwd(&dy, &RmsNormWeightGrad { eps: self.eps })?
+            .apply_op2_no_bwd(&dy, &RmsNormWeightGrad { eps: op.eps })?
             .sum(0)?
             .to_dtype(w.dtype())?;
         Ok((Some(dx), Some(dw)))
-    }
+    };
 }
 
-/// RMSNorm's weight gradient from `x` and `dy` as `[ranges, n]` partial sums over ranges of
-/// rows, in the wide dtype ([`crate::nn::ops::wide`]); their sum over ranges is the gradient.
-struct RmsNormWeightGrad {
-    eps: f64,
+fused_op! {
+    /// RMSNorm's weight gradient from `x` and `dy` as `[ranges, n]` partial sums over ranges of
+    /// rows, in the wide dtype ([`crate::nn::ops::wide`]); their sum over ranges is the gradient.
+    RmsNormWeightGrad { eps: f64 } = "rms-norm-weight-grad", inputs(x, dy);
+    cpu(op) => rms_norm_dw_cpu(x, dy, op.eps);
+    cuda(op) => {
+        let (partial, ranges) = super::cuda::rms_norm_dw(x, dy, op.eps as f32)?;
+        Ok((partial, Shape::from((ranges, rows(x.1).1))))
+    };
+}
+
+fused_op! {
+    /// RMSNorm's input gradient.
+    RmsNormGrad { eps: f64 } = "rms-norm-grad", inputs(x, w, dy);
+    cpu(op) => Ok((rms_norm_grad_cpu(x, w, dy, op.eps)?, x.1.shape().clone()));
+    cuda(op) => Ok((
+        super::cuda::rms_norm_grad(x, w, dy, op.eps as f32)?,
+        x.1.shape().clone(),
+    ));
+}
+
+fused_op! {
+    /// The rotate-half rotary embedding; `sign` -1 is the inverse rotation (its gradient).
+    Rope { sign: f64 } = "rope", inputs(x, cos, sin);
+    cpu(op) => Ok((rope_cpu(x, cos, sin, op.sign)?, x.1.shape().clone()));
+    cuda(op) => Ok((super::cuda::rope(x, cos, sin, op.sign as f32)?, x.1.shape().clone()));
+    bwd(op, _y, dy) => {
+        let back = Rope { sign: -op.sign };
+        Ok((Some(dy.contiguous()?.apply_op3_no_bwd(cos, sin, &back)?), None, None))
+    };
 }
 
 /// Rows per partial sum on CPU: fixed, so the sums' order (and the result) never varies.
 const CPU_ROWS_PER_RANGE: usize = 64;
-
-impl CustomOp2 for RmsNormWeightGrad {
-    fn name(&self) -> &'static str {
-        "rms-norm-weight-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (_, n) = rows(l1);
-        fn go<T: WithDType>(
-            s1: &CpuStorage,
-            l1: &Layout,
-            s2: &CpuStorage,
-            l2: &Layout,
-            n: usize,
-            eps: f64,
-        ) -> Result<Vec<f64>> {
-            let (x, dy) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
-            let parts: Vec<Vec<f64>> = x
-                .par_chunks(n * CPU_ROWS_PER_RANGE)
-                .zip(dy.par_chunks(n * CPU_ROWS_PER_RANGE))
-                .map(|(x, dy)| {
-                    let mut acc = vec![0.0; n];
-                    for (x, dy) in x.chunks(n).zip(dy.chunks(n)) {
-                        let r = rstd(x, eps);
-                        for (a, (x, dy)) in acc.iter_mut().zip(x.iter().zip(dy)) {
-                            *a += dy.to_f64() * x.to_f64() * r;
-                        }
-                    }
-                    acc
-                })
-                .collect();
-            Ok(parts.concat())
-        }
-        let flat = by_float!(s1.dtype(), self.name(), go(s1, l1, s2, l2, n, self.eps))?;
-        let ranges = flat.len() / n.max(1);
-        let out = if s1.dtype() == DType::F64 {
-            CpuStorage::F64(flat)
-        } else {
-            CpuStorage::F32(flat.into_iter().map(|v| v as f32).collect())
-        };
-        Ok((out, Shape::from((ranges, n))))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (_, n) = rows(l1);
-        let (partial, ranges) = super::cuda::rms_norm_dw((s1, l1), (s2, l2), self.eps as f32)?;
-        Ok((partial, Shape::from((ranges, n))))
-    }
-}
 
 /// `1 / sqrt(mean(x^2) + eps)` of a row, in f64.
 fn rstd<T: WithDType>(x: &[T], eps: f64) -> f64 {
@@ -197,148 +95,132 @@ fn rstd<T: WithDType>(x: &[T], eps: f64) -> f64 {
     1.0 / (ms + eps).sqrt()
 }
 
-impl CustomOp3 for RmsNormGrad {
-    fn name(&self) -> &'static str {
-        "rms-norm-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
+fn rms_norm_cpu((s1, l1): CpuArg<'_>, (s2, l2): CpuArg<'_>, eps: f64) -> Result<CpuStorage> {
+    let (_, n) = rows(l1);
+    fn go<T: WithDType>(
         s1: &CpuStorage,
         l1: &Layout,
         s2: &CpuStorage,
         l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (_, n) = rows(l1);
-        fn go<T: WithDType>(
-            (s1, l1): (&CpuStorage, &Layout),
-            (s2, l2): (&CpuStorage, &Layout),
-            (s3, l3): (&CpuStorage, &Layout),
-            n: usize,
-            eps: f64,
-        ) -> Result<CpuStorage> {
-            let (x, w, dy) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
-            let mut out = vec![T::from_f64(0.0); x.len()];
-            out.par_chunks_mut(n)
-                .zip(x.par_chunks(n).zip(dy.par_chunks(n)))
-                .for_each(|(dx, (x, dy))| {
-                    let r = rstd(x, eps);
-                    let dot: f64 = (0..n)
-                        .map(|j| dy[j].to_f64() * w[j].to_f64() * x[j].to_f64())
-                        .sum();
-                    let c = dot / n as f64 * r * r * r;
-                    for (j, dx) in dx.iter_mut().enumerate() {
-                        *dx = T::from_f64(r * dy[j].to_f64() * w[j].to_f64() - x[j].to_f64() * c);
-                    }
-                });
-            Ok(T::to_cpu_storage_owned(out))
-        }
-        let out = by_float!(
-            s1.dtype(),
-            self.name(),
-            go((s1, l1), (s2, l2), (s3, l3), n, self.eps)
-        )?;
-        Ok((out, l1.shape().clone()))
+        n: usize,
+        eps: f64,
+    ) -> Result<CpuStorage> {
+        let (x, w) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
+        let mut out = vec![T::from_f64(0.0); x.len()];
+        out.par_chunks_mut(n)
+            .zip(x.par_chunks(n))
+            .for_each(|(y, x)| {
+                let r = rstd(x, eps);
+                for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                    *y = T::from_f64(x.to_f64() * r * w.to_f64());
+                }
+            });
+        Ok(T::to_cpu_storage_owned(out))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((
-            super::cuda::rms_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps as f32)?,
-            l1.shape().clone(),
-        ))
-    }
+    by_float!(s1.dtype(), "rms-norm", go(s1, l1, s2, l2, n, eps))
 }
 
-impl CustomOp3 for Rope {
-    fn name(&self) -> &'static str {
-        "rope"
-    }
-
-    fn cpu_fwd(
-        &self,
+fn rms_norm_dw_cpu(
+    (s1, l1): CpuArg<'_>,
+    (s2, l2): CpuArg<'_>,
+    eps: f64,
+) -> Result<(CpuStorage, Shape)> {
+    let (_, n) = rows(l1);
+    fn go<T: WithDType>(
         s1: &CpuStorage,
         l1: &Layout,
         s2: &CpuStorage,
         l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let dims = l1.dims();
-        let (n, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
-        fn go<T: WithDType>(
-            (s1, l1): (&CpuStorage, &Layout),
-            (s2, l2): (&CpuStorage, &Layout),
-            (s3, l3): (&CpuStorage, &Layout),
-            n: usize,
-            d: usize,
-            sign: f64,
-        ) -> Result<CpuStorage> {
-            let (x, cos, sin) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
-            let half = d / 2;
-            let mut out = vec![T::from_f64(0.0); x.len()];
-            out.par_chunks_mut(d)
-                .zip(x.par_chunks(d))
-                .enumerate()
-                .for_each(|(row, (y, x))| {
-                    let t = row % n;
-                    for k in 0..half {
-                        let c = cos[t * half + k].to_f64();
-                        let s = sign * sin[t * half + k].to_f64();
-                        let (a, b) = (x[k].to_f64(), x[k + half].to_f64());
-                        y[k] = T::from_f64(a * c - b * s);
-                        y[k + half] = T::from_f64(b * c + a * s);
+        n: usize,
+        eps: f64,
+    ) -> Result<Vec<f64>> {
+        let (x, dy) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
+        let parts: Vec<Vec<f64>> = x
+            .par_chunks(n * CPU_ROWS_PER_RANGE)
+            .zip(dy.par_chunks(n * CPU_ROWS_PER_RANGE))
+            .map(|(x, dy)| {
+                let mut acc = vec![0.0; n];
+                for (x, dy) in x.chunks(n).zip(dy.chunks(n)) {
+                    let r = rstd(x, eps);
+                    for (a, (x, dy)) in acc.iter_mut().zip(x.iter().zip(dy)) {
+                        *a += dy.to_f64() * x.to_f64() * r;
                     }
-                });
-            Ok(T::to_cpu_storage_owned(out))
-        }
-        let out = by_float!(
-            s1.dtype(),
-            self.name(),
-            go((s1, l1), (s2, l2), (s3, l3), n, d, self.sign)
-        )?;
-        Ok((out, l1.shape().clone()))
+                }
+                acc
+            })
+            .collect();
+        Ok(parts.concat())
     }
+    let flat = by_float!(
+        s1.dtype(),
+        "rms-norm-weight-grad",
+        go(s1, l1, s2, l2, n, eps)
+    )?;
+    let ranges = flat.len() / n.max(1);
+    let out = if s1.dtype() == DType::F64 {
+        CpuStorage::F64(flat)
+    } else {
+        CpuStorage::F32(flat.into_iter().map(|v| v as f32).collect())
+    };
+    Ok((out, Shape::from((ranges, n))))
+}
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((
-            super::cuda::rope((s1, l1), (s2, l2), (s3, l3), self.sign as f32)?,
-            l1.shape().clone(),
-        ))
+fn rms_norm_grad_cpu(x: CpuArg<'_>, w: CpuArg<'_>, dy: CpuArg<'_>, eps: f64) -> Result<CpuStorage> {
+    let (_, n) = rows(x.1);
+    fn go<T: WithDType>(
+        (s1, l1): CpuArg<'_>,
+        (s2, l2): CpuArg<'_>,
+        (s3, l3): CpuArg<'_>,
+        n: usize,
+        eps: f64,
+    ) -> Result<CpuStorage> {
+        let (x, w, dy) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
+        let mut out = vec![T::from_f64(0.0); x.len()];
+        out.par_chunks_mut(n)
+            .zip(x.par_chunks(n).zip(dy.par_chunks(n)))
+            .for_each(|(dx, (x, dy))| {
+                let r = rstd(x, eps);
+                let dot: f64 = (0..n)
+                    .map(|j| dy[j].to_f64() * w[j].to_f64() * x[j].to_f64())
+                    .sum();
+                let c = dot / n as f64 * r * r * r;
+                for (j, dx) in dx.iter_mut().enumerate() {
+                    *dx = T::from_f64(r * dy[j].to_f64() * w[j].to_f64() - x[j].to_f64() * c);
+                }
+            });
+        Ok(T::to_cpu_storage_owned(out))
     }
+    by_float!(x.0.dtype(), "rms-norm-grad", go(x, w, dy, n, eps))
+}
 
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let back = Rope { sign: -self.sign };
-        Ok((
-            Some(dy.contiguous()?.apply_op3_no_bwd(cos, sin, &back)?),
-            None,
-            None,
-        ))
+fn rope_cpu(x: CpuArg<'_>, cos: CpuArg<'_>, sin: CpuArg<'_>, sign: f64) -> Result<CpuStorage> {
+    let dims = x.1.dims();
+    let (n, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    fn go<T: WithDType>(
+        (s1, l1): CpuArg<'_>,
+        (s2, l2): CpuArg<'_>,
+        (s3, l3): CpuArg<'_>,
+        n: usize,
+        d: usize,
+        sign: f64,
+    ) -> Result<CpuStorage> {
+        let (x, cos, sin) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
+        let half = d / 2;
+        let mut out = vec![T::from_f64(0.0); x.len()];
+        out.par_chunks_mut(d)
+            .zip(x.par_chunks(d))
+            .enumerate()
+            .for_each(|(row, (y, x))| {
+                let t = row % n;
+                for k in 0..half {
+                    let c = cos[t * half + k].to_f64();
+                    let s = sign * sin[t * half + k].to_f64();
+                    let (a, b) = (x[k].to_f64(), x[k + half].to_f64());
+                    y[k] = T::from_f64(a * c - b * s);
+                    y[k + half] = T::from_f64(b * c + a * s);
+                }
+            });
+        Ok(T::to_cpu_storage_owned(out))
     }
+    by_float!(x.0.dtype(), "rope", go(x, cos, sin, n, d, sign))
 }

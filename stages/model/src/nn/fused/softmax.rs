@@ -1,10 +1,10 @@
 //! Attention's scale + mask + softmax over the last dimension, and its gradient.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType, bail};
+use candle_core::{CpuStorage, DType, Tensor, WithDType, bail};
 use rayon::prelude::*;
 
-use super::{Result, cpu, rows};
+use super::{CpuArg, Result, cpu, rows};
 
 /// `softmax(scores * scale + mask)` over the last dimension. `scores`: `[.., nq, nk]`;
 /// `mask`: additive `[nq, nk]` (0 or -inf), the same for every leading index. A row masked
@@ -28,15 +28,28 @@ pub fn softmax_grad(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
         .apply_op2_no_bwd(&dp.contiguous()?, &SoftmaxGrad { scale })
 }
 
-struct MaskedSoftmax {
-    scale: f64,
+fused_op! {
+    /// `softmax(scores * scale + mask)` per row.
+    MaskedSoftmax { scale: f64 } = "masked-softmax", inputs(scores, mask);
+    cpu(op) => Ok((masked_softmax_cpu(scores, mask, op.scale)?, scores.1.shape().clone()));
+    cuda(op) => Ok((
+        super::cuda::masked_softmax(scores, mask, op.scale as f32)?,
+        scores.1.shape().clone(),
+    ));
+    bwd(op, probs, grad) => {
+        let g = probs.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad { scale: op.scale })?;
+        Ok((Some(g), None))
+    };
 }
 
-struct SoftmaxGrad {
-    scale: f64,
+fused_op! {
+    /// The softmax's input gradient from its output and the output's gradient.
+    SoftmaxGrad { scale: f64 } = "masked-softmax-grad", inputs(p, dp);
+    cpu(op) => Ok((softmax_grad_cpu(p, dp, op.scale)?, p.1.shape().clone()));
+    cuda(op) => Ok((super::cuda::softmax_grad(p, dp, op.scale as f32)?, p.1.shape().clone()));
 }
 
-fn softmax_cpu<T: WithDType>(x: &[T], mask: &[T], n: usize, nq: usize, scale: f64) -> CpuStorage {
+fn softmax_rows<T: WithDType>(x: &[T], mask: &[T], n: usize, nq: usize, scale: f64) -> CpuStorage {
     let mut out = vec![T::from_f64(0.0); x.len()];
     out.par_chunks_mut(n)
         .zip(x.par_chunks(n))
@@ -56,115 +69,58 @@ fn softmax_cpu<T: WithDType>(x: &[T], mask: &[T], n: usize, nq: usize, scale: f6
     T::to_cpu_storage_owned(out)
 }
 
-impl CustomOp2 for MaskedSoftmax {
-    fn name(&self) -> &'static str {
-        "masked-softmax"
+fn masked_softmax_cpu(
+    (s1, l1): CpuArg<'_>,
+    (s2, l2): CpuArg<'_>,
+    scale: f64,
+) -> Result<CpuStorage> {
+    let (_, n) = rows(l1);
+    let nq = l2.dims()[0];
+    fn go<T: WithDType>(
+        (s1, l1): CpuArg<'_>,
+        (s2, l2): CpuArg<'_>,
+        n: usize,
+        nq: usize,
+        scale: f64,
+    ) -> Result<CpuStorage> {
+        Ok(softmax_rows(
+            cpu::<T>(s1, l1)?,
+            cpu::<T>(s2, l2)?,
+            n,
+            nq,
+            scale,
+        ))
     }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (_, n) = rows(l1);
-        let nq = l2.dims()[0];
-        fn go<T: WithDType>(
-            s1: &CpuStorage,
-            l1: &Layout,
-            s2: &CpuStorage,
-            l2: &Layout,
-            n: usize,
-            nq: usize,
-            scale: f64,
-        ) -> Result<CpuStorage> {
-            Ok(softmax_cpu(
-                cpu::<T>(s1, l1)?,
-                cpu::<T>(s2, l2)?,
-                n,
-                nq,
-                scale,
-            ))
-        }
-        let out = by_float!(
-            s1.dtype(),
-            self.name(),
-            go(s1, l1, s2, l2, n, nq, self.scale)
-        )?;
-        Ok((out, l1.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::cuda::masked_softmax(s1, l1, s2, l2, self.scale as f32)?;
-        Ok((out, l1.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        _scores: &Tensor,
-        _mask: &Tensor,
-        probs: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = probs.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad { scale: self.scale })?;
-        Ok((Some(g), None))
-    }
+    by_float!(
+        s1.dtype(),
+        "masked-softmax",
+        go((s1, l1), (s2, l2), n, nq, scale)
+    )
 }
 
-impl CustomOp2 for SoftmaxGrad {
-    fn name(&self) -> &'static str {
-        "masked-softmax-grad"
+fn softmax_grad_cpu((s1, l1): CpuArg<'_>, (s2, l2): CpuArg<'_>, scale: f64) -> Result<CpuStorage> {
+    let (_, n) = rows(l1);
+    fn go<T: WithDType>(
+        (s1, l1): CpuArg<'_>,
+        (s2, l2): CpuArg<'_>,
+        n: usize,
+        scale: f64,
+    ) -> Result<CpuStorage> {
+        let (p, dp) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
+        let mut out = vec![T::from_f64(0.0); p.len()];
+        out.par_chunks_mut(n)
+            .zip(p.par_chunks(n).zip(dp.par_chunks(n)))
+            .for_each(|(ds, (p, dp))| {
+                let dot: f64 = p.iter().zip(dp).map(|(a, b)| a.to_f64() * b.to_f64()).sum();
+                for ((ds, p), dp) in ds.iter_mut().zip(p).zip(dp) {
+                    *ds = T::from_f64(scale * p.to_f64() * (dp.to_f64() - dot));
+                }
+            });
+        Ok(T::to_cpu_storage_owned(out))
     }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (_, n) = rows(l1);
-        fn go<T: WithDType>(
-            s1: &CpuStorage,
-            l1: &Layout,
-            s2: &CpuStorage,
-            l2: &Layout,
-            n: usize,
-            scale: f64,
-        ) -> Result<CpuStorage> {
-            let (p, dp) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
-            let mut out = vec![T::from_f64(0.0); p.len()];
-            out.par_chunks_mut(n)
-                .zip(p.par_chunks(n).zip(dp.par_chunks(n)))
-                .for_each(|(ds, (p, dp))| {
-                    let dot: f64 = p.iter().zip(dp).map(|(a, b)| a.to_f64() * b.to_f64()).sum();
-                    for ((ds, p), dp) in ds.iter_mut().zip(p).zip(dp) {
-                        *ds = T::from_f64(scale * p.to_f64() * (dp.to_f64() - dot));
-                    }
-                });
-            Ok(T::to_cpu_storage_owned(out))
-        }
-        let out = by_float!(s1.dtype(), self.name(), go(s1, l1, s2, l2, n, self.scale))?;
-        Ok((out, l1.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::cuda::softmax_grad(s1, l1, s2, l2, self.scale as f32)?;
-        Ok((out, l1.shape().clone()))
-    }
+    by_float!(
+        s1.dtype(),
+        "masked-softmax-grad",
+        go((s1, l1), (s2, l2), n, scale)
+    )
 }

@@ -2,12 +2,10 @@
 //! multiplications and their backward ops over `[rows, ffn]` (the MLP's widest tensors).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, WithDType, bail,
-};
+use candle_core::{CpuStorage, DType, Tensor, WithDType, bail};
 use rayon::prelude::*;
 
-use super::{Result, cpu};
+use super::{CpuArg, Result, cpu};
 
 /// `silu(g) * u` elementwise (`g`, `u` of one shape). Differentiable in both.
 pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
@@ -20,14 +18,30 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
             u.dtype()
         );
     }
-    g.contiguous()?.apply_op2(&u.contiguous()?, Swiglu)
+    g.contiguous()?.apply_op2(&u.contiguous()?, Swiglu {})
 }
 
-struct Swiglu;
+fused_op! {
+    /// `silu(g) * u` elementwise.
+    Swiglu {} = "swiglu", inputs(g, u);
+    cpu(_op) => Ok((swiglu_cpu(g, u)?, g.1.shape().clone()));
+    cuda(_op) => Ok((super::cuda::swiglu(g, u)?, g.1.shape().clone()));
+    bwd(_op, _h, dh) => {
+        let dh = dh.contiguous()?;
+        let dg = g.apply_op3_no_bwd(u, &dh, &SwigluGrad { up: false })?;
+        let du = g.apply_op3_no_bwd(u, &dh, &SwigluGrad { up: true })?;
+        Ok((Some(dg), Some(du)))
+    };
+}
 
-/// The gradient of the gate input (`up: false`) or of the up input given the output's.
-struct SwigluGrad {
-    up: bool,
+fused_op! {
+    /// The gradient of the gate input (`up: false`) or of the up input, given the output's.
+    SwigluGrad { up: bool } = "swiglu-grad", inputs(g, u, dh);
+    cpu(op) => Ok((swiglu_grad_cpu(g, u, dh, op.up)?, g.1.shape().clone()));
+    cuda(op) => Ok((
+        super::cuda::swiglu_grad(g, u, dh, i32::from(op.up))?,
+        g.1.shape().clone(),
+    ));
 }
 
 fn silu_parts(a: f64) -> (f64, f64) {
@@ -35,118 +49,41 @@ fn silu_parts(a: f64) -> (f64, f64) {
     (a * s, s)
 }
 
-impl CustomOp2 for Swiglu {
-    fn name(&self) -> &'static str {
-        "swiglu"
+fn swiglu_cpu(g: CpuArg<'_>, u: CpuArg<'_>) -> Result<CpuStorage> {
+    fn go<T: WithDType>((s1, l1): CpuArg<'_>, (s2, l2): CpuArg<'_>) -> Result<CpuStorage> {
+        let (g, u) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
+        let out: Vec<T> = g
+            .par_iter()
+            .zip(u.par_iter())
+            .map(|(g, u)| T::from_f64(silu_parts(g.to_f64()).0 * u.to_f64()))
+            .collect();
+        Ok(T::to_cpu_storage_owned(out))
     }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        fn go<T: WithDType>(
-            s1: &CpuStorage,
-            l1: &Layout,
-            s2: &CpuStorage,
-            l2: &Layout,
-        ) -> Result<CpuStorage> {
-            let (g, u) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?);
-            let out: Vec<T> = g
-                .par_iter()
-                .zip(u.par_iter())
-                .map(|(g, u)| T::from_f64(silu_parts(g.to_f64()).0 * u.to_f64()))
-                .collect();
-            Ok(T::to_cpu_storage_owned(out))
-        }
-        let out = by_float!(s1.dtype(), self.name(), go(s1, l1, s2, l2))?;
-        Ok((out, l1.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((super::cuda::swiglu((s1, l1), (s2, l2))?, l1.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        g: &Tensor,
-        u: &Tensor,
-        _h: &Tensor,
-        dh: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dh = dh.contiguous()?;
-        let dg = g.apply_op3_no_bwd(u, &dh, &SwigluGrad { up: false })?;
-        let du = g.apply_op3_no_bwd(u, &dh, &SwigluGrad { up: true })?;
-        Ok((Some(dg), Some(du)))
-    }
+    by_float!(g.0.dtype(), "swiglu", go(g, u))
 }
 
-impl CustomOp3 for SwigluGrad {
-    fn name(&self) -> &'static str {
-        "swiglu-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        fn go<T: WithDType>(
-            (s1, l1): (&CpuStorage, &Layout),
-            (s2, l2): (&CpuStorage, &Layout),
-            (s3, l3): (&CpuStorage, &Layout),
-            up: bool,
-        ) -> Result<CpuStorage> {
-            let (g, u, dh) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
-            let out: Vec<T> = (0..g.len())
-                .into_par_iter()
-                .map(|i| {
-                    let a = g[i].to_f64();
-                    let (silu, s) = silu_parts(a);
-                    let d = dh[i].to_f64();
-                    T::from_f64(if up {
-                        d * silu
-                    } else {
-                        d * u[i].to_f64() * s * (1.0 + a * (1.0 - s))
-                    })
+fn swiglu_grad_cpu(g: CpuArg<'_>, u: CpuArg<'_>, dh: CpuArg<'_>, up: bool) -> Result<CpuStorage> {
+    fn go<T: WithDType>(
+        (s1, l1): CpuArg<'_>,
+        (s2, l2): CpuArg<'_>,
+        (s3, l3): CpuArg<'_>,
+        up: bool,
+    ) -> Result<CpuStorage> {
+        let (g, u, dh) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
+        let out: Vec<T> = (0..g.len())
+            .into_par_iter()
+            .map(|i| {
+                let a = g[i].to_f64();
+                let (silu, s) = silu_parts(a);
+                let d = dh[i].to_f64();
+                T::from_f64(if up {
+                    d * silu
+                } else {
+                    d * u[i].to_f64() * s * (1.0 + a * (1.0 - s))
                 })
-                .collect();
-            Ok(T::to_cpu_storage_owned(out))
-        }
-        let out = by_float!(
-            s1.dtype(),
-            self.name(),
-            go((s1, l1), (s2, l2), (s3, l3), self.up)
-        )?;
-        Ok((out, l1.shape().clone()))
+            })
+            .collect();
+        Ok(T::to_cpu_storage_owned(out))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((
-            super::cuda::swiglu_grad((s1, l1), (s2, l2), (s3, l3), i32::from(self.up))?,
-            l1.shape().clone(),
-        ))
-    }
+    by_float!(g.0.dtype(), "swiglu-grad", go(g, u, dh, up))
 }
