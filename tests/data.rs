@@ -220,6 +220,82 @@ fn the_shared_gpt_dump_is_truncated_and_says_so() {
     );
 }
 
+/// `category: auto` judges each row from its prompt and reply (code, math, chat), pins the
+/// rules' version, and `mix` rebalances by what it decided.
+#[test]
+fn category_auto_judges_rows_and_mix_rebalances_by_it() {
+    let env = Env::new();
+    let rows = [
+        (
+            "c1",
+            "Write a Python function that reverses a string.",
+            "def rev(s): return s[::-1]",
+        ),
+        (
+            "c2",
+            "Why does this fail?",
+            "```\nfor i in range(3): print(i)\n```",
+        ),
+        (
+            "c3",
+            "Fix my SQL query: SELECT * FROM users WHERE id == 3",
+            "Use a single `=`.",
+        ),
+        ("m1", "Solve the equation 3x + 5 = 20.", "x = 5"),
+        (
+            "m2",
+            "Calculate the average of 4, 8 and 12.",
+            "4 + 8 + 12 = 24, 24 / 3 = 8.",
+        ),
+        ("t1", "Write a poem about the sea.", "The sea..."),
+        (
+            "t2",
+            "What should I see in Paris in two days?",
+            "The Louvre.",
+        ),
+        (
+            "t3",
+            "Summarise the news of 2023-01-05, pages 10-20.",
+            "Nothing happened.",
+        ),
+    ];
+    let lines: Vec<String> = rows
+        .iter()
+        .map(|(id, q, a)| {
+            serde_json::json!({"id": id, "conversations": [
+                {"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+            .to_string()
+        })
+        .collect();
+    env.write("chats.jsonl", &(lines.join("\n") + "\n"));
+    env.write(
+        "hub.yaml",
+        r#"
+stages:
+  chats: {kind: download, params: {path: chats.jsonl, category: auto}}
+  code: {kind: mix, inputs: [chats], params: {by: category, weights: {code: 1.0}, total: 3}}
+"#,
+    );
+    env.run("hub.yaml", 0);
+    let m = show(&env, "chats");
+    assert_eq!(
+        m["stats"]["categories"],
+        serde_json::json!({"code": 3, "math": 2, "chat": 3}),
+        "{m}"
+    );
+    let pins = m["fingerprint"]["pins"].as_array().unwrap();
+    assert!(
+        pins.iter().any(|p| p["name"] == "category:auto"),
+        "{pins:?}"
+    );
+    let mix = show(&env, "code");
+    assert_eq!(
+        mix["stats"]["categories"],
+        serde_json::json!({"code": 3}),
+        "{mix}"
+    );
+}
+
 #[test]
 fn a_gated_dataset_needs_the_token_which_never_shows() {
     let root = tempfile::tempdir().unwrap();

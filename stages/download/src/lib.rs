@@ -13,6 +13,7 @@ pub mod http;
 pub mod hub;
 pub mod mapping;
 pub mod records;
+pub mod topic;
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
@@ -135,7 +136,7 @@ impl StageKind for DownloadKind {
             Param::new("path", s(), "a local file or folder"),
             Param::new("format", ParamType::Enum(Shape::NAMES), "the record shape; `auto` decides per record").default("auto"),
             Param::new("fields", ParamType::Map(Box::new(s())), "renames of the fields a shape reads, e.g. `{prompt: question, id: task_id}`").default(json!({})),
-            Param::new("category", s(), "the category of every row (when the data has no category field)"),
+            Param::new("category", s(), "the category of every row (when the data has no category field); `auto`: judged from each row's first prompt and reply (`code`, `math` or `chat`), for `mix` to rebalance by"),
             Param::new("source", s(), "the rows' `source` (default: the stage id)"),
             Param::new("keep", ParamType::List(Box::new(s())), "fields kept as metadata").default(json!([])),
             Param::new("limit", ParamType::Int, "at most this many rows (files are read in order)").at_least(1.0),
@@ -189,63 +190,16 @@ impl StageKind for DownloadKind {
     }
 
     fn pin(&self, params: &Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
-        let p = Params::parse(params)?;
-        match p.source()? {
-            Source::Hub { repo, revision } => {
-                let client = Client::new(&hub::endpoint())?;
-                let rev = hub::resolve(&client, repo, revision)?;
-                Ok(vec![Pin {
-                    name: format!("hf:{repo}@{revision}"),
-                    identity: rev.sha,
-                }])
-            }
-            Source::Url(url) => {
-                let client = Client::new(&hub::endpoint())?;
-                let head = client.head(url).map_err(|e| StageError::new(e.message))?;
-                let identity = match (&head.etag, &head.last_modified) {
-                    (Some(etag), _) => format!("etag={etag};size={}", head.size.unwrap_or(0)),
-                    (None, Some(lm)) => {
-                        format!("last-modified={lm};size={}", head.size.unwrap_or(0))
-                    }
-                    // Nothing identifies the object but its bytes: hash them.
-                    (None, None) => {
-                        let dir = tempfile::tempdir()?;
-                        let tmp = dir.path().join("object");
-                        client.download(
-                            url,
-                            &tmp,
-                            head.size,
-                            &dflash_stage_api::Cancel::new(),
-                            &|_| {},
-                        )?;
-                        let digest = blake3::hash(&std::fs::read(&tmp)?);
-                        format!("blake3={digest}")
-                    }
-                };
-                Ok(vec![Pin {
-                    name: format!("url:{}", shown(url)),
-                    identity,
-                }])
-            }
-            Source::Object(url) => {
-                let (store, path) = remote::open(url)?;
-                let meta = remote::block_on(store.head(&path))?
-                    .map_err(|e| StageError::new(format!("cannot read `{}`: {e}", shown(url))))?;
-                Ok(vec![Pin {
-                    name: format!("object:{}", shown(url)),
-                    identity: format!("etag={};size={}", meta.e_tag.unwrap_or_default(), meta.size),
-                }])
-            }
-            Source::Local(path) => local_files(Path::new(path))?
-                .iter()
-                .map(|f| {
-                    Ok(Pin {
-                        name: format!("file:{}", f.display()),
-                        identity: pinner.file_digest(f)?.to_hex(),
-                    })
-                })
-                .collect(),
+        let mut pins = source_pins(params, pinner)?;
+        // `category: auto` rows depend on the rules that judge them: a new version of the
+        // rules makes a new artifact, never a different one under the old key.
+        if params["category"] == "auto" {
+            pins.push(Pin {
+                name: "category:auto".into(),
+                identity: topic::RULES.into(),
+            });
         }
+        Ok(pins)
     }
 
     fn run(&self, ctx: &StageContext<'_>) -> Result<StageOutput, StageError> {
@@ -746,6 +700,67 @@ fn stats(reports: &[FileReport], source: &str, pins: &[Pin]) -> serde_json::Map<
         ),
     );
     m
+}
+
+/// The pins of a download's source (see [`DownloadKind`]'s `pin`).
+fn source_pins(params: &Value, pinner: &dyn Pinner) -> Result<Vec<Pin>, StageError> {
+    let p = Params::parse(params)?;
+    match p.source()? {
+        Source::Hub { repo, revision } => {
+            let client = Client::new(&hub::endpoint())?;
+            let rev = hub::resolve(&client, repo, revision)?;
+            Ok(vec![Pin {
+                name: format!("hf:{repo}@{revision}"),
+                identity: rev.sha,
+            }])
+        }
+        Source::Url(url) => {
+            let client = Client::new(&hub::endpoint())?;
+            let head = client.head(url).map_err(|e| StageError::new(e.message))?;
+            let identity = match (&head.etag, &head.last_modified) {
+                (Some(etag), _) => format!("etag={etag};size={}", head.size.unwrap_or(0)),
+                (None, Some(lm)) => {
+                    format!("last-modified={lm};size={}", head.size.unwrap_or(0))
+                }
+                // Nothing identifies the object but its bytes: hash them.
+                (None, None) => {
+                    let dir = tempfile::tempdir()?;
+                    let tmp = dir.path().join("object");
+                    client.download(
+                        url,
+                        &tmp,
+                        head.size,
+                        &dflash_stage_api::Cancel::new(),
+                        &|_| {},
+                    )?;
+                    let digest = blake3::hash(&std::fs::read(&tmp)?);
+                    format!("blake3={digest}")
+                }
+            };
+            Ok(vec![Pin {
+                name: format!("url:{}", shown(url)),
+                identity,
+            }])
+        }
+        Source::Object(url) => {
+            let (store, path) = remote::open(url)?;
+            let meta = remote::block_on(store.head(&path))?
+                .map_err(|e| StageError::new(format!("cannot read `{}`: {e}", shown(url))))?;
+            Ok(vec![Pin {
+                name: format!("object:{}", shown(url)),
+                identity: format!("etag={};size={}", meta.e_tag.unwrap_or_default(), meta.size),
+            }])
+        }
+        Source::Local(path) => local_files(Path::new(path))?
+            .iter()
+            .map(|f| {
+                Ok(Pin {
+                    name: format!("file:{}", f.display()),
+                    identity: pinner.file_digest(f)?.to_hex(),
+                })
+            })
+            .collect(),
+    }
 }
 
 #[cfg(test)]

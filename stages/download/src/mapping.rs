@@ -75,7 +75,8 @@ pub struct Mapping {
     pub shape: Shape,
     /// Overrides of the field names each shape reads.
     pub fields: BTreeMap<String, String>,
-    /// A category for every row, when the source has no category field.
+    /// A category for every row, when the source has no category field; `auto`: judged from
+    /// each row's text ([`crate::topic`]).
     pub category: Option<String>,
     /// The `source` column's value.
     pub source: String,
@@ -240,7 +241,18 @@ impl Mapping {
                 .filter(|v| v.is_string())
                 .map(scalar_text),
         }
-        .or_else(|| self.category.clone());
+        .or_else(|| match self.category.as_deref() {
+            // Judged from the text: the first user turn and the reply after it.
+            Some("auto") => {
+                let user = messages.iter().position(|m| m.role == "user");
+                let text = |i: Option<usize>| i.map_or("", |i| messages[i].content.as_str());
+                let reply = user.and_then(|u| {
+                    (u + 1..messages.len()).find(|&i| messages[i].role == "assistant")
+                });
+                Some(crate::topic::classify(text(user), text(reply)).to_owned())
+            }
+            other => other.map(str::to_owned),
+        });
         let metadata = if self.keep.is_empty() {
             None
         } else {
