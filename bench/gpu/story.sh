@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs pipelines/smollm2.yaml on the GPU machine (the `device` tool: no Rust, no network, 64 MiB
 # carried per call, everything forgotten once the machine goes idle). The data flow:
-#   - here, `bench/gpu/story.sh pack-inputs BIN PACK` fills PACK/a, PACK/b and PACK/c (outside the
-#     clone): the SmolLM2 GGUF split in two (98 MB is over one call's 64 MiB), then the CUDA build
-#     of dflash (xz), ShareGPT (xz), the benchmark sets and the reference package's wheel;
+#   - here, `bench/gpu/story.sh pack-inputs BIN PACK [INIT]` fills PACK/a, PACK/b and PACK/c
+#     (outside the clone): the SmolLM2 GGUF split in two (98 MB is over one call's 64 MiB), then
+#     the CUDA build of dflash (xz), ShareGPT (xz), the benchmark sets, the reference package's
+#     wheel and, given INIT (the last run's exported drafter/ folder, 24 MB), that drafter, which
+#     the run then starts from (train's `init:`);
 #   - each call carries one of them as .gpu/ (copy PACK/x to .gpu/x just before the call) and
 #     runs `stash`, which keeps it in /tmp; the calls follow each other while the machine is
 #     warm, the last one runs `setup` and can go on with the first stage;
@@ -19,6 +21,18 @@ STASH=/tmp/dflash-story
 STORE=$STASH/store
 cmd=${1:-}
 shift || true
+# The pipeline the story runs: pipelines/smollm2.yaml, starting from the last run's drafter
+# (`init:`) when `pack-inputs` was given one. Written next to the stash (paths in it are
+# relative to the repository root, where every command runs); its path is printed.
+story_pipeline() {
+    if [ -f $STASH/assets/smollm2-drafter/config.json ]; then
+        sed "s|      draft_layers: 3|      init: .assets/smollm2-drafter\n      draft_layers: 3|" \
+            pipelines/smollm2.yaml > $STASH/smollm2.yaml
+    else
+        cp pipelines/smollm2.yaml $STASH/smollm2.yaml
+    fi
+    echo $STASH/smollm2.yaml
+}
 # PyTorch's CUDA 13 libraries (cuBLAS, ...) for the binary, and .assets/ pointing at the stash.
 cuda_env() {
     local lib
@@ -28,9 +42,11 @@ cuda_env() {
 }
 case $cmd in
 pack-inputs)
-    # Here: fill PACK/{a,b,c} from a CUDA build and .assets/.
+    # Here: fill PACK/{a,b,c} from a CUDA build and .assets/; INIT (optional): a drafter folder
+    # (config.json + model.safetensors) for the run to start from.
     bin=${1:?the CUDA build of dflash}
     pack=${2:?a folder outside the clone}
+    init=${3:-}
     rm -rf "$pack" && mkdir -p "$pack"/a "$pack"/b "$pack"/c
     split -n 2 -d .assets/SmolLM2-135M-Instruct.Q4_1.gguf "$pack"/gguf.part-
     mv "$pack"/gguf.part-00 "$pack"/a/ && mv "$pack"/gguf.part-01 "$pack"/b/
@@ -38,6 +54,9 @@ pack-inputs)
     xz -T2 -6 -c .assets/sharegpt.json > "$pack"/c/sharegpt.json.xz
     cp .assets/HumanEval.jsonl.gz .assets/gsm8k.jsonl .assets/mt-bench.jsonl "$pack"/c/
     cp .whl/*.whl "$pack"/c/ 2>/dev/null || true  # dflash==0.1.0 (the reference), gguf
+    if [ -n "$init" ]; then
+        mkdir -p "$pack"/c/init && cp "$init"/config.json "$init"/model.safetensors "$pack"/c/init/
+    fi
     du -sb "$pack"/a "$pack"/b "$pack"/c
     ;;
 stash)
@@ -56,6 +75,9 @@ setup)
     cp -n $STASH/HumanEval.jsonl.gz $STASH/gsm8k.jsonl $STASH/mt-bench.jsonl $STASH/assets/
     [ -x $STASH/dflash ] || { xz -dc $STASH/dflash.xz > $STASH/dflash && chmod +x $STASH/dflash; }
     ls $STASH/*.whl >/dev/null 2>&1 && pip install -q --no-deps $STASH/*.whl || true
+    if [ -d $STASH/init ] && [ ! -d $STASH/assets/smollm2-drafter ]; then
+        cp -r $STASH/init $STASH/assets/smollm2-drafter
+    fi
     rm -rf .assets && ln -s $STASH/assets .assets
     sha256sum .assets/SmolLM2-135M-Instruct.Q4_1.gguf
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
@@ -65,8 +87,9 @@ run)
     secs=${1:?seconds}
     shift
     cuda_env
-    timeout -s INT -k 20 "$secs" $STASH/dflash run pipelines/smollm2.yaml --store $STORE "$@" || echo "run stopped: exit $?"
-    $STASH/dflash plan pipelines/smollm2.yaml --store $STORE || true
+    pipe=$(story_pipeline)
+    timeout -s INT -k 20 "$secs" $STASH/dflash run $pipe --store $STORE "$@" || echo "run stopped: exit $?"
+    $STASH/dflash plan $pipe --store $STORE || true
     ;;
 smoke)
     # There: the same pipeline, small (256 prompts, 40 training steps, 4 prompts per set), into
@@ -112,10 +135,10 @@ train-fit)
     secs=${1:?seconds}
     cuda_env
     t0=$(date +%s)
-    timeout -s INT -k 20 "$secs" $STASH/dflash run pipelines/smollm2.yaml --store $STORE --only tokens || true
+    timeout -s INT -k 20 "$secs" $STASH/dflash run $(story_pipeline) --store $STORE --only tokens || true
     probe() {
         sed -e "s/max_steps: [0-9]*/max_steps: $1/" -e 's/checkpoint_every: [0-9]*/checkpoint_every: 100000/' \
-            pipelines/smollm2.yaml > pipelines/probe.yaml
+            $(story_pipeline) > pipelines/probe.yaml
         $STASH/dflash run pipelines/probe.yaml --store $STASH/probe-$1 --only drafter --json 2>/dev/null |
             python3 -c "import json,sys;d=json.load(sys.stdin);print([s['seconds'] for s in d['stages'] if s['id']=='drafter'][0])"
     }
@@ -129,7 +152,7 @@ train-fit)
     grep -q "max_steps: $steps\b" pipelines/smollm2.yaml ||
         sed -i "s/max_steps: [0-9]*/max_steps: $steps/" pipelines/smollm2.yaml
     cp pipelines/smollm2.yaml "$OUT/smollm2.yaml"
-    timeout -s INT -k 20 "$left" $STASH/dflash run pipelines/smollm2.yaml --store $STORE --only drafter || echo "run stopped: exit $?"
+    timeout -s INT -k 20 "$left" $STASH/dflash run $(story_pipeline) --store $STORE --only drafter || echo "run stopped: exit $?"
     ;;
 reference)
     # There, after `bring-back`: the exported drafter in z-lab's reference implementation
@@ -150,7 +173,7 @@ bring-back)
     cuda_env
     rm -rf /tmp/back && mkdir -p /tmp/back
     for s in drafter bench; do
-        $STASH/dflash export $s -p pipelines/smollm2.yaml --store $STORE /tmp/back/$s || true
+        $STASH/dflash export $s -p $(story_pipeline) --store $STORE /tmp/back/$s || true
     done
     # Not the checkpoints (weights and both moments, each): the exported weights and metrics.
     find /tmp/back/drafter -mindepth 1 -maxdepth 1 ! -name drafter ! -name '*.json*' -exec rm -rf {} + || true
@@ -161,7 +184,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS | dflash ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS | dflash ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac
