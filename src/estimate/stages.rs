@@ -633,7 +633,12 @@ impl Sizer<'_> {
         };
         let hw = self.opts.hardware.clone();
         let taps = (!p.target_layers.is_empty()).then(|| p.target_layers.clone());
-        let drafter = DrafterShape::new(target.clone(), p.draft_layers, p.block_size, taps, p.taps);
+        let dflash2 =
+            dflash_stage_train::dflash2_settings(&spec.params, target.hidden, target.vocab)
+                .ok()
+                .flatten();
+        let drafter = DrafterShape::new(target.clone(), p.draft_layers, p.block_size, taps, p.taps)
+            .with_dflash2(dflash2);
         let seq = len.value;
         let anchors = (p.anchors as f64).min(seq * share.value).max(1.0);
         let mut sequences = rows.value * p.epochs as f64;
@@ -683,6 +688,12 @@ impl Sizer<'_> {
             seq,
             count(steps)
         ));
+        if drafter.dflash2.is_some() {
+            s.notes.push(format!(
+                "head dflash2: {} of it the convolutions and the candidate selector (its codebooks are vocabulary x rank, twice)",
+                count(drafter.dflash2_parameters() as f64)
+            ));
+        }
         s.notes.push(format!(
             "{} checkpoints of {} (every {} steps; raise `checkpoint_every` to store fewer)",
             count(checkpoints),

@@ -18,6 +18,8 @@ pub struct DrafterShape {
     pub block_size: u64,
     /// Target layers whose outputs are fused into the context (0-based decoder layer indices).
     pub target_layers: Vec<u64>,
+    /// DFlash 2's convolutions and selector, if it is one.
+    pub dflash2: Option<Dflash2Config>,
 }
 
 /// `n` target layers spread evenly from layer 1 to layer L-3; one layer: L/2.
@@ -49,7 +51,25 @@ impl DrafterShape {
             layers,
             block_size,
             target_layers,
+            dflash2: None,
         }
+    }
+
+    /// The same drafter with DFlash 2's additions.
+    #[must_use]
+    pub fn with_dflash2(mut self, dflash2: Option<Dflash2Config>) -> Self {
+        self.dflash2 = dflash2;
+        self
+    }
+
+    /// DFlash 2's added weights: per layer two convolutions (base kernels and kernel
+    /// projections), and the selector's two codebooks and projection.
+    pub fn dflash2_parameters(&self) -> u64 {
+        let Some(d) = &self.dflash2 else { return 0 };
+        let (h, v) = (self.target.hidden, self.target.vocab);
+        let (k, r) = (d.conv_kernel_size as u64, d.selector_rank as u64);
+        let g = h / (d.conv_group_size as u64).max(1);
+        self.layers * 2 * (2 * k * h + 2 * k * g * h) + 2 * v * r + r * h
     }
 
     /// Tapped layers.
@@ -61,7 +81,10 @@ impl DrafterShape {
     /// final norm. The embedding and LM head are the target's, frozen.
     pub fn trainable_parameters(&self) -> u64 {
         let h = self.target.hidden;
-        self.layers * self.target.layer_parameters() + self.taps() * h * h + 2 * h
+        self.layers * self.target.layer_parameters()
+            + self.taps() * h * h
+            + 2 * h
+            + self.dflash2_parameters()
     }
 
     /// FLOPs of one training step on one sequence of `tokens` with `anchors` blocks: forward,
@@ -77,7 +100,15 @@ impl DrafterShape {
         let context_kv = 2.0 * 2.0 * h * (t.kv_heads * t.head_dim) as f64 * tokens;
         let keys = tokens / 2.0 + self.block_size as f64;
         let attention = 4.0 * queries * keys * t.attention_width() as f64;
-        let forward = fusion + self.layers as f64 * (block + context_kv + attention);
+        // DFlash 2: the kernel projections (two per layer) over the block rows, and the
+        // selector's projection; the convolutions and codebook lookups are elementwise.
+        let dflash2 = self.dflash2.as_ref().map_or(0.0, |d| {
+            let g = (t.hidden / (d.conv_group_size as u64).max(1)) as f64;
+            let k = d.conv_kernel_size as f64;
+            self.layers as f64 * 2.0 * 2.0 * h * (2.0 * k * g) * queries
+                + 2.0 * h * d.selector_rank as f64 * queries
+        });
+        let forward = fusion + self.layers as f64 * (block + context_kv + attention) + dflash2;
         3.0 * forward + 2.0 * queries * t.lm_head_flops()
     }
 
@@ -200,6 +231,19 @@ mod tests {
     fn qwen3_8b() -> DrafterShape {
         let t = ModelShape::locate("Qwen/Qwen3-8B", Path::new(".")).unwrap();
         DrafterShape::new(t, 5, 16, None, 5)
+    }
+
+    #[test]
+    fn a_dflash2_drafter_counts_its_convolutions_and_selector() {
+        let d = qwen3_8b();
+        let d2 = d
+            .clone()
+            .with_dflash2(Some(Dflash2Config::for_hidden(4096)));
+        // 5 layers x 2 convolutions x (2 x 4 x 4096 + 2 x 4 x 64 x 4096) + 2 x 151936 x 64
+        // + 64 x 4096.
+        let extra = 5 * 2 * (2 * 4 * 4096 + 2 * 4 * 64 * 4096) + 2 * 151_936 * 64 + 64 * 4096;
+        assert_eq!(d2.trainable_parameters() - d.trainable_parameters(), extra);
+        assert!(d2.train_flops(3072.0, 512.0) > d.train_flops(3072.0, 512.0));
     }
 
     #[test]
