@@ -194,6 +194,99 @@ pub fn select(
     Ok(chosen)
 }
 
+/// The selector's scores for one drafted block, on the host: for a tree, each node's children
+/// are scored after that node's token.
+pub struct Scorer {
+    unary: Vec<Vec<f32>>,
+    candidates: Vec<Vec<u32>>,
+    projected: Vec<Vec<f32>>,
+    successor: Vec<Vec<Vec<f32>>>,
+    /// The predecessor code of every token that can be a parent: the anchor and each position's
+    /// candidates.
+    predecessor: std::collections::HashMap<u32, Vec<f32>>,
+}
+
+impl Scorer {
+    /// Host copies of what scoring the block `hidden` / `logits` (positions after `anchor`)
+    /// needs.
+    pub fn new(
+        hidden: &Tensor,
+        logits: &Tensor,
+        anchor: u32,
+        config: &Dflash2Config,
+        weights: &dyn Fn(&str) -> Tensor,
+    ) -> Result<Self> {
+        let candidates = top_k(logits, config.selector_top_k)?;
+        let k = candidates.dim(1)?;
+        let unary: Vec<Vec<f32>> = logits
+            .gather(&candidates, 1)?
+            .to_dtype(DType::F32)?
+            .to_vec2()?;
+        let projected: Vec<Vec<f32>> = hidden
+            .matmul(&weights(HIDDEN_PROJECTION).to_dtype(hidden.dtype())?.t()?)?
+            .to_dtype(DType::F32)?
+            .to_vec2()?;
+        let flat = candidates.flatten_all()?;
+        let rows = |name: &str, ids: &Tensor| -> Result<Vec<Vec<f32>>> {
+            weights(name)
+                .index_select(ids, 0)?
+                .to_dtype(DType::F32)?
+                .to_vec2()
+        };
+        let successor = rows(SUCCESSOR, &flat)?
+            .chunks(k)
+            .map(<[Vec<f32>]>::to_vec)
+            .collect();
+        let tokens: Vec<u32> = flat.to_vec1()?;
+        let mut predecessor: std::collections::HashMap<u32, Vec<f32>> = tokens
+            .iter()
+            .copied()
+            .zip(rows(PREDECESSOR, &flat)?)
+            .collect();
+        let anchor_row = weights(PREDECESSOR)
+            .get(anchor as usize)?
+            .to_dtype(DType::F32)?
+            .to_vec1()?;
+        predecessor.insert(anchor, anchor_row);
+        Ok(Self {
+            unary,
+            candidates: candidates.to_vec2()?,
+            projected,
+            successor,
+            predecessor,
+        })
+    }
+
+    /// The `width` likeliest candidates at `depth` after a node holding `token`, with their
+    /// probabilities (softmax of the selector's scores over the position's candidates).
+    pub fn children(&self, depth: usize, token: u32, width: usize) -> Vec<(u32, f32)> {
+        let Some(before) = self.predecessor.get(&token) else {
+            return Vec::new();
+        };
+        let scores: Vec<f32> = (0..self.candidates[depth].len())
+            .map(|j| {
+                self.unary[depth][j]
+                    + before
+                        .iter()
+                        .zip(&self.projected[depth])
+                        .zip(&self.successor[depth][j])
+                        .map(|((a, b), c)| a * b * c)
+                        .sum::<f32>()
+            })
+            .collect();
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let total: f32 = scores.iter().map(|s| (s - max).exp()).sum();
+        let mut out: Vec<(u32, f32)> = self.candidates[depth]
+            .iter()
+            .zip(&scores)
+            .map(|(&t, s)| (t, (s - max).exp() / total))
+            .collect();
+        out.sort_by(|a, b| b.1.total_cmp(&a.1));
+        out.truncate(width.max(1));
+        out
+    }
+}
+
 /// Greedy selection left to right from host copies: `unary` / `candidates` `[n][k]`, the
 /// projected hidden rows `[n][r]`, the successor rows of the candidates `[n][k][r]`, the
 /// predecessor rows of the candidates `[n][k][r]` and of the anchor `[r]`. The chosen tokens.
@@ -281,6 +374,55 @@ mod tests {
         );
         // Rows that are not whole blocks are refused.
         assert!(convolve(&x, &zero, &ones, 4).is_err());
+    }
+
+    /// A tree's likeliest child after each node, followed from the anchor, is the chain the
+    /// selector picks greedily: both score a candidate after its predecessor the same way.
+    #[test]
+    fn the_trees_best_children_are_the_selectors_chain() {
+        let cpu = Device::Cpu;
+        let mut init = crate::nn::drafter::Init::new(4);
+        let (n, h, v, r) = (5, 8, 30, 4);
+        let config = Dflash2Config {
+            conv_kernel_size: 2,
+            conv_group_size: 4,
+            selector_rank: r,
+            selector_top_k: 6,
+        };
+        let weights: std::collections::HashMap<&str, Tensor> = [
+            (
+                PREDECESSOR,
+                init.normal(&[v, r], 1.0, DType::F32, &cpu).unwrap(),
+            ),
+            (
+                SUCCESSOR,
+                init.normal(&[v, r], 1.0, DType::F32, &cpu).unwrap(),
+            ),
+            (
+                HIDDEN_PROJECTION,
+                init.normal(&[r, h], 1.0, DType::F32, &cpu).unwrap(),
+            ),
+        ]
+        .into_iter()
+        .collect();
+        let w = |name: &str| weights[name].clone();
+        let hidden = init.normal(&[n, h], 1.0, DType::F32, &cpu).unwrap();
+        let logits = init.normal(&[n, v], 2.0, DType::F32, &cpu).unwrap();
+        let chain = select(&hidden, &logits, 7, &config, &w).unwrap();
+        let scorer = Scorer::new(&hidden, &logits, 7, &config, &w).unwrap();
+        let mut token = 7;
+        let mut followed = Vec::new();
+        for depth in 0..n {
+            let children = scorer.children(depth, token, 3);
+            assert_eq!(children.len(), 3);
+            assert!(children.windows(2).all(|p| p[0].1 >= p[1].1));
+            token = children[0].0;
+            followed.push(token);
+        }
+        assert_eq!(followed, chain);
+        // The selector changes the order somewhere, or this would test nothing.
+        let argmax: Vec<u32> = logits.argmax(1).unwrap().to_vec1().unwrap();
+        assert_ne!(chain, argmax);
     }
 
     #[test]

@@ -204,8 +204,27 @@ pub fn decode(
             let tree = if room == 0 {
                 Tree::root(anchor)
             } else {
-                let candidates = propose_top(target, d, ctx, anchor, at, room, *width)?;
-                draft_tree(anchor, &candidates, *budget)
+                match &d.config.dflash2 {
+                    None => {
+                        let candidates = propose_top(target, d, ctx, anchor, at, room, *width)?;
+                        draft_tree(anchor, &candidates, *budget)
+                    }
+                    // DFlash 2: each node's children are the selector's choices after its token.
+                    Some(sel) => {
+                        let (hidden, logits) = block_logits(target, d, ctx, anchor, at)?;
+                        let n = room.min(hidden.dim(0)?);
+                        let scorer = super::dflash2::Scorer::new(
+                            &hidden.narrow(0, 0, n)?,
+                            &logits.narrow(0, 0, n)?,
+                            anchor,
+                            sel,
+                            &|name| d.w(name).clone(),
+                        )?;
+                        draft_tree_by(anchor, n, *budget, &|depth, token| {
+                            scorer.children(depth, token, *width)
+                        })
+                    }
+                }
             };
             let (logits, tapped) =
                 target.extend_tree(&tree.tokens, &tree.parents, &mut cache, taps)?;
@@ -346,7 +365,6 @@ fn propose_top(
     room: usize,
     width: usize,
 ) -> Result<Vec<Vec<(u32, f32)>>> {
-    // A DFlash 2 drafter's tree is built from its logits (the selector scores one chain).
     let (_, logits) = block_logits(target, d, ctx, anchor, at)?;
     let logits = logits.narrow(0, 0, room.min(logits.dim(0)?))?;
     let probs: Vec<Vec<f32>> =
@@ -388,12 +406,26 @@ impl Tree {
 /// the likeliest continuations of every length (a node's children are its depth's
 /// candidates: DFlash drafts every position of a block at once, none conditioned on another).
 pub fn draft_tree(root: u32, top: &[Vec<(u32, f32)>], budget: usize) -> Tree {
+    draft_tree_by(root, top.len(), budget, &|depth, _| top[depth].clone())
+}
+
+/// [`draft_tree`] where a node's children depend on its token: `children(d, token)` gives the
+/// candidates at depth d + 1 after a node holding `token` (the root's is the round's first
+/// token), with their probabilities (DFlash 2's selector scores each candidate after its
+/// predecessor).
+pub fn draft_tree_by(
+    root: u32,
+    depths: usize,
+    budget: usize,
+    children: &dyn Fn(usize, u32) -> Vec<(u32, f32)>,
+) -> Tree {
     #[derive(PartialEq)]
     struct Candidate {
         log_p: f64,
         parent: usize,
         depth: usize,
         rank: usize,
+        token: u32,
     }
     impl Eq for Candidate {}
     impl PartialOrd for Candidate {
@@ -412,28 +444,30 @@ pub fn draft_tree(root: u32, top: &[Vec<(u32, f32)>], budget: usize) -> Tree {
     }
     let mut tree = Tree::root(root);
     let mut heap = std::collections::BinaryHeap::new();
-    let children = |heap: &mut std::collections::BinaryHeap<Candidate>,
-                    parent: usize,
-                    depth: usize,
-                    log_p: f64| {
-        if let Some(level) = top.get(depth) {
-            for (rank, &(_, p)) in level.iter().enumerate() {
+    let expand = |heap: &mut std::collections::BinaryHeap<Candidate>,
+                  parent: usize,
+                  token: u32,
+                  depth: usize,
+                  log_p: f64| {
+        if depth < depths {
+            for (rank, (t, p)) in children(depth, token).into_iter().enumerate() {
                 heap.push(Candidate {
                     log_p: log_p + f64::from(p.max(1e-30)).ln(),
                     parent,
                     depth: depth + 1,
                     rank,
+                    token: t,
                 });
             }
         }
     };
-    children(&mut heap, 0, 0, 0.0);
+    expand(&mut heap, 0, root, 0, 0.0);
     while tree.tokens.len() < budget.max(1) {
         let Some(c) = heap.pop() else { break };
         let node = tree.tokens.len();
-        tree.tokens.push(top[c.depth - 1][c.rank].0);
+        tree.tokens.push(c.token);
         tree.parents.push(c.parent);
-        children(&mut heap, node, c.depth, c.log_p);
+        expand(&mut heap, node, c.token, c.depth, c.log_p);
     }
     tree
 }
@@ -532,6 +566,11 @@ mod tests {
             Proposer::Ngram { n: 3 },
             Proposer::Drafter(&drafter),
             Proposer::Drafter(&dflash2),
+            Proposer::DrafterTree {
+                drafter: &dflash2,
+                width: 3,
+                budget: 10,
+            },
             Proposer::Oracle(&ar.tokens),
             Proposer::DrafterTree {
                 drafter: &drafter,
