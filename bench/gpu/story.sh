@@ -74,7 +74,9 @@ setup)
     [ -f $STASH/assets/sharegpt.json ] || xz -dc $STASH/sharegpt.json.xz > $STASH/assets/sharegpt.json
     cp -n $STASH/HumanEval.jsonl.gz $STASH/gsm8k.jsonl $STASH/mt-bench.jsonl $STASH/assets/
     [ -x $STASH/dflash ] || { xz -dc $STASH/dflash.xz > $STASH/dflash && chmod +x $STASH/dflash; }
-    ls $STASH/*.whl >/dev/null 2>&1 && pip install -q --no-deps $STASH/*.whl || true
+    # The reference package and gguf, into the stash (a plain `pip install` there left `gguf`
+    # unimportable once); `reference` puts them on PYTHONPATH.
+    ls $STASH/*.whl >/dev/null 2>&1 && pip install -q --no-deps --target $STASH/site $STASH/*.whl || true
     if [ -d $STASH/init ] && [ ! -d $STASH/assets/smollm2-drafter ]; then
         cp -r $STASH/init $STASH/assets/smollm2-drafter
     fi
@@ -159,6 +161,7 @@ reference)
     # (dflash==0.1.0) against the target as a transformers model, on the first N prompts of
     # each set that bench decoded; its figures go to $OUT/reference_check.txt.
     cuda_env
+    export PYTHONPATH=$STASH/site${PYTHONPATH:+:$PYTHONPATH}
     [ -d $STASH/hf ] || python3 tests/support/gguf_to_hf.py .assets/SmolLM2-135M-Instruct.Q4_1.gguf $STASH/hf
     python3 bench/reference_check.py $STASH/hf /tmp/back/drafter/drafter /tmp/back/bench \
         --limit "${1:-6}" --stop 2 2>&1 | tee "$OUT/reference_check.txt"
