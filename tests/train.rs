@@ -29,8 +29,13 @@ fn tiny(env: &Env) {
 }
 
 fn exported(env: &Env, name: &str) -> std::path::PathBuf {
+    exported_from(env, "p.yaml", "drafter", name)
+}
+
+/// `dflash export STAGE -p PIPELINE` into the folder `name`.
+fn exported_from(env: &Env, pipeline: &str, stage: &str, name: &str) -> std::path::PathBuf {
     let dir = env.path().join(name);
-    let o = env.dflash(&["export", "drafter", "-p", "p.yaml", dir.to_str().unwrap()]);
+    let o = env.dflash(&["export", stage, "-p", pipeline, dir.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     dir
 }
@@ -101,15 +106,7 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
     env.write("cont.yaml", &cont);
     let (st, _) = env.run("cont.yaml", 0);
     assert_eq!(st["drafter"], "ran");
-    let again = env.path().join("again");
-    let o = env.dflash(&[
-        "export",
-        "drafter",
-        "-p",
-        "cont.yaml",
-        again.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let again = exported_from(&env, "cont.yaml", "drafter", "again");
     let losses: Vec<f64> = std::fs::read_to_string(again.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -292,9 +289,7 @@ stages:
         );
     }
     // DFlash 2: exported as the reference's `DFlash2DraftModel`, and lossless too.
-    let dir = env.path().join("d2");
-    let o = env.dflash(&["export", "drafter2", "-p", "p.yaml", dir.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let dir = exported_from(&env, "p.yaml", "drafter2", "d2");
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("drafter/config.json")).unwrap())
             .unwrap();

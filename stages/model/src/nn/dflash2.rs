@@ -159,39 +159,7 @@ pub fn select(
     config: &Dflash2Config,
     weights: &dyn Fn(&str) -> Tensor,
 ) -> Result<Vec<u32>> {
-    let n = hidden.dim(0)?;
-    let candidates = top_k(logits, config.selector_top_k)?;
-    let k = candidates.dim(1)?;
-    let unary: Vec<Vec<f32>> = logits
-        .gather(&candidates, 1)?
-        .to_dtype(DType::F32)?
-        .to_vec2()?;
-    let projected: Vec<Vec<f32>> = hidden
-        .matmul(&weights(HIDDEN_PROJECTION).to_dtype(hidden.dtype())?.t()?)?
-        .to_dtype(DType::F32)?
-        .to_vec2()?;
-    let flat = candidates.flatten_all()?;
-    let rows = |name: &str| -> Result<Vec<Vec<Vec<f32>>>> {
-        let t: Vec<Vec<f32>> = weights(name)
-            .index_select(&flat, 0)?
-            .to_dtype(DType::F32)?
-            .to_vec2()?;
-        Ok(t.chunks(k).map(<[Vec<f32>]>::to_vec).collect())
-    };
-    let anchor_row: Vec<f32> = weights(PREDECESSOR)
-        .get(anchor as usize)?
-        .to_dtype(DType::F32)?
-        .to_vec1()?;
-    let chosen = select_greedy(
-        &unary,
-        &candidates.to_vec2()?,
-        &projected,
-        &rows(SUCCESSOR)?,
-        &rows(PREDECESSOR)?,
-        &anchor_row,
-    );
-    debug_assert_eq!(chosen.len(), n);
-    Ok(chosen)
+    Ok(Scorer::new(hidden, logits, anchor, config, weights)?.greedy(anchor))
 }
 
 /// The selector's scores for one drafted block, on the host: for a tree, each node's children
@@ -257,23 +225,48 @@ impl Scorer {
         })
     }
 
-    /// The `width` likeliest candidates at `depth` after a node holding `token`, with their
-    /// probabilities (softmax of the selector's scores over the position's candidates).
-    pub fn children(&self, depth: usize, token: u32, width: usize) -> Vec<(u32, f32)> {
-        let Some(before) = self.predecessor.get(&token) else {
-            return Vec::new();
-        };
-        let scores: Vec<f32> = (0..self.candidates[depth].len())
+    /// The selector's score of each candidate at `depth` after `token`: the drafter's logit
+    /// plus the bilinear term (none for a token with no predecessor code here).
+    fn scores(&self, depth: usize, token: u32) -> Vec<f32> {
+        let before = self.predecessor.get(&token);
+        (0..self.candidates[depth].len())
             .map(|j| {
-                self.unary[depth][j]
-                    + before
+                let pair = before.map_or(0.0, |before| {
+                    before
                         .iter()
                         .zip(&self.projected[depth])
                         .zip(&self.successor[depth][j])
                         .map(|((a, b), c)| a * b * c)
                         .sum::<f32>()
+                });
+                self.unary[depth][j] + pair
             })
-            .collect();
+            .collect()
+    }
+
+    /// The greedy chain from `anchor`: at each position the best-scored candidate after the
+    /// token chosen before it (the first of equal scores).
+    pub fn greedy(&self, anchor: u32) -> Vec<u32> {
+        let mut token = anchor;
+        (0..self.unary.len())
+            .map(|depth| {
+                let scores = self.scores(depth, token);
+                let mut best = 0;
+                for (j, &s) in scores.iter().enumerate() {
+                    if s > scores[best] {
+                        best = j;
+                    }
+                }
+                token = self.candidates[depth][best];
+                token
+            })
+            .collect()
+    }
+
+    /// The `width` likeliest candidates at `depth` after a node holding `token`, with their
+    /// probabilities (softmax of the selector's scores over the position's candidates).
+    pub fn children(&self, depth: usize, token: u32, width: usize) -> Vec<(u32, f32)> {
+        let scores = self.scores(depth, token);
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let total: f32 = scores.iter().map(|s| (s - max).exp()).sum();
         let mut out: Vec<(u32, f32)> = self.candidates[depth]
@@ -285,39 +278,6 @@ impl Scorer {
         out.truncate(width.max(1));
         out
     }
-}
-
-/// Greedy selection left to right from host copies: `unary` / `candidates` `[n][k]`, the
-/// projected hidden rows `[n][r]`, the successor rows of the candidates `[n][k][r]`, the
-/// predecessor rows of the candidates `[n][k][r]` and of the anchor `[r]`. The chosen tokens.
-pub fn select_greedy(
-    unary: &[Vec<f32>],
-    candidates: &[Vec<u32>],
-    projected: &[Vec<f32>],
-    successor: &[Vec<Vec<f32>>],
-    predecessor: &[Vec<Vec<f32>>],
-    anchor: &[f32],
-) -> Vec<u32> {
-    let mut before: &[f32] = anchor;
-    let mut chosen = Vec::with_capacity(unary.len());
-    for p in 0..unary.len() {
-        let mut best = (f32::NEG_INFINITY, 0usize);
-        for j in 0..candidates[p].len() {
-            let pair: f32 = before
-                .iter()
-                .zip(&projected[p])
-                .zip(&successor[p][j])
-                .map(|((a, b), c)| a * b * c)
-                .sum();
-            let s = unary[p][j] + pair;
-            if s > best.0 {
-                best = (s, j);
-            }
-        }
-        chosen.push(candidates[p][best.1]);
-        before = &predecessor[p][best.1];
-    }
-    chosen
 }
 
 #[cfg(test)]
@@ -435,16 +395,21 @@ mod tests {
     #[test]
     fn greedy_selection_follows_the_chosen_predecessor() {
         // Two positions, two candidates each, rank 1. Position 0: unary prefers token 5, but
-        // after the anchor the pair term favours 6; position 1 then scores with 6's row.
-        let chosen = select_greedy(
-            &[vec![1.0, 0.5], vec![0.0, 0.1]],
-            &[vec![5, 6], vec![7, 8]],
-            &[vec![1.0], vec![1.0]],
-            &[vec![vec![0.0], vec![1.0]], vec![vec![1.0], vec![0.0]]],
-            &[vec![vec![0.0], vec![-1.0]], vec![vec![0.0], vec![0.0]]],
-            &[1.0],
-        );
+        // after the anchor (1) the pair term favours 6; position 1 then scores with 6's row.
+        let scorer = Scorer {
+            unary: vec![vec![1.0, 0.5], vec![0.0, 0.1]],
+            candidates: vec![vec![5, 6], vec![7, 8]],
+            projected: vec![vec![1.0], vec![1.0]],
+            successor: vec![vec![vec![0.0], vec![1.0]], vec![vec![1.0], vec![0.0]]],
+            predecessor: [(1, vec![1.0]), (5, vec![0.0]), (6, vec![-1.0])]
+                .into_iter()
+                .collect(),
+        };
         // Position 0: 1.0 vs 0.5 + 1 = 1.5: token 6. Position 1 after 6 (row -1): 0 - 1 vs 0.1.
-        assert_eq!(chosen, vec![6, 8]);
+        assert_eq!(scorer.greedy(1), vec![6, 8]);
+        // The tree's children after the anchor, likeliest first.
+        let children = scorer.children(0, 1, 2);
+        assert_eq!((children[0].0, children[1].0), (6, 5));
+        assert!((children[0].1 + children[1].1 - 1.0).abs() < 1e-6);
     }
 }
