@@ -10,7 +10,7 @@
 
 /// The rules' version: it enters the key of every `category: auto` download (change it with
 /// any change below, so earlier artifacts stay what they were).
-pub const RULES: &str = "topic-rules-1";
+pub const RULES: &str = "topic-rules-2";
 
 /// Words that point at programming, matched whole and lowercased.
 const CODE_WORDS: &[&str] = &[
@@ -67,9 +67,11 @@ const CODE_WORDS: &[&str] = &[
     "git",
     "endpoint",
     "query",
+    "c++",
+    "c#",
 ];
 
-/// Character sequences only code has.
+/// Character sequences only code has (none repeating a word above, which would count twice).
 const CODE_MARKS: &[&str] = &[
     "();",
     "){",
@@ -85,8 +87,6 @@ const CODE_MARKS: &[&str] = &[
     "/>",
     "self.",
     "::",
-    "def ",
-    "return ",
     "int main",
 ];
 
@@ -217,6 +217,9 @@ mod tests {
             ),
             "chat"
         );
+        // A word counts once: "def" in prose is not code.
+        assert_eq!(classify("What is the def of irony?", ""), "chat");
+        assert_eq!(classify("Is C++ or C# better for games?", ""), "code");
         // One programming word alone is not enough.
         assert_eq!(
             classify("Tell me about the history of Java, the island.", ""),
