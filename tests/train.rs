@@ -32,6 +32,20 @@ fn exported(env: &Env, name: &str) -> std::path::PathBuf {
     exported_from(env, "p.yaml", "drafter", name)
 }
 
+/// Write `yaml` as the pipeline `name`, and the stderr of `dflash plan` on it, which must
+/// refuse it (exit 2) before anything runs.
+fn plan_refuses(env: &Env, name: &str, yaml: &str) -> String {
+    env.write(name, yaml);
+    let o = env.dflash(&["plan", name]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
 /// `dflash export STAGE -p PIPELINE` into the folder `name`.
 fn exported_from(env: &Env, pipeline: &str, stage: &str, name: &str) -> std::path::PathBuf {
     let dir = env.path().join(name);
@@ -122,13 +136,11 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
         "continued at {start}, fresh at {first}, ended at {last}"
     );
     // A drafter of another shape is refused before anything runs, naming the param.
-    env.write(
+    let err = plan_refuses(
+        &env,
         "other.yaml",
         &cont.replace("draft_layers: 1", "draft_layers: 2"),
     );
-    let o = env.dflash(&["plan", "other.yaml"]);
-    assert_eq!(o.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         err.contains("draft_layers") && err.contains("`init`'s drafter has 1 layers"),
         "{err}"
@@ -309,23 +321,18 @@ stages:
     assert_eq!(set["methods"]["drafter2"]["identical"], 3, "{set}");
     // A setting DFlash 2 does not have: refused at plan time, by name.
     let p = std::fs::read_to_string(env.path().join("p.yaml")).unwrap();
-    env.write(
+    let err = plan_refuses(
+        &env,
         "bad.yaml",
         &p.replace("selector_rank: 8}", "selector_rank: 8, kernel: 3}"),
     );
-    let o = env.dflash(&["plan", "bad.yaml"]);
-    assert_eq!(o.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("`kernel` is not a DFlash 2 setting"), "{err}");
     // Tree verification follows branches a Gated DeltaNet state cannot: refused at plan time.
-    let p = std::fs::read_to_string(env.path().join("p.yaml")).unwrap();
-    env.write(
+    let err = plan_refuses(
+        &env,
         "tree.yaml",
         &p.replace("max_new_tokens: 20}", "max_new_tokens: 20, verify: tree}"),
     );
-    let o = env.dflash(&["plan", "tree.yaml"]);
-    assert_eq!(o.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         err.contains("attention-only") && err.contains("verify: chain"),
         "{err}"

@@ -57,6 +57,9 @@ pub fn convolve(x: &Tensor, dynamic: &Tensor, base: &Tensor, block: usize) -> Re
     if block == 0 || m % block != 0 {
         candle_core::bail!("{m} rows are not whole blocks of {block}");
     }
+    if k == 0 {
+        candle_core::bail!("a convolution needs at least one tap");
+    }
     let blocks = m / block;
     let x = x.reshape((blocks, block, h))?;
     // Each group's scalar spread over its channels.

@@ -138,14 +138,18 @@ impl DrafterConfig {
         } else {
             None
         };
+        let (hidden, vocab) = (int(v, "hidden_size")?, int(v, "vocab_size")?);
+        if let Some(problem) = dflash2.and_then(|d| d.problem(hidden, vocab)) {
+            return Err(format!("dflash_config: {problem}"));
+        }
         Ok(Self {
-            hidden: int(v, "hidden_size")?,
+            hidden,
             layers: int(v, "num_hidden_layers")?,
             heads: int(v, "num_attention_heads")?,
             kv_heads: int(v, "num_key_value_heads")?,
             head_dim: int(v, "head_dim")?,
             ffn: int(v, "intermediate_size")?,
-            vocab: int(v, "vocab_size")?,
+            vocab,
             eps: float("rms_norm_eps")?,
             rope_theta: float("rope_theta")?,
             target_layers,
@@ -557,6 +561,22 @@ pub(crate) mod tests {
         broken["dflash_config"]["mask_token_id"] = "x".into();
         let e = DrafterConfig::from_hf_config(&broken).unwrap_err();
         assert!(e.contains("mask_token_id"), "{e}");
+        // A DFlash 2 config reads back too; settings no drafter can run are refused, not run.
+        let d2 = c.clone().with_dflash2(Dflash2Config::for_hidden(16));
+        assert_eq!(
+            DrafterConfig::from_hf_config(&d2.hf_config("qwen3")),
+            Ok(d2.clone())
+        );
+        for (key, value) in [
+            ("conv_kernel_size", 0),
+            ("conv_group_size", 5),
+            ("selector_top_k", 99),
+        ] {
+            let mut bad = d2.hf_config("qwen3");
+            bad["dflash_config"][key] = value.into();
+            let e = DrafterConfig::from_hf_config(&bad).unwrap_err();
+            assert!(e.contains(key), "{key}: {e}");
+        }
     }
 
     /// Every trainable tensor's gradient against central finite differences, in f64.
