@@ -147,6 +147,82 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
     );
 }
 
+/// The `eval` split (held-out sequences) is scored before the first step, every `eval_every`
+/// steps and after the last, on the same blocks each time; the scores fall as the drafter learns
+/// the rule, and scoring does not touch training: with `eval_sequences: 0` the drafter and the
+/// training curve are byte for byte the same.
+#[test]
+fn held_out_sequences_are_scored_as_training_goes_and_leave_it_unchanged() {
+    let pipeline = |evals: &str| {
+        PIPELINE
+            .replace(
+                "run: \"cp train-00000.arrow $DFLASH_OUT/\", files: [train-00000.arrow]",
+                "run: \"cp train-00000.arrow eval-00000.arrow $DFLASH_OUT/\", files: [train-00000.arrow, eval-00000.arrow]",
+            )
+            .replace(
+                "checkpoint_every: 50}",
+                &format!("checkpoint_every: 50, eval_every: 200{evals}}}"),
+            )
+    };
+    let mut curves = Vec::new();
+    let mut weights = Vec::new();
+    for evals in ["", ", eval_sequences: 0"] {
+        let env = Env::new();
+        support::tiny_model(
+            env.path(),
+            &["tiny.gguf", "train-00000.arrow", "100", "48", "--held", "6"],
+        );
+        env.write("p.yaml", &pipeline(evals));
+        let (st, _) = env.run("p.yaml", 0);
+        assert_eq!(st["drafter"], "ran");
+        let dir = exported(&env, "out");
+        let lines: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let stats = &env.show("drafter", "p.yaml")["stats"];
+        if evals.is_empty() {
+            let scored: Vec<u64> = lines
+                .iter()
+                .filter(|l| l.get("eval").is_some())
+                .map(|l| l["step"].as_u64().unwrap())
+                .collect();
+            assert_eq!(scored, [200, 400, 600]);
+            let eval = &stats["eval"];
+            assert_eq!(eval["end"], lines[599]["eval"]);
+            assert_eq!(eval["start"]["sequences"], 6);
+            let (l0, l1) = (
+                eval["start"]["loss"].as_f64().unwrap(),
+                eval["end"]["loss"].as_f64().unwrap(),
+            );
+            let (t0, t1) = (
+                eval["start"]["tau"].as_f64().unwrap(),
+                eval["end"]["tau"].as_f64().unwrap(),
+            );
+            assert!(
+                l1 < 0.75 * l0 && t1 > t0,
+                "held out: loss {l0} -> {l1}, tau {t0} -> {t1}"
+            );
+        } else {
+            assert!(lines.iter().all(|l| l.get("eval").is_none()));
+            assert!(stats.get("eval").is_none(), "{stats}");
+        }
+        curves.push(
+            lines
+                .into_iter()
+                .map(|mut l| {
+                    l.as_object_mut().unwrap().remove("eval");
+                    l
+                })
+                .collect::<Vec<_>>(),
+        );
+        weights.push(std::fs::read(dir.join("drafter/model.safetensors")).unwrap());
+    }
+    assert!(curves[0] == curves[1], "scoring changed the training curve");
+    assert!(weights[0] == weights[1], "scoring changed the drafter");
+}
+
 #[test]
 fn kill_9_after_a_checkpoint_then_rerun_ends_exactly_as_an_unstopped_run() {
     let straight = Env::new();

@@ -5,7 +5,9 @@
 #     (outside the clone): the SmolLM2 GGUF split in two (98 MB is over one call's 64 MiB), then
 #     the CUDA build of dflash (xz), ShareGPT (xz), the benchmark sets, the reference package's
 #     wheel and, given INIT (the last run's exported drafter/ folder, 24 MB), that drafter, which
-#     the run then starts from (train's `init:`);
+#     the run then starts from (train's `init:`); given SEED (a store folder here, e.g. the last
+#     session's completions brought back), its objects under 4 MB go to PACK/b as a tar and
+#     `setup` unpacks them into the run's store, so what an earlier session generated is cached;
 #   - each call carries one of them as .gpu/ (copy PACK/x to .gpu/x just before the call) and
 #     runs `stash`, which keeps it in /tmp; the calls follow each other while the machine is
 #     warm, the last one runs `setup` and can go on with the first stage;
@@ -42,11 +44,13 @@ cuda_env() {
 }
 case $cmd in
 pack-inputs)
-    # Here: fill PACK/{a,b,c} from a CUDA build and .assets/; INIT (optional): a drafter folder
-    # (config.json + model.safetensors) for the run to start from.
+    # Here: fill PACK/{a,b,c} from a CUDA build and .assets/; INIT (optional, or ""): a drafter
+    # folder (config.json + model.safetensors) for the run to start from; SEED (optional): a
+    # store whose objects the run's store starts with.
     bin=${1:?the CUDA build of dflash}
     pack=${2:?a folder outside the clone}
     init=${3:-}
+    seed=${4:-}
     rm -rf "$pack" && mkdir -p "$pack"/a "$pack"/b "$pack"/c
     split -n 2 -d .assets/SmolLM2-135M-Instruct.Q4_1.gguf "$pack"/gguf.part-
     mv "$pack"/gguf.part-00 "$pack"/a/ && mv "$pack"/gguf.part-01 "$pack"/b/
@@ -56,6 +60,9 @@ pack-inputs)
     cp .whl/*.whl "$pack"/c/ 2>/dev/null || true  # dflash==0.1.0 (the reference), gguf
     if [ -n "$init" ]; then
         mkdir -p "$pack"/c/init && cp "$init"/config.json "$init"/model.safetensors "$pack"/c/init/
+    fi
+    if [ -n "$seed" ]; then
+        (cd "$seed" && find . -type f -size -4M | sort | tar -czf - -T -) > "$pack"/b/store-seed.tar.gz
     fi
     du -sb "$pack"/a "$pack"/b "$pack"/c
     ;;
@@ -79,6 +86,10 @@ setup)
     ls $STASH/*.whl >/dev/null 2>&1 && pip install -q --no-deps --target $STASH/site $STASH/*.whl || true
     if [ -d $STASH/init ] && [ ! -d $STASH/assets/smollm2-drafter ]; then
         cp -r $STASH/init $STASH/assets/smollm2-drafter
+    fi
+    # An earlier session's store objects (content-addressed: the stages they hold are cached).
+    if [ -f $STASH/store-seed.tar.gz ] && [ ! -d $STORE/manifests ]; then
+        mkdir -p $STORE && tar -xzf $STASH/store-seed.tar.gz -C $STORE && du -sh $STORE
     fi
     rm -rf .assets && ln -s $STASH/assets .assets
     sha256sum .assets/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -187,7 +198,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS | dflash ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS | dflash ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac

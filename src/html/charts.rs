@@ -1,4 +1,5 @@
-//! Inline SVG for the HTML report: the stage DAG, a line chart (training loss), grouped
+//! Inline SVG for the HTML report: the stage DAG, line charts (training and held-out
+//! loss), grouped
 //! horizontal bars (composition before and after a mix, tau per method). No scripts and no
 //! external resources: the report is one file that renders anywhere.
 
@@ -125,34 +126,64 @@ pub fn dag(nodes: &[Node<'_>]) -> String {
     s
 }
 
-/// A line chart of `points` (x, y) with its axes' ranges labelled.
-pub fn line(points: &[(f64, f64)], x_label: &str, y_label: &str) -> String {
+/// A line chart of one or more series on shared axes (e.g. training loss and held-out loss by
+/// step); with more than one series, a legend names them. Empty series are left out.
+pub fn lines(series: &[(&str, &[(f64, f64)])], x_label: &str, y_label: &str) -> String {
     let (w, h, pad) = (640.0, 240.0, 48.0);
-    if points.is_empty() {
+    let colours = ["#1565c0", "#ef6c00", "#2e7d32", "#6a1b9a"];
+    let shown: Vec<&(&str, &[(f64, f64)])> = series.iter().filter(|s| !s.1.is_empty()).collect();
+    if shown.is_empty() {
         return String::new();
     }
-    let fold = |f: fn(f64, f64) -> f64, init: f64, pick: fn(&(f64, f64)) -> f64| {
-        points.iter().map(pick).fold(init, f)
-    };
-    let (x0, x1) = (
-        fold(f64::min, f64::INFINITY, |p| p.0),
-        fold(f64::max, f64::NEG_INFINITY, |p| p.0),
-    );
-    let (y0, y1) = (
-        fold(f64::min, f64::INFINITY, |p| p.1),
-        fold(f64::max, f64::NEG_INFINITY, |p| p.1),
-    );
+    let all = || shown.iter().flat_map(|s| s.1.iter());
+    let (x0, x1) = all().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| {
+        (a.min(p.0), b.max(p.0))
+    });
+    let (y0, y1) = all().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| {
+        (a.min(p.1), b.max(p.1))
+    });
     let sx = |x: f64| pad + (x - x0) / (x1 - x0).max(1e-12) * (w - 2.0 * pad);
     let sy = |y: f64| h - pad - (y - y0) / (y1 - y0).max(1e-12) * (h - 2.0 * pad);
-    let path: Vec<String> = points
-        .iter()
-        .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
-        .collect();
+    let mut plots = String::new();
+    for (i, (name, points)) in shown.iter().enumerate() {
+        let colour = colours[i % colours.len()];
+        let path: Vec<String> = points
+            .iter()
+            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+            .collect();
+        let _ = write!(
+            plots,
+            r#"<polyline fill="none" stroke="{colour}" stroke-width="1.8" points="{}"/>"#,
+            path.join(" ")
+        );
+        // A series of a few points (an evaluation every N steps) gets its points marked.
+        if points.len() <= 32 {
+            for &(x, y) in *points {
+                let _ = write!(
+                    plots,
+                    r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{colour}"/>"#,
+                    sx(x),
+                    sy(y)
+                );
+            }
+        }
+        if shown.len() > 1 {
+            let lx = w - pad - 150.0;
+            let ly = pad - 30.0 + 14.0 * i as f64;
+            let _ = write!(
+                plots,
+                r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{colour}" stroke-width="3"/><text x="{}" y="{}" font-size="11">{}</text>"#,
+                lx + 16.0,
+                lx + 20.0,
+                ly + 4.0,
+                esc(name)
+            );
+        }
+    }
     format!(
-        r##"<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" aria-label="{yl} by {xl}"><line x1="{pad}" y1="{b}" x2="{r}" y2="{b}" stroke="#555"/><line x1="{pad}" y1="{pad}" x2="{pad}" y2="{b}" stroke="#555"/><polyline fill="none" stroke="#1565c0" stroke-width="1.8" points="{pts}"/><text x="{pad}" y="{xt}" font-size="11">{x0}</text><text x="{r}" y="{xt}" font-size="11" text-anchor="end">{x1}</text><text x="{yt}" y="{b}" font-size="11" text-anchor="end">{y0:.3}</text><text x="{yt}" y="{pad}" font-size="11" text-anchor="end">{y1:.3}</text><text x="{cx}" y="{xl_y}" font-size="12" text-anchor="middle">{xl}</text><text x="12" y="{cy}" font-size="12" transform="rotate(-90 12 {cy})" text-anchor="middle">{yl}</text></svg>"##,
+        r##"<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" aria-label="{yl} by {xl}"><line x1="{pad}" y1="{b}" x2="{r}" y2="{b}" stroke="#555"/><line x1="{pad}" y1="{pad}" x2="{pad}" y2="{b}" stroke="#555"/>{plots}<text x="{pad}" y="{xt}" font-size="11">{x0}</text><text x="{r}" y="{xt}" font-size="11" text-anchor="end">{x1}</text><text x="{yt}" y="{b}" font-size="11" text-anchor="end">{y0:.3}</text><text x="{yt}" y="{pad}" font-size="11" text-anchor="end">{y1:.3}</text><text x="{cx}" y="{xl_y}" font-size="12" text-anchor="middle">{xl}</text><text x="12" y="{cy}" font-size="12" transform="rotate(-90 12 {cy})" text-anchor="middle">{yl}</text></svg>"##,
         b = h - pad,
         r = w - pad,
-        pts = path.join(" "),
         xt = h - pad + 14.0,
         yt = pad - 4.0,
         cx = w / 2.0,

@@ -21,6 +21,8 @@ pub struct StageView {
     pub manifest: Option<Manifest>,
     /// (step, loss) from a `train` artifact's `metrics.jsonl`.
     pub loss: Vec<(f64, f64)>,
+    /// (step, loss on the held-out sequences), where `train` evaluated them.
+    pub eval_loss: Vec<(f64, f64)>,
 }
 
 /// HTML-escape text for element content and attribute values.
@@ -48,24 +50,40 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
             Some(k) => store.manifest(k).await?,
             None => None,
         };
-        let mut loss = Vec::new();
+        let (mut loss, mut eval_loss) = (Vec::new(), Vec::new());
         if let Some(m) = &manifest
             && m.fingerprint.kind == "train"
             && let Some(f) = m.files.iter().find(|f| f.path == "metrics.jsonl")
         {
             let bytes = store.get_blob(&f.digest).await?;
             for line in String::from_utf8_lossy(&bytes).lines() {
-                if let Ok(v) = serde_json::from_str::<Value>(line)
-                    && let (Some(s), Some(l)) = (v["step"].as_f64(), v["loss"].as_f64())
-                {
+                let Ok(v) = serde_json::from_str::<Value>(line) else {
+                    continue;
+                };
+                let Some(s) = v["step"].as_f64() else {
+                    continue;
+                };
+                if let Some(l) = v["loss"].as_f64() {
                     loss.push((s, l));
                 }
+                if let Some(l) = v["eval"]["loss"].as_f64() {
+                    eval_loss.push((s, l));
+                }
+            }
+            // The held-out loss before the first step is in the stats, not the curve.
+            if let Some(l) = m
+                .stats
+                .get("eval")
+                .and_then(|e| e["start"]["loss"].as_f64())
+            {
+                eval_loss.insert(0, (0.0, l));
             }
         }
         out.push(StageView {
             result: r.clone(),
             manifest,
             loss,
+            eval_loss,
         });
     }
     Ok(out)
@@ -216,8 +234,16 @@ fn stage_section(h: &mut String, v: &StageView) {
     match m.fingerprint.kind.as_str() {
         "mix" => mix_charts(h, &m.stats),
         "train" if !v.loss.is_empty() => {
-            h.push_str("<p>training loss per optimizer step</p>");
-            h.push_str(&charts::line(&v.loss, "step", "loss"));
+            if v.eval_loss.is_empty() {
+                h.push_str("<p>training loss per optimizer step</p>");
+            } else {
+                h.push_str("<p>training loss per optimizer step, and the loss on the held-out sequences (the `eval` split) where it was measured</p>");
+            }
+            h.push_str(&charts::lines(
+                &[("training", &v.loss), ("held out", &v.eval_loss)],
+                "step",
+                "loss",
+            ));
         }
         "bench" => bench_chart(h, &m.stats),
         _ => {}

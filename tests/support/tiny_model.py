@@ -1,5 +1,8 @@
 """Write a tiny random Llama-architecture GGUF (f32) and a token dataset as `tokenize` writes it,
-for the train tests: real file formats, written by the `gguf` and `pyarrow` packages."""
+for the train tests: real file formats, written by the `gguf` and `pyarrow` packages.
+`--held N`: also N held-out rows of the same rule (other draws) as `eval-00000.arrow` beside the
+training file, as `tokenize` writes mix's `eval` split."""
+import os
 import sys
 
 import gguf
@@ -40,19 +43,29 @@ w.write_kv_data_to_file()
 w.write_tensors_to_file()
 w.close()
 
-# Sequences with a learnable pattern (each token determines the next), trained after a prompt.
-ids, masks = [], []
-for r in range(rows):
-    start = int(rng.integers(0, V - 1))
-    seq = [(start + 3 * k) % (V - 1) for k in range(length)]
-    ids.append(seq)
-    masks.append([0] * 8 + [1] * (length - 8))
-table = pa.table({
-    "id": [f"r{r}" for r in range(rows)],
-    "source": ["tiny"] * rows,
-    "input_ids": pa.array(ids, type=pa.list_(pa.int32())),
-    "loss_mask": pa.array(masks, type=pa.list_(pa.int8())),
-    "length": pa.array([length] * rows, type=pa.int32()),
-})
-with pa.OSFile(out_tokens, "wb") as f, pa.ipc.new_stream(f, table.schema) as s:
-    s.write_table(table)
+
+
+def write_rows(path, rows, prefix):
+    """Sequences with a learnable pattern (each token determines the next), trained after a
+    prompt."""
+    ids, masks = [], []
+    for r in range(rows):
+        start = int(rng.integers(0, V - 1))
+        seq = [(start + 3 * k) % (V - 1) for k in range(length)]
+        ids.append(seq)
+        masks.append([0] * 8 + [1] * (length - 8))
+    table = pa.table({
+        "id": [f"{prefix}{r}" for r in range(rows)],
+        "source": ["tiny"] * rows,
+        "input_ids": pa.array(ids, type=pa.list_(pa.int32())),
+        "loss_mask": pa.array(masks, type=pa.list_(pa.int8())),
+        "length": pa.array([length] * rows, type=pa.int32()),
+    })
+    with pa.OSFile(path, "wb") as f, pa.ipc.new_stream(f, table.schema) as s:
+        s.write_table(table)
+
+
+write_rows(out_tokens, rows, "r")
+if "--held" in sys.argv:
+    held = int(sys.argv[sys.argv.index("--held") + 1])
+    write_rows(os.path.join(os.path.dirname(out_tokens), "eval-00000.arrow"), held, "h")

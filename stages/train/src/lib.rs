@@ -283,7 +283,8 @@ impl StageKind for TrainKind {
         // 2: writes `training.json` (the target and the data's rendering) for `bench`.
         // The target file's content entered the key (a pin) with 2 as well.
         // 3: `training.json` holds the target's content digests (`target_content`).
-        3
+        // 4: the held-out (`eval` split) loss and acceptance in the metrics and stats.
+        4
     }
 
     fn summary(&self) -> &'static str {
@@ -316,6 +317,8 @@ impl StageKind for TrainKind {
             Param::new("grad_clip", float(), "clip the gradients' global norm to this").default(1.0).above(0.0),
             Param::new("seed", int(), "seed for anchor sampling, data order and initialisation").default(0).at_least(0.0),
             Param::new("checkpoint_every", int(), "optimizer steps between checkpoints (operational: a resume is exact whatever it is)").default(1000).operational().at_least(1.0),
+            Param::new("eval_every", int(), "optimizer steps between evaluations on the held-out sequences (the inputs' `eval` split: mix's `eval_fraction`); also before the first step and after the last (operational: the drafter is the same whatever it is)").default(200).operational().at_least(1.0),
+            Param::new("eval_sequences", int(), "held-out sequences evaluated, the first of the `eval` split (0: none)").default(64).operational().at_least(0.0),
             Param::new("max_steps", int(), "stop after this many optimizer steps (null: all epochs; 0: the drafter as initialised, a baseline)").at_least(0.0),
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where to train").default("auto"),
         ]

@@ -23,15 +23,25 @@ fn nn(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
     move |e| StageError::new(format!("{what}: {e}"))
 }
 
-/// The `train` split of every input's token files, cut to `max_length`.
-fn sequences(ctx: &StageContext<'_>, max_length: usize) -> Result<Vec<TokenRow>, StageError> {
+/// One split (`train`, or `eval`: mix's `eval_fraction`) of every input's token files, cut to
+/// `max_length`.
+fn sequences(
+    ctx: &StageContext<'_>,
+    split: &str,
+    max_length: usize,
+) -> Result<Vec<TokenRow>, StageError> {
     let mut out = Vec::new();
     for input in ctx.inputs {
-        for f in tokens::files(&input.dir, "train")? {
+        for f in tokens::files(&input.dir, split)? {
             out.extend(tokens::read(&f, max_length)?);
         }
     }
     Ok(out)
+}
+
+/// What one evaluation measured, as the metrics line and the stats carry it.
+fn eval_json(m: &StepMetrics, sequences: usize) -> Value {
+    json!({"loss": m.loss, "accuracy": m.accuracy(), "tau": m.tau(), "sequences": sequences})
 }
 
 /// A 64-bit mix of the seed and a position (SplitMix64's finaliser), for per-sequence streams.
@@ -139,7 +149,13 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     let gamma = raw["gamma"]
         .as_f64()
         .unwrap_or_else(|| objective::default_gamma(block));
-    let data = sequences(ctx, p.max_length as usize)?;
+    let data = sequences(ctx, "train", p.max_length as usize)?;
+    // Held-out sequences (the mix's `eval` split, never trained on), at most `eval_sequences`:
+    // the drafter's loss and acceptance on them, next to training's, show when it starts to
+    // learn its data by heart (more epochs of the same rows) rather than the target.
+    let mut held = sequences(ctx, "eval", p.max_length as usize)?;
+    held.truncate(raw["eval_sequences"].as_u64().unwrap_or(64) as usize);
+    let eval_every = raw["eval_every"].as_u64().unwrap_or(200).max(1);
     if data.is_empty() {
         return Err(StageError::new(
             "no training sequences in the inputs' `train` split",
@@ -229,6 +245,62 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     } else {
         DType::F32
     };
+    // On a GPU a micro-batch (`batch_size` sequences) is one pass: the target's and the
+    // drafter's rows stacked, so every matmul, norm and MLP launches once for all of them (a
+    // small target's and a drafter's step are bound by kernel launches); attention stays per
+    // sequence. On CPU each sequence is its own pass, as before: stacking saves little there,
+    // and a matmul over more rows may round differently, which would change CPU training's
+    // bytes.
+    let stack = if device.is_cuda() {
+        p.batch_size.max(1) as usize
+    } else {
+        1
+    };
+    // One micro-batch's loss (normalised by `weight`, the step's total) and counts. The step
+    // computes in `compute`: bf16 on a GPU (tensor cores, flash attention), f32 on CPU; the
+    // drafter's weights stay f32 either way (the master copy AdamW updates).
+    let forward = |micro: &[(&TokenRow, Batch)], weight: f64| {
+        let ids: Vec<&[u32]> = micro.iter().map(|(s, _)| s.ids.as_slice()).collect();
+        let context = target
+            .tapped_stacked(&ids, &taps)
+            .and_then(|c| c.to_dtype(compute))
+            .map_err(nn("target forward"))?;
+        let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
+        objective::loss_packed(&drafter, &embed, &target.lm_head, &context, &packed, weight)
+            .map_err(nn("drafter forward"))
+    };
+    // The held-out sequences' blocks are drawn once, from their own stream (not the training
+    // data's), so every evaluation scores the same blocks and training's draws are unchanged.
+    let held_blocks: Vec<(&TokenRow, Batch)> = held
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            Batch::sample(
+                &s.ids,
+                &s.mask,
+                p.anchors as usize,
+                block,
+                mask_token,
+                gamma,
+                mix(seed, i as u64, 2),
+            )
+            .map(|b| (s, b))
+        })
+        .collect();
+    let evaluate = || -> Result<Option<StepMetrics>, StageError> {
+        let weight: f64 = held_blocks.iter().map(|(_, b)| b.weight()).sum();
+        if weight <= 0.0 {
+            return Ok(None);
+        }
+        let mut m = StepMetrics::default();
+        for micro in held_blocks.chunks(stack) {
+            // Forward only: the loss tensor and its graph are dropped unused.
+            m.add(&forward(micro, weight)?.1);
+        }
+        Ok(Some(m))
+    };
+    let eval_start = if start == 0 { evaluate()? } else { None };
+    let mut last_eval: Option<StepMetrics> = None;
     for step in start..total {
         if ctx.cancel.is_cancelled() {
             return Err(StageError::cancelled());
@@ -259,37 +331,9 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         let weight: f64 = batches.iter().map(|(_, b)| b.weight()).sum();
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut m = StepMetrics::default();
-        // On a GPU a micro-batch (`batch_size` sequences) is one pass: the target's and the
-        // drafter's rows stacked, so every matmul, norm and MLP launches once for all of them (a
-        // small target's and a drafter's step are bound by kernel launches); attention stays
-        // per sequence. On CPU each sequence is its own pass, as before: stacking saves little
-        // there, and a matmul over more rows may round differently, which would change CPU
-        // training's bytes.
-        let stack = if device.is_cuda() {
-            p.batch_size.max(1) as usize
-        } else {
-            1
-        };
         if weight > 0.0 {
             for micro in batches.chunks(stack) {
-                let ids: Vec<&[u32]> = micro.iter().map(|(s, _)| s.ids.as_slice()).collect();
-                // The step computes in the context's dtype: bf16 on a GPU (tensor cores, flash
-                // attention), f32 on CPU; the drafter's weights stay f32 either way (the master
-                // copy AdamW updates).
-                let context = target
-                    .tapped_stacked(&ids, &taps)
-                    .and_then(|c| c.to_dtype(compute))
-                    .map_err(nn("target forward"))?;
-                let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
-                let (loss, sm) = objective::loss_packed(
-                    &drafter,
-                    &embed,
-                    &target.lm_head,
-                    &context,
-                    &packed,
-                    weight,
-                )
-                .map_err(nn("drafter forward"))?;
+                let (loss, sm) = forward(micro, weight)?;
                 let g = loss.backward().map_err(nn("backward"))?;
                 for (name, t) in drafter.gradients(&g) {
                     let sum = match grads.remove(&name) {
@@ -305,16 +349,22 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         let norm = adam
             .step(&drafter.vars, &grads, lr, clip)
             .map_err(nn("optimizer step"))?;
-        let line = json!({"step": step + 1, "lr": lr, "loss": m.loss, "grad_norm": norm,
+        let s1 = step + 1;
+        let mut line = json!({"step": s1, "lr": lr, "loss": m.loss, "grad_norm": norm,
             "accuracy": m.accuracy(), "tau": m.tau(), "sequences": batches.len()});
+        if (s1 % eval_every == 0 || s1 == total)
+            && let Some(e) = evaluate()?
+        {
+            line["eval"] = eval_json(&e, held_blocks.len());
+            last_eval = Some(e);
+        }
         since_ckpt.push(line.to_string());
         ctx.progress.set(
-            step + 1,
+            s1,
             Some(total),
             &format!("loss {:.3} tau {:.2}", m.loss, m.tau()),
         );
         last = m;
-        let s1 = step + 1;
         if s1 % p.checkpoint_every.max(1) == 0 && s1 < total {
             checkpoint(ctx, &drafter, &adam, s1, &since_ckpt)?;
             metrics_lines.append(&mut since_ckpt);
@@ -354,13 +404,37 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     stats.insert("final_loss".into(), json!(last.loss));
     stats.insert("final_accuracy".into(), json!(last.accuracy()));
     stats.insert("final_tau".into(), json!(last.tau()));
+    // Held out: at the start (a fresh run) and after the last step, on the same blocks.
+    if total == 0 {
+        last_eval.clone_from(&eval_start);
+    }
+    if !held_blocks.is_empty() {
+        let at = |m: &Option<StepMetrics>| m.as_ref().map(|m| eval_json(m, held_blocks.len()));
+        stats.insert(
+            "eval".into(),
+            json!({"start": at(&eval_start), "end": at(&last_eval)}),
+        );
+    }
     let mut summary = String::new();
     let _ = write!(
         summary,
-        "{total} steps over {n} sequences; loss {} -> {:.3}; tau {:.2} (drafter {} parameters, taps {taps:?})",
+        "{total} steps over {n} sequences; loss {} -> {:.3}; tau {:.2}",
         first_loss.map_or_else(|| "?".into(), |l| format!("{l:.3}")),
         last.loss,
         last.tau(),
+    );
+    if let Some(e) = &last_eval {
+        let _ = write!(
+            summary,
+            "; held out ({} sequences): loss {:.3}, tau {:.2}",
+            held_blocks.len(),
+            e.loss,
+            e.tau()
+        );
+    }
+    let _ = write!(
+        summary,
+        " (drafter {} parameters, taps {taps:?})",
         config.parameters()
     );
     Ok(StageOutput {
