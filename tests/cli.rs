@@ -280,6 +280,22 @@ fn only_runs_the_stage_and_what_it_needs() {
         .map(|s| s["status"].as_str().unwrap())
         .collect();
     assert_eq!(st, ["ran", "ran", "skipped", "skipped"]);
+    // Not "an upstream stage failed": nothing failed, they were not asked for.
+    for s in &v["stages"].as_array().unwrap()[2..] {
+        let why = s["error"].as_str().unwrap();
+        assert!(why.starts_with("not asked for"), "{why}");
+    }
+    assert!(out.status.success());
+    // Two stages below the selection (c waits on b, which was not asked for either).
+    let out = env.dflash(&["run", "p.yaml", "--only", "a", "--json"]);
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let c = &v["stages"].as_array().unwrap()[2];
+    assert_eq!(c["id"], "c");
+    assert!(
+        c["error"].as_str().unwrap().starts_with("not asked for"),
+        "{c}"
+    );
     assert_eq!(
         env.dflash(&["run", "p.yaml", "--only", "nope"])
             .status

@@ -302,7 +302,13 @@ pub async fn execute(
             let Some(i) = ready.pop_front() else { break };
             let spec = &pipeline.stages[i];
             if !selected[i] {
-                finish(i, skipped(spec, None), None, &mut results, reporter);
+                finish(
+                    i,
+                    skipped(spec, Some(NOT_ASKED)),
+                    None,
+                    &mut results,
+                    reporter,
+                );
                 continue;
             }
             if let Some(result) = doomed[i].take() {
@@ -392,7 +398,11 @@ pub async fn execute(
     for (i, r) in results.into_iter().enumerate() {
         let r = r.unwrap_or_else(|| {
             let spec = &pipeline.stages[i];
-            let why = if cancelled {
+            // Downstream of a stage `--only` left out is left out too (the selection is closed
+            // upstream), and never became ready: say so, not that something failed.
+            let why = if !selected[i] {
+                NOT_ASKED
+            } else if cancelled {
                 "cancelled"
             } else {
                 "an upstream stage failed"
@@ -473,6 +483,9 @@ async fn check_against(shared: &Shared, d: usize, u: usize, key: &Key) -> Option
 }
 
 /// The result of a stage that did not run.
+/// Why a stage `--only` did not select was skipped.
+const NOT_ASKED: &str = "not asked for (`--only` runs the stages it names and what they need)";
+
 fn skipped(spec: &StageSpec, why: Option<&str>) -> StageResult {
     StageResult {
         id: spec.id.clone(),
