@@ -135,6 +135,41 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
         start < 0.8 * first,
         "continued at {start}, fresh at {first}, ended at {last}"
     );
+    // A DFlash drafter starts a DFlash 2 one: the shared tensors carried over, the convolutions
+    // and the selector at their identity start, so it too begins where the first run ended.
+    env.write(
+        "up.yaml",
+        &cont.replace("max_steps: 10}", "max_steps: 10, head: dflash2}"),
+    );
+    let (st, _) = env.run("up.yaml", 0);
+    assert_eq!(st["drafter"], "ran");
+    let up = exported_from(&env, "up.yaml", "drafter", "up");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(up.join("drafter/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["architectures"][0], "DFlash2DraftModel");
+    // Its loss adds the selector's, so compare what decoding sees: the acceptance length.
+    let tau_start = |dir: &std::path::Path| {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .take(5)
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["tau"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .sum::<f64>()
+            / 5.0
+    };
+    let (fresh, continued, upgraded) = (tau_start(&dir), tau_start(&again), tau_start(&up));
+    eprintln!(
+        "tau over the first 5 steps: fresh {fresh}, continued {continued}, DFlash 2 from it {upgraded}"
+    );
+    assert!(
+        upgraded > fresh + 0.5 * (continued - fresh),
+        "DFlash 2 from the DFlash drafter: tau {upgraded}; fresh {fresh}, continued {continued}"
+    );
     // A drafter of another shape is refused before anything runs, naming the param.
     let err = plan_refuses(
         &env,

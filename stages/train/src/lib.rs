@@ -222,11 +222,16 @@ fn init_issues(
         format!("mask token {}", params["mask_token_id"]),
         format!("mask token {}", config.mask_token_id),
     );
-    check(
-        "head",
-        describe_head(dflash2.as_ref()),
-        describe_head(config.dflash2.as_ref()),
-    );
+    // A DFlash drafter may start a DFlash 2 one: its tensors are the shared ones, the
+    // convolutions and the selector start where a fresh DFlash 2 drafter does (the identity),
+    // so it begins decoding as the DFlash drafter did.
+    if !(dflash2.is_some() && config.dflash2.is_none()) {
+        check(
+            "head",
+            describe_head(dflash2.as_ref()),
+            describe_head(config.dflash2.as_ref()),
+        );
+    }
     check(
         "target",
         format!("hidden size {}", shape.hidden),
@@ -303,7 +308,7 @@ impl StageKind for TrainKind {
             Param::new("mask_token_id", int(), "the mask token's id: a token the data never uses, below the target's vocabulary size (Qwen3: 151669)").required().at_least(0.0),
             Param::new("head", ParamType::Enum(&["dflash", "dflash2"]), "the drafter: `dflash`, or `dflash2` (DFlash 2: grouped dynamic causal convolutions around each layer's attention and MLP, and a candidate selector; exported as `DFlash2DraftModel`)").default("dflash"),
             Param::new("dflash2", ParamType::Map(Box::new(int())), "DFlash 2's settings, with `head: dflash2`: `conv_kernel_size` (4), `conv_group_size` (64, or the largest divisor of the hidden size below it), `selector_rank` (64), `selector_top_k` (8)").default(json!({})),
-            Param::new("init", ParamType::Str, "start from this drafter instead of a random one: a `drafter/` folder in the reference layout (config.json + model.safetensors: dflash's export, or a published DFlash drafter), of the shape these params give; pinned by content").content(),
+            Param::new("init", ParamType::Str, "start from this drafter instead of a random one: a `drafter/` folder in the reference layout (config.json + model.safetensors: dflash's export, or a published DFlash drafter), of the shape these params give (a DFlash drafter may start a `head: dflash2` one: its DFlash 2 tensors start as a fresh one's); pinned by content").content(),
             Param::new("anchors", int(), "blocks sampled per sequence, among positions whose next token is trained on").default(512).at_least(1.0),
             Param::new("gamma", float(), "loss weight decay over block positions, exp(-(k-1)/gamma) (null: 7 for B=16, 4 for B=8)").above(0.0),
             Param::new("epochs", int(), "passes over the data").default(6).at_least(1.0),

@@ -65,14 +65,24 @@ fn order(seed: u64, n: usize, epoch: u64) -> Vec<usize> {
 const CKPT: &str = "ckpt-";
 
 /// The drafter in the folder `init` (the reference layout), as the f32 weights training
-/// updates; its config must be `config` (the check at plan time says which param differs).
+/// updates; its config must be `config` (the check at plan time says which param differs),
+/// or `config` without DFlash 2: a DFlash drafter starting a DFlash 2 one, whose convolutions
+/// and selector then start as a fresh DFlash 2 drafter's (`seed`), the identity.
 fn start_from(
     init: &std::path::Path,
     config: &DrafterConfig,
+    seed: u64,
     device: &candle_core::Device,
 ) -> Result<Drafter, StageError> {
     let theirs = crate::read_init(init).map_err(StageError::new)?;
-    if &theirs != config {
+    let upgrade = theirs.dflash2.is_none()
+        && config.dflash2.is_some()
+        && theirs
+            == DrafterConfig {
+                dflash2: None,
+                ..config.clone()
+            };
+    if &theirs != config && !upgrade {
         return Err(StageError::new(format!(
             "`init`'s drafter is not the one these params give: it has {} layers, taps {:?}, blocks of {}, hidden size {}",
             theirs.layers, theirs.target_layers, theirs.block_size, theirs.hidden
@@ -96,6 +106,15 @@ fn start_from(
     for f in files {
         for (name, t) in candle_core::safetensors::load(&f, device).map_err(nn("reading `init`"))? {
             tensors.insert(name, t.to_dtype(DType::F32).map_err(nn("reading `init`"))?);
+        }
+    }
+    if upgrade {
+        let fresh = Drafter::init(config.clone(), seed, DType::F32, device)
+            .map_err(nn("initialising DFlash 2's tensors"))?;
+        for (name, var) in &fresh.vars {
+            tensors
+                .entry(name.clone())
+                .or_insert_with(|| var.as_tensor().clone());
         }
     }
     Drafter::from_tensors(config.clone(), &tensors).map_err(nn("`init`"))
@@ -224,7 +243,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
                     if let Ok(mut log) = dflash_stage_api::StageLog::open(ctx.log_path) {
                         log.line(&format!("starting from the drafter in {init}"));
                     }
-                    start_from(&ctx.cwd.join(init), &config, &device)?
+                    start_from(&ctx.cwd.join(init), &config, seed, &device)?
                 }
                 None => Drafter::init(config.clone(), seed, DType::F32, &device)
                     .map_err(nn("initialising the drafter"))?,
