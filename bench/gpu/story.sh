@@ -23,12 +23,13 @@ STASH=/tmp/dflash-story
 STORE=$STASH/store
 cmd=${1:-}
 shift || true
-# The pipeline the story runs: pipelines/smollm2.yaml, starting from the last run's drafter
-# (`init:`) when `pack-inputs` was given one. Written next to the stash (paths in it are
+# The pipeline the story runs: pipelines/smollm2.yaml, both drafters (DFlash and DFlash 2)
+# starting from the last run's drafter (`init:`) when `pack-inputs` was given one. Written next to the stash (paths in it are
 # relative to the repository root, where every command runs); its path is printed.
 story_pipeline() {
     if [ -f $STASH/assets/smollm2-drafter/config.json ]; then
-        sed "s|      draft_layers: 3|      init: .assets/smollm2-drafter\n      draft_layers: 3|" \
+        sed -e "s|      draft_layers: 3|      init: .assets/smollm2-drafter\n      draft_layers: 3|" \
+            -e "s|head: dflash2, draft_layers: 3|head: dflash2, init: .assets/smollm2-drafter, draft_layers: 3|" \
             pipelines/smollm2.yaml > $STASH/smollm2.yaml
     else
         cp pipelines/smollm2.yaml $STASH/smollm2.yaml
@@ -55,6 +56,11 @@ pack-inputs)
     split -n 2 -d .assets/SmolLM2-135M-Instruct.Q4_1.gguf "$pack"/gguf.part-
     mv "$pack"/gguf.part-00 "$pack"/a/ && mv "$pack"/gguf.part-01 "$pack"/b/
     strip -o /tmp/dflash-cuda "$bin" && xz -T2 -6 -c /tmp/dflash-cuda > "$pack"/c/dflash.xz
+    # The kernel checks (`train_probe`, built beside BIN with `--example train_probe`), if built.
+    probe_bin=$(dirname "$bin")/examples/train_probe
+    if [ -x "$probe_bin" ]; then
+        strip -o /tmp/train-probe-cuda "$probe_bin" && xz -T2 -6 -c /tmp/train-probe-cuda > "$pack"/a/train_probe.xz
+    fi
     xz -T2 -6 -c .assets/sharegpt.json > "$pack"/c/sharegpt.json.xz
     cp .assets/HumanEval.jsonl.gz .assets/gsm8k.jsonl .assets/mt-bench.jsonl "$pack"/c/
     cp .whl/*.whl "$pack"/c/ 2>/dev/null || true  # dflash==0.1.0 (the reference), gguf
@@ -81,6 +87,9 @@ setup)
     [ -f $STASH/assets/sharegpt.json ] || xz -dc $STASH/sharegpt.json.xz > $STASH/assets/sharegpt.json
     cp -n $STASH/HumanEval.jsonl.gz $STASH/gsm8k.jsonl $STASH/mt-bench.jsonl $STASH/assets/
     [ -x $STASH/dflash ] || { xz -dc $STASH/dflash.xz > $STASH/dflash && chmod +x $STASH/dflash; }
+    if [ -f $STASH/train_probe.xz ] && [ ! -x $STASH/train_probe ]; then
+        xz -dc $STASH/train_probe.xz > $STASH/train_probe && chmod +x $STASH/train_probe
+    fi
     # The reference package and gguf, into the stash (a plain `pip install` there left `gguf`
     # unimportable once); `reference` puts them on PYTHONPATH.
     ls $STASH/*.whl >/dev/null 2>&1 && pip install -q --no-deps --target $STASH/site $STASH/*.whl || true
@@ -181,6 +190,12 @@ dflash)
     cuda_env
     $STASH/dflash "$@"
     ;;
+probe)
+    # There: `train_probe ARGS` (the fused kernels against the CPU: `probe fused`; a step's
+    # time: `probe speed --preset smollm2 --head dflash2 ...`).
+    cuda_env
+    $STASH/train_probe "$@"
+    ;;
 bring-back)
     # There: the store's small files (manifests, run records, shard lists, metrics, results),
     # the drafter and the bench artifact exported, the run's report, under $OUT in 15 MiB pieces.
@@ -198,7 +213,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS | dflash ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac

@@ -1,7 +1,8 @@
 //! One online training step of the DFlash drafter, measured — the numbers behind issue 7.
 //!
-//! `train_probe speed [--preset qwen3-8b|small] [--seq 3072] [--anchors 512] [--block 16]
-//! [--layers 5] [--steps 4] [--dtype bf16|f32] [--master f32|bf16]`: a target with random weights at the preset's
+//! `train_probe speed [--preset qwen3-8b|smollm2|small] [--seq 3072] [--anchors 512] [--block 16]
+//! [--layers 5] [--steps 4] [--dtype bf16|f32] [--master f32|bf16] [--head dflash|dflash2]`: a
+//! target with random weights at the preset's
 //! shape, a drafter, one random sequence; prints one JSON line per step with the target
 //! forward, the drafter's forward + backward and the AdamW update timed apart (the device is
 //! synchronised between them), then a summary line.
@@ -46,6 +47,22 @@ fn arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> T {
 
 fn preset(name: &str) -> TargetConfig {
     match name {
+        // The story's target, SmolLM2-135M-Instruct.
+        "smollm2" => TargetConfig {
+            family: "llama".into(),
+            hidden: 576,
+            layers: 30,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            ffn: 1536,
+            vocab: 49_152,
+            eps: 1e-5,
+            rope_theta: 100_000.0,
+            qk_norm: false,
+            context: 8192,
+            hybrid: None,
+        },
         "qwen3-8b" => TargetConfig {
             family: "qwen3".into(),
             hidden: 4096,
@@ -156,7 +173,11 @@ fn speed(args: &[String]) -> Result<()> {
         .into_iter()
         .map(|l| l as usize)
         .collect();
-    let config = DrafterConfig::for_target(&tc, layers, taps, block, tc.vocab as u32 - 1);
+    let mut config = DrafterConfig::for_target(&tc, layers, taps, block, tc.vocab as u32 - 1);
+    // `--head dflash2`: DFlash 2's convolutions and selector at their defaults.
+    if arg(args, "--head", "dflash".to_owned()) == "dflash2" {
+        config.dflash2 = Some(dflash_model::Dflash2Config::for_hidden(tc.hidden));
+    }
     // The drafter's trainable weights: f32 by default, as the train stage keeps them (the step
     // computes in `dtype`, the casts are part of the graph); `--master bf16` trains bf16 weights
     // directly, as bench/train_reference.py's PyTorch step does.
@@ -173,7 +194,8 @@ fn speed(args: &[String]) -> Result<()> {
         serde_json::json!({"phase": "init", "seconds": t0.elapsed().as_secs_f64(),
             "device": format!("{device:?}"), "dtype": format!("{dtype:?}"),
             "master_weights": format!("{master:?}"),
-            "drafter_parameters": config.parameters(), "seq": seq, "anchors": anchors,
+            "drafter_parameters": config.parameters(), "head": if config.dflash2.is_some() { "dflash2" } else { "dflash" },
+            "seq": seq, "anchors": anchors,
             "block": block})
     );
     let embed = |t: &Tensor| target.embed(t);
@@ -398,6 +420,22 @@ fn fused(_args: &[String]) -> Result<()> {
             "{}",
             serde_json::json!({"phase": "fused", "check": "adamw_3_steps", "dtype": format!("{dtype:?}"),
                 "device": format!("{device:?}"), "max_abs_diff": worst(&p, &reference)?})
+        );
+    }
+    // Top-k (DFlash 2's candidates over a SmolLM2-sized vocabulary): the device's picks against
+    // the CPU's on the same values, rows whose k indices differ in any place.
+    let logits = (init.normal(&[300, 49_152], 1.0, DType::F32, &cpu)? * 3.0)?;
+    for dtype in [DType::F32, DType::BF16] {
+        let x = logits.to_dtype(dtype)?;
+        let want: Vec<Vec<u32>> = fused::top_k(&x, 8)?.to_vec2()?;
+        let got: Vec<Vec<u32>> = fused::top_k(&x.to_device(&device)?, 8)?
+            .to_device(&cpu)?
+            .to_vec2()?;
+        let differ = want.iter().zip(&got).filter(|(a, b)| a != b).count();
+        println!(
+            "{}",
+            serde_json::json!({"phase": "fused", "check": "top_k_8", "dtype": format!("{dtype:?}"),
+                "device": format!("{device:?}"), "rows": want.len(), "rows_differing": differ})
         );
     }
     Ok(())

@@ -109,6 +109,10 @@ pub fn dynamic_kernels(
 /// Each row's `k` largest logits' token ids `[n, k]`, largest first (detached: the candidates
 /// are a discrete choice).
 pub fn top_k(logits: &Tensor, k: usize) -> Result<Tensor> {
+    // One pass, fused (the same indices in the same order as the argmaxes below).
+    if k <= super::fused::TOP_K_MAX && k <= logits.dim(D::Minus1)? {
+        return super::fused::top_k(&logits.detach(), k);
+    }
     // In the logits' own dtype: a training step's logits are rows x vocabulary (gigabytes), and
     // each pass below makes one copy.
     let mut l = logits.detach();
@@ -123,12 +127,26 @@ pub fn top_k(logits: &Tensor, k: usize) -> Result<Tensor> {
     Tensor::cat(&picked, 1)
 }
 
+/// The drafter's logits of `candidates` `[n, k]` at rows whose final hidden states are `hidden`
+/// `[n, H]`: each the hidden state times the candidate's LM-head row. Equal to gathering them
+/// from the `[n, vocab]` logits, but its gradient reaches `hidden` through `[n, k, H]`, not
+/// through a `[n, vocab]` buffer that is zeros but for k entries a row.
+pub fn candidate_logits(hidden: &Tensor, lm_head: &Tensor, candidates: &Tensor) -> Result<Tensor> {
+    let (n, k) = candidates.dims2()?;
+    let h = hidden.dim(1)?;
+    let rows = lm_head
+        .to_dtype(hidden.dtype())?
+        .index_select(&candidates.flatten_all()?, 0)?
+        .reshape((n, k, h))?;
+    rows.matmul(&hidden.unsqueeze(2)?)?.squeeze(2)
+}
+
 /// The selector's scores `[n, k]` of `candidates` `[n, k]` at rows whose final hidden states are
-/// `hidden` `[n, H]`, after `predecessors` `[n]`: the drafter's logits of the candidates plus
-/// the bilinear term.
+/// `hidden` `[n, H]`, after `predecessors` `[n]`: the drafter's logits of the candidates
+/// (`unary`, `[n, k]`) plus the bilinear term.
 pub fn scores(
     hidden: &Tensor,
-    logits: &Tensor,
+    unary: &Tensor,
     candidates: &Tensor,
     predecessors: &Tensor,
     weights: &dyn Fn(&str) -> Tensor,
@@ -136,7 +154,7 @@ pub fn scores(
     let (n, k) = candidates.dims2()?;
     // Scores in f32 at least (f64 stays f64: the gradient checks).
     let dtype = super::ops::wide(hidden.dtype());
-    let unary = logits.gather(candidates, 1)?.to_dtype(dtype)?;
+    let unary = unary.to_dtype(dtype)?;
     let projected = hidden
         .matmul(&weights(HIDDEN_PROJECTION).to_dtype(hidden.dtype())?.t()?)?
         .to_dtype(dtype)?;

@@ -257,6 +257,7 @@ pub fn loss_packed(
                 drafter,
                 &hidden,
                 &logits,
+                lm_head,
                 &predecessors,
                 &labels,
                 &weights,
@@ -301,6 +302,7 @@ fn selector_loss(
     drafter: &Drafter,
     hidden: &Tensor,
     logits: &Tensor,
+    lm_head: &Tensor,
     predecessors: &[u32],
     labels: &[u32],
     weights: &[f32],
@@ -309,7 +311,8 @@ fn selector_loss(
     let device = hidden.device();
     let candidates = super::dflash2::top_k(logits, k)?;
     let before = Tensor::new(predecessors, device)?;
-    let scores = super::dflash2::scores(hidden, logits, &candidates, &before, &|n| {
+    let unary = super::dflash2::candidate_logits(hidden, lm_head, &candidates)?;
+    let scores = super::dflash2::scores(hidden, &unary, &candidates, &before, &|n| {
         drafter.w(n).clone()
     })?;
     let host: Vec<Vec<u32>> = candidates.to_vec2()?;

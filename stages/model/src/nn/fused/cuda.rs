@@ -352,6 +352,26 @@ pub fn prepare(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
+/// The `k` largest entries' indices (u32) of each row of `z`, largest first.
+pub fn top_k(z: Arg<'_>, k: usize) -> Result<CudaStorage> {
+    by_type!(z.0.dtype(), "top-k", |T| {
+        let dev = z.0.device();
+        let (count, n) = rows(z.1);
+        let zs = view::<T>(z)?;
+        let out = fresh::<u32>(dev, count * k)?;
+        let (n32, k32) = (n as u32, k as u32);
+        // One block of 256 threads per row (the kernel's reduction wants a power of two).
+        let cfg = LaunchConfig {
+            grid_dim: (count as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Reads count*n elements, writes count*k indices (k <= n, checked by the caller).
+        launch!(dev, "top_k", T, cfg, [&zs, &out, &n32, &k32]);
+        Ok(stored(dev, out))
+    })
+}
+
 /// SwiGLU's product `silu(g) * u`.
 pub fn swiglu(g: Arg<'_>, u: Arg<'_>) -> Result<CudaStorage> {
     by_type!(g.0.dtype(), "swiglu", |T| {

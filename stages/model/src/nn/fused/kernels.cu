@@ -4,7 +4,7 @@
 // the backward pass: attention's scale + mask + softmax and its gradient, the cross-entropy over
 // the vocabulary and its gradient, RMSNorm and its input and weight gradients, the rotary
 // embedding (its gradient is the inverse rotation), SwiGLU's gate and its gradients, the AdamW
-// update and the gradients' squared norm. Rows are reduced by one thread block each; arithmetic
+// update and the gradients' squared norm, and the top-k indices of each row (DFlash 2). Rows are reduced by one thread block each; arithmetic
 // is in f32 whatever the storage type.
 
 #include <cuda_bf16.h>
@@ -234,6 +234,54 @@ __device__ void rms_norm_dw(const T* x, const T* dy, const float* r, float* part
     partial[(size_t)blockIdx.y * n + j] = acc;
 }
 
+// Whether (a, i) ranks before (b, j): larger first, the lower index among equals.
+__device__ __forceinline__ bool ranks_before(float a, uint32_t i, float b, uint32_t j) {
+    return a > b || (a == b && i < j);
+}
+
+#define TOP_K_MAX 32
+
+// The k largest entries' indices of each row of length n (one block per row), largest first,
+// equal values in index order. Each thread keeps the best k of its strided slice, sorted (it
+// scans up the indices, so an equal value never displaces one it holds); then k rounds each
+// take the best of the threads' heads by a shared-memory reduction, and its thread moves on.
+// Assumes k <= TOP_K_MAX, k <= n and blockDim.x a power of two up to 1024.
+template <typename T>
+__device__ void top_k(const T* logits, uint32_t* out, uint32_t n, uint32_t k) {
+    __shared__ float sv[1024];
+    __shared__ uint32_t si[1024];
+    size_t row = blockIdx.x;
+    const T* z = logits + row * n;
+    float v[TOP_K_MAX];
+    uint32_t ix[TOP_K_MAX];
+    for (uint32_t i = 0; i < k; i++) { v[i] = -INFINITY; ix[i] = 0xffffffffu; }
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+        float x = load(z, j);
+        if (x != x || !ranks_before(x, j, v[k - 1], ix[k - 1])) continue;
+        uint32_t p = k - 1;
+        while (p > 0 && ranks_before(x, j, v[p - 1], ix[p - 1])) { v[p] = v[p - 1]; ix[p] = ix[p - 1]; p--; }
+        v[p] = x;
+        ix[p] = j;
+    }
+    uint32_t head = 0;
+    for (uint32_t r = 0; r < k; r++) {
+        sv[threadIdx.x] = head < k ? v[head] : -INFINITY;
+        si[threadIdx.x] = head < k ? ix[head] : 0xffffffffu;
+        __syncthreads();
+        for (uint32_t s = blockDim.x >> 1; s > 0; s >>= 1) {
+            if (threadIdx.x < s && ranks_before(sv[threadIdx.x + s], si[threadIdx.x + s], sv[threadIdx.x], si[threadIdx.x])) {
+                sv[threadIdx.x] = sv[threadIdx.x + s];
+                si[threadIdx.x] = si[threadIdx.x + s];
+            }
+            __syncthreads();
+        }
+        uint32_t won = si[0];
+        if (threadIdx.x == 0) out[row * k + r] = won;
+        if (head < k && ix[head] == won) head++;
+        __syncthreads();  // `sv` and `si` are rewritten by the next round
+    }
+}
+
 }  // namespace
 
 #define FOR_TYPES(X) X(f32, float) X(bf16, __nv_bfloat16)
@@ -290,6 +338,9 @@ __device__ void rms_norm_dw(const T* x, const T* dy, const float* r, float* part
     extern "C" __global__ void rms_norm_dw_##NAME(const T* x, const T* dy, const float* r, float* part, \
                                                   uint32_t rows, uint32_t n, uint32_t per_chunk) {     \
         rms_norm_dw(x, dy, r, part, rows, n, per_chunk);                                               \
+    }                                                                                                  \
+    extern "C" __global__ void top_k_##NAME(const T* z, uint32_t* out, uint32_t n, uint32_t k) {       \
+        top_k(z, out, n, k);                                                                           \
     }
 
 FOR_TYPES(KERNELS)

@@ -21,6 +21,7 @@
 //! | `MaskedSoftmax` (`softmax.rs`) | `softmax(scores * scale + mask)` | yes | `masked_softmax` | `SoftmaxGrad` |
 //! | `Swiglu` (`swiglu.rs`) | `silu(g) * u` | yes | `swiglu` | `SwigluGrad` (gate, up) |
 //! | `SumSquares`, `Moment`, `AdamStep` (`adamw.rs`) | gradient norm, AdamW in place | yes | `sum_squares`, `moment`, `adam_apply` | none |
+//! | `TopK` (`topk.rs`) | the `k` largest entries' indices per row (DFlash 2's candidates) | yes | `top_k` | none (indices) |
 //! | flash attention ([`flash`]) | causal and block attention | no (composed ops) | `flash.cu`, bf16 | its own kernels |
 //! | `AttentionNode`, `LinearNode` (`nodes.rs`) | untracked forward, written-out backward | yes | yes | written out |
 //!
@@ -254,6 +255,7 @@ mod softmax;
 mod swiglu;
 #[cfg(test)]
 mod tests;
+mod topk;
 
 pub use adamw::{AdamStep, adamw_update, sum_squares};
 
@@ -274,3 +276,4 @@ pub(crate) use nodes::{Saved, attention_node};
 pub use norm::{rms_norm, rope};
 pub use softmax::{masked_softmax, softmax_grad};
 pub use swiglu::swiglu;
+pub use topk::{MAX_K as TOP_K_MAX, top_k};

@@ -261,3 +261,44 @@ fn swiglu_and_its_gradients_match_the_composed_ops() {
         assert!(max_diff(p, q) < 1e-12, "{p} vs {q}");
     }
 }
+
+/// k argmaxes, each pick masked before the next: what the fused top-k replaced.
+fn repeated_argmax(x: &Tensor, k: usize) -> Vec<Vec<u32>> {
+    let mut l = x.clone();
+    let n = l.dim(0).unwrap();
+    let floor = Tensor::full(f64::NEG_INFINITY, (n, 1), &Device::Cpu)
+        .unwrap()
+        .to_dtype(l.dtype())
+        .unwrap();
+    let mut picked = vec![Vec::new(); n];
+    for _ in 0..k {
+        let idx = l.argmax_keepdim(D::Minus1).unwrap();
+        for (row, i) in picked.iter_mut().zip(idx.to_vec2::<u32>().unwrap()) {
+            row.push(i[0]);
+        }
+        l = l.scatter(&idx, &floor, 1).unwrap();
+    }
+    picked
+}
+
+#[test]
+fn top_k_equals_repeated_argmaxes_ties_included() {
+    // Rows of many equal values (rounded to quarters), -inf entries, and one row with fewer
+    // distinct values than k; in every float dtype the fused op takes.
+    let mut x = (randn(&[9, 3001], 11) * 2.0).unwrap().round().unwrap();
+    x = (x / 4.0).unwrap();
+    let mut v: Vec<Vec<f64>> = x.to_vec2().unwrap();
+    v[3].iter_mut()
+        .step_by(3)
+        .for_each(|e| *e = f64::NEG_INFINITY);
+    v[5] = (0..3001).map(|i| f64::from(i % 2)).collect();
+    let x = Tensor::new(v, &Device::Cpu).unwrap();
+    for dtype in [DType::F64, DType::F32, DType::BF16, DType::F16] {
+        let x = x.to_dtype(dtype).unwrap();
+        for k in [1, 8, 32] {
+            let got: Vec<Vec<u32>> = top_k(&x, k).unwrap().to_vec2().unwrap();
+            assert_eq!(got, repeated_argmax(&x, k), "{dtype:?}, k = {k}");
+        }
+    }
+    assert!(top_k(&x, 33).is_err() && top_k(&x, 0).is_err());
+}
