@@ -23,7 +23,8 @@ stages:
     params: {by: source, weights: {code: 0.5, chat: 0.5}, total: 20, seed: 0}
   tokens:
     kind: command
-    params: {run: "cp train-00000.arrow $DFLASH_OUT/", files: [train-00000.arrow]}
+    params: {run: "cp train-00000.arrow eval-00000.arrow $DFLASH_OUT/",
+             files: [train-00000.arrow, eval-00000.arrow]}
   drafter:
     kind: train
     inputs: [tokens]
@@ -49,7 +50,10 @@ fn inputs(env: &Env) {
         )
         .unwrap();
     }
-    support::tiny_model(env.path(), &["tiny.gguf", "train-00000.arrow", "10", "24"]);
+    support::tiny_model(
+        env.path(),
+        &["tiny.gguf", "train-00000.arrow", "10", "24", "--held", "3"],
+    );
 }
 
 #[test]
@@ -68,6 +72,8 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
     for want in [
         "class=\"dag\"",
         "training loss per optimizer step",
+        // The held-out sequences' loss beside training's, with a legend naming both.
+        ">held out</text>",
         "share of rows by source",
         "tau (tokens committed per verification round)",
         "id=\"stage-broken\"",

@@ -237,7 +237,7 @@ fn stage_section(h: &mut String, v: &StageView) {
             if v.eval_loss.is_empty() {
                 h.push_str("<p>training loss per optimizer step</p>");
             } else {
-                h.push_str("<p>training loss per optimizer step, and the loss on the held-out sequences (the `eval` split) where it was measured</p>");
+                h.push_str("<p>training loss per optimizer step, and the loss on the held-out sequences (the <code>eval</code> split) where it was measured</p>");
             }
             h.push_str(&charts::lines(
                 &[("training", &v.loss), ("held out", &v.eval_loss)],
