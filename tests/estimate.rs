@@ -287,3 +287,46 @@ fn a_hybrid_target_is_sized_with_its_fixed_state() {
         "{kept}"
     );
 }
+
+/// Two trainings of one tokenized set: the runtime runs GPU stages one at a time, so the
+/// estimate's wall-clock holds both, one after the other, and its critical path goes through
+/// both; their GPU-hours are each their own.
+#[test]
+fn stages_on_the_gpu_follow_each_other_in_the_wall_clock() {
+    let env = story();
+    let one = json(
+        &env,
+        &["story.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+    );
+    env.write(
+        "two.yaml",
+        &(std::fs::read_to_string(env.path().join("story.yaml")).unwrap()
+            + "  other:\n    kind: train\n    inputs: [tokens]\n    params: {target: target-27b, draft_layers: 5, taps: 5, epochs: 6, mask_token_id: 151669, seed: 1}\n"),
+    );
+    let two = json(
+        &env,
+        &["two.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+    );
+    let train = stage(&two, "other")["wall_hours"].as_f64().unwrap();
+    assert!(
+        (stage(&two, "drafter")["wall_hours"].as_f64().unwrap() / train - 1.0).abs() < 1e-9,
+        "the same training sized differently"
+    );
+    let (w1, w2) = (
+        one["totals"]["wall_hours"].as_f64().unwrap(),
+        two["totals"]["wall_hours"].as_f64().unwrap(),
+    );
+    assert!(
+        (w2 - (w1 + train)).abs() < 1e-9 * w2,
+        "one training's wall-clock {w1} h, two {w2} h, a training {train} h"
+    );
+    let path: Vec<&str> = two["critical_path"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap())
+        .collect();
+    let mut last = path[path.len() - 2..].to_vec();
+    last.sort_unstable();
+    assert_eq!(last, ["drafter", "other"], "{path:?}");
+}

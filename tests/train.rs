@@ -258,6 +258,35 @@ fn held_out_sequences_are_scored_as_training_goes_and_leave_it_unchanged() {
     assert!(weights[0] == weights[1], "scoring changed the drafter");
 }
 
+/// Two trainings ready at once run one after the other, however many jobs the run allows: they
+/// would share one GPU's memory (two trainings of a large target do not fit) and its time.
+#[test]
+fn stages_on_the_accelerator_take_turns() {
+    let env = Env::new();
+    tiny(&env);
+    let second = "  other:\n    kind: train\n    inputs: [tokens]\n    params: {target: tiny.gguf, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 63,\n             target_layers: [0, 2], epochs: 2, seed: 1}\n";
+    env.write(
+        "two.yaml",
+        &format!("{}{second}", PIPELINE.replace("epochs: 6", "epochs: 2")),
+    );
+    let o = env.dflash(&["run", "two.yaml", "--json", "-j", "4"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let span = |stage: &str| {
+        let lineage = &env.show(stage, "two.yaml")["lineage"];
+        let started = humantime::parse_rfc3339(lineage["started"].as_str().unwrap()).unwrap();
+        let from = started
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        (from, from + lineage["seconds"].as_f64().unwrap())
+    };
+    let (a, b) = (span("drafter"), span("other"));
+    assert!(
+        a.1 <= b.0 || b.1 <= a.0,
+        "the trainings overlapped: {a:?} and {b:?}"
+    );
+}
+
 #[test]
 fn kill_9_after_a_checkpoint_then_rerun_ends_exactly_as_an_unstopped_run() {
     let straight = Env::new();

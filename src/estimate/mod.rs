@@ -297,17 +297,33 @@ pub async fn estimate(
         .map(|&i| out[i].clone().expect("sized"))
         .collect();
 
-    // The critical path: the longest chain of wall-clock through the DAG.
+    // The critical path: the longest chain of wall-clock through the DAG, where GPU stages
+    // also wait for each other (the runtime runs one at a time: `StageKind::uses_accelerator`),
+    // so a GPU stage may follow the one before it on the GPU rather than an input.
     let mut finish = vec![0.0f64; n];
     let mut via: Vec<Option<usize>> = vec![None; n];
+    let mut gpu_free: (f64, Option<usize>) = (0.0, None);
     for &i in &graph.order {
         let own = out[i].as_ref().and_then(|s| s.wall_hours).unwrap_or(0.0);
-        let (start, from) = graph.inputs[i]
+        let spec = &pipeline.stages[i];
+        let on_gpu = out[i]
+            .as_ref()
+            .is_some_and(|s| matches!(s.resource, Resource::Gpu) && s.state != "done")
+            && registry
+                .get(&spec.kind)
+                .is_some_and(|k| k.uses_accelerator(&spec.params));
+        let (mut start, mut from) = graph.inputs[i]
             .iter()
             .map(|&u| (finish[u], Some(u)))
             .fold((0.0, None), |a, b| if b.0 > a.0 { b } else { a });
+        if on_gpu && gpu_free.0 > start {
+            (start, from) = gpu_free;
+        }
         finish[i] = start + own;
         via[i] = from;
+        if on_gpu {
+            gpu_free = (finish[i], Some(i));
+        }
     }
     let mut path = Vec::new();
     let mut at = (0..n).max_by(|&a, &b| finish[a].total_cmp(&finish[b]));

@@ -213,6 +213,9 @@ pub(crate) struct Shared {
     pub hashes: crate::hashcache::HashCache,
     pub cancel: Cancel,
     pub events: mpsc::UnboundedSender<Event>,
+    /// One permit: the stage running on the accelerator now
+    /// ([`dflash_stage_api::StageKind::uses_accelerator`]).
+    pub accelerator: tokio::sync::Semaphore,
 }
 
 /// Run the pipeline; returns the run record (also stored) whatever the stages' outcomes.
@@ -260,6 +263,7 @@ pub async fn execute(
         run_id: run_id.clone(),
         cancel: Cancel::new(),
         events: tx,
+        accelerator: tokio::sync::Semaphore::new(1),
     });
 
     let n = pipeline.stages.len();

@@ -51,6 +51,17 @@ pub(crate) async fn run_stage(
         Ok(None) => {}
         Err(e) => return failed(Some(key), store_err(&e)),
     }
+    // A stage that occupies the accelerator waits for the one running there to finish: two
+    // trainings never share a GPU's memory. It is not "started" until it has it.
+    let kind = shared.registry.get(&spec.kind).expect("validated").clone();
+    let _accelerator = if kind.uses_accelerator(&spec.params) {
+        match shared.accelerator.acquire().await {
+            Ok(permit) => Some(permit),
+            Err(_) => return failed(Some(key), StageError::new("the run is closing")),
+        }
+    } else {
+        None
+    };
     if shared.cancel.is_cancelled() {
         return failed(Some(key), StageError::cancelled());
     }
@@ -103,7 +114,7 @@ pub(crate) async fn run_stage(
             stage: i,
             events: shared.events.clone(),
         };
-        let kind = shared.registry.get(&spec.kind).expect("validated").clone();
+        let kind = kind.clone();
         let pins = fp.pins.clone();
         let (params, cwd, cancel) = (
             spec.params.clone(),

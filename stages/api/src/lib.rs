@@ -66,6 +66,15 @@ pub trait StageKind: Send + Sync {
         Vec::new()
     }
 
+    /// Whether running with these params occupies the machine's accelerator (a GPU, or without
+    /// one all its cores): a training step, in-process generation or decoding. The runtime runs
+    /// one such stage at a time, so two of them never share a GPU's memory (two trainings of a
+    /// large target would not fit) or split its time; the rest run beside them.
+    fn uses_accelerator(&self, params: &serde_json::Value) -> bool {
+        let _ = params;
+        false
+    }
+
     /// Small files of an upstream artifact that [`StageKind::check_input`] reads (e.g.
     /// `tokenize.json`).
     fn input_files(&self) -> &'static [&'static str] {

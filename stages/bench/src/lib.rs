@@ -80,6 +80,11 @@ impl StageKind for BenchKind {
         2
     }
 
+    fn uses_accelerator(&self, params: &serde_json::Value) -> bool {
+        // In process it decodes the target; in endpoint mode the servers do, elsewhere.
+        params["target"].is_string()
+    }
+
     fn summary(&self) -> &'static str {
         "measure drafters by speculative decoding: tau, acceptance per position, tokens/s, speedup"
     }

@@ -75,6 +75,12 @@ impl StageKind for GenerateKind {
         3
     }
 
+    fn uses_accelerator(&self, params: &serde_json::Value) -> bool {
+        // In process (candle), or servers it starts here on this machine's GPUs; running
+        // servers elsewhere (`endpoints`) use none of this machine's.
+        params["backend"] == "candle" || params["launch"].is_object()
+    }
+
     fn summary(&self) -> &'static str {
         "regenerate assistant turns with the target model on OpenAI-compatible servers"
     }

@@ -292,6 +292,10 @@ impl StageKind for TrainKind {
         4
     }
 
+    fn uses_accelerator(&self, _params: &serde_json::Value) -> bool {
+        true
+    }
+
     fn summary(&self) -> &'static str {
         "train a DFlash drafter online against the frozen target (CPU or CUDA; GGUF or Hugging Face targets)"
     }
