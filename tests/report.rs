@@ -74,6 +74,8 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
         "training loss per optimizer step",
         // The held-out sequences' loss beside training's, with a legend naming both.
         ">held out</text>",
+        "accuracy per block position",
+        ">k = 1, held out</text>",
         "share of rows by source",
         "tau (tokens committed per verification round)",
         "id=\"stage-broken\"",

@@ -23,7 +23,14 @@ pub struct StageView {
     pub loss: Vec<(f64, f64)>,
     /// (step, loss on the held-out sequences), where `train` evaluated them.
     pub eval_loss: Vec<(f64, f64)>,
+    /// Per block position k = 1, 2, 3: (step, training accuracy there).
+    pub accuracy: Vec<Vec<(f64, f64)>>,
+    /// (step, held-out accuracy at k = 1), where `train` evaluated.
+    pub eval_accuracy: Vec<(f64, f64)>,
 }
+
+/// The block positions whose accuracy the report draws.
+const ACCURACY_POSITIONS: usize = 3;
 
 /// HTML-escape text for element content and attribute values.
 pub fn esc(s: &str) -> String {
@@ -51,6 +58,8 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
             None => None,
         };
         let (mut loss, mut eval_loss) = (Vec::new(), Vec::new());
+        let mut accuracy = vec![Vec::new(); ACCURACY_POSITIONS];
+        let mut eval_accuracy = Vec::new();
         if let Some(m) = &manifest
             && m.fingerprint.kind == "train"
             && let Some(f) = m.files.iter().find(|f| f.path == "metrics.jsonl")
@@ -69,14 +78,23 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
                 if let Some(l) = v["eval"]["loss"].as_f64() {
                     eval_loss.push((s, l));
                 }
+                for (k, series) in accuracy.iter_mut().enumerate() {
+                    if let Some(a) = v["accuracy"][k].as_f64() {
+                        series.push((s, a));
+                    }
+                }
+                if let Some(a) = v["eval"]["accuracy"][0].as_f64() {
+                    eval_accuracy.push((s, a));
+                }
             }
-            // The held-out loss before the first step is in the stats, not the curve.
-            if let Some(l) = m
-                .stats
-                .get("eval")
-                .and_then(|e| e["start"]["loss"].as_f64())
-            {
-                eval_loss.insert(0, (0.0, l));
+            // The held-out figures before the first step are in the stats, not the curve.
+            if let Some(start) = m.stats.get("eval").map(|e| &e["start"]) {
+                if let Some(l) = start["loss"].as_f64() {
+                    eval_loss.insert(0, (0.0, l));
+                }
+                if let Some(a) = start["accuracy"][0].as_f64() {
+                    eval_accuracy.insert(0, (0.0, a));
+                }
             }
         }
         out.push(StageView {
@@ -84,6 +102,8 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
             manifest,
             loss,
             eval_loss,
+            accuracy,
+            eval_accuracy,
         });
     }
     Ok(out)
@@ -244,6 +264,17 @@ fn stage_section(h: &mut String, v: &StageView) {
                 "step",
                 "loss",
             ));
+            if v.accuracy.iter().any(|a| !a.is_empty()) {
+                h.push_str("<p>accuracy per block position (the drafted token equals the target's), per optimizer step</p>");
+                let names = ["k = 1", "k = 2", "k = 3"];
+                let mut series: Vec<(&str, &[(f64, f64)])> = names
+                    .iter()
+                    .zip(&v.accuracy)
+                    .map(|(n, a)| (*n, a.as_slice()))
+                    .collect();
+                series.push(("k = 1, held out", &v.eval_accuracy));
+                h.push_str(&charts::lines(&series, "step", "accuracy"));
+            }
         }
         "bench" => bench_chart(h, &m.stats),
         _ => {}
