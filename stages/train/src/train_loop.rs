@@ -288,23 +288,24 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         objective::loss_packed(&drafter, &embed, &target.lm_head, &context, &packed, weight)
             .map_err(nn("drafter forward"))
     };
+    // A sequence's blocks, drawn from the random stream `stream`.
+    let sample = |s: &TokenRow, stream: u64| {
+        Batch::sample(
+            &s.ids,
+            &s.mask,
+            p.anchors as usize,
+            block,
+            mask_token,
+            gamma,
+            stream,
+        )
+    };
     // The held-out sequences' blocks are drawn once, from their own stream (not the training
     // data's), so every evaluation scores the same blocks and training's draws are unchanged.
     let held_blocks: Vec<(&TokenRow, Batch)> = held
         .iter()
         .enumerate()
-        .filter_map(|(i, s)| {
-            Batch::sample(
-                &s.ids,
-                &s.mask,
-                p.anchors as usize,
-                block,
-                mask_token,
-                gamma,
-                mix(seed, i as u64, 2),
-            )
-            .map(|b| (s, b))
-        })
+        .filter_map(|(i, s)| sample(s, mix(seed, i as u64, 2)).map(|b| (s, b)))
         .collect();
     let evaluate = || -> Result<Option<StepMetrics>, StageError> {
         let weight: f64 = held_blocks.iter().map(|(_, b)| b.weight()).sum();
@@ -335,15 +336,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
                 epoch_order = Some((epoch, order(seed, n, epoch)));
             }
             let s = &data[epoch_order.as_ref().expect("set").1[g % n]];
-            if let Some(b) = Batch::sample(
-                &s.ids,
-                &s.mask,
-                p.anchors as usize,
-                block,
-                mask_token,
-                gamma,
-                mix(seed, g as u64, 1),
-            ) {
+            if let Some(b) = sample(s, mix(seed, g as u64, 1)) {
                 batches.push((s, b));
             }
         }
