@@ -438,6 +438,42 @@ fn fused(_args: &[String]) -> Result<()> {
                 "device": format!("{device:?}"), "rows": want.len(), "rows_differing": differ})
         );
     }
+    // Rows of a table by index (DFlash 2's codebooks: 200K lookups into 49,152 x 64): value and
+    // gradient on the device against the CPU's, and the time of the lookup with its backward
+    // against candle's `index_select` (whose backward is candle's `index_add`).
+    let table = init.normal(&[49_152, 64], 1.0, DType::F32, &cpu)?;
+    let ids: Vec<u32> = (0..200_000u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 49_152)
+        .collect();
+    let up = init.normal(&[200_000, 64], 1.0, DType::F32, &cpu)?;
+    let gathered = |dev: &Device, fused_op: bool| -> Result<(Tensor, Tensor, f64)> {
+        let t = Var::from_tensor(&table.to_device(dev)?)?;
+        let (i, u) = (Tensor::new(ids.as_slice(), dev)?, up.to_device(dev)?);
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        let y = if fused_op {
+            fused::gather_rows(t.as_tensor(), &i)?
+        } else {
+            t.as_tensor().index_select(&i, 0)?
+        };
+        let g = (&y * &u)?.sum_all()?.backward()?;
+        let dt = g.get(t.as_tensor()).ok_or("no gather gradient")?.clone();
+        dev.synchronize()?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok((y.to_device(&cpu)?, dt.to_device(&cpu)?, ms))
+    };
+    let (y_cpu, g_cpu, _) = gathered(&cpu, true)?;
+    let _ = gathered(&device, true)?; // warm-up (kernel loading)
+    let (y_dev, g_dev, ms) = gathered(&device, true)?;
+    let (_, g_candle, ms_candle) = gathered(&device, false)?;
+    println!(
+        "{}",
+        serde_json::json!({"phase": "fused", "check": "gather_rows", "dtype": "F32",
+            "device": format!("{device:?}"), "max_abs_diff": worst(&y_dev, &y_cpu)?,
+            "grad_max_abs_diff": worst(&g_dev, &g_cpu)?,
+            "candle_grad_max_abs_diff": worst(&g_candle, &g_cpu)?,
+            "ms_with_backward": ms, "ms_index_select_with_backward": ms_candle})
+    );
     Ok(())
 }
 

@@ -159,13 +159,14 @@ pub fn scores(
         .matmul(&weights(HIDDEN_PROJECTION).to_dtype(hidden.dtype())?.t()?)?
         .to_dtype(dtype)?;
     let r = projected.dim(1)?;
-    let before = weights(PREDECESSOR)
-        .to_dtype(dtype)?
-        .index_select(predecessors, 0)?;
-    let after = weights(SUCCESSOR)
-        .to_dtype(dtype)?
-        .index_select(&candidates.flatten_all()?, 0)?
-        .reshape((n, k, r))?;
+    // The codebooks' rows by a fused gather: its backward adds the rows' gradients in
+    // parallel (candle's `index_select` backward walks every index once per column on a GPU).
+    let before = super::fused::gather_rows(&weights(PREDECESSOR).to_dtype(dtype)?, predecessors)?;
+    let after = super::fused::gather_rows(
+        &weights(SUCCESSOR).to_dtype(dtype)?,
+        &candidates.flatten_all()?,
+    )?
+    .reshape((n, k, r))?;
     let query = (before * projected)?.unsqueeze(2)?; // [n, r, 1]
     let pair = after.matmul(&query)?.squeeze(2)?; // [n, k]
     unary + pair

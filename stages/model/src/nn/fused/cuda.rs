@@ -372,6 +372,48 @@ pub fn top_k(z: Arg<'_>, k: usize) -> Result<CudaStorage> {
     })
 }
 
+/// Rows `ids` of `table` `[rows, r]`.
+pub fn gather_rows(table: Arg<'_>, ids: Arg<'_>) -> Result<CudaStorage> {
+    by_type!(table.0.dtype(), "gather-rows", |T| {
+        let dev = table.0.device();
+        let (_, r) = rows(table.1);
+        let n = ids.1.shape().elem_count();
+        let (ts, is) = (view::<T>(table)?, view::<u32>(ids)?);
+        let out = fresh::<T>(dev, n * r)?;
+        let r32 = r as u32;
+        // Reads n ids (checked below the table's rows by the caller) and n*r table elements,
+        // writes n*r.
+        launch!(
+            dev,
+            "gather_rows",
+            T,
+            elementwise(n * r),
+            [&ts, &is, &out, &n, &r32]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
+/// A `[count, r]` table of zeros with each row of `grad` `[n, r]` added at its id.
+pub fn scatter_add_rows(grad: Arg<'_>, ids: Arg<'_>, count: usize) -> Result<CudaStorage> {
+    by_type!(grad.0.dtype(), "scatter-add-rows", |T| {
+        let dev = grad.0.device();
+        let (n, r) = rows(grad.1);
+        let (gs, is) = (view::<T>(grad)?, view::<u32>(ids)?);
+        let out = dev.alloc_zeros::<T>(count * r)?;
+        let r32 = r as u32;
+        // Reads n*r gradients and n ids (< count, as the forward checked), adds into count*r.
+        launch!(
+            dev,
+            "scatter_add_rows",
+            T,
+            elementwise(n * r),
+            [&gs, &is, &out, &n, &r32]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
 /// SwiGLU's product `silu(g) * u`.
 pub fn swiglu(g: Arg<'_>, u: Arg<'_>) -> Result<CudaStorage> {
     by_type!(g.0.dtype(), "swiglu", |T| {

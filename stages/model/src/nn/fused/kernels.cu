@@ -4,7 +4,8 @@
 // the backward pass: attention's scale + mask + softmax and its gradient, the cross-entropy over
 // the vocabulary and its gradient, RMSNorm and its input and weight gradients, the rotary
 // embedding (its gradient is the inverse rotation), SwiGLU's gate and its gradients, the AdamW
-// update and the gradients' squared norm, and the top-k indices of each row (DFlash 2). Rows are reduced by one thread block each; arithmetic
+// update and the gradients' squared norm, the top-k indices of each row and a table's rows by
+// index with their atomic gradient (DFlash 2). Rows are reduced by one thread block each; arithmetic
 // is in f32 whatever the storage type.
 
 #include <cuda_bf16.h>
@@ -282,6 +283,24 @@ __device__ void top_k(const T* logits, uint32_t* out, uint32_t n, uint32_t k) {
     }
 }
 
+// out[j, c] = table[ids[j], c] over n rows of width r.
+template <typename T>
+__device__ void gather_rows(const T* table, const uint32_t* ids, T* out, size_t n, uint32_t r) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n * r; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = table[(size_t)ids[i / r] * r + i % r];
+}
+
+__device__ __forceinline__ void add_at(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void add_at(__nv_bfloat16* p, float v) { atomicAdd(p, __float2bfloat16(v)); }
+
+// table[ids[j], c] += grad[j, c] over n rows of width r, one thread per element (atomics: an
+// index may repeat); `table` starts at zero.
+template <typename T>
+__device__ void scatter_add_rows(const T* grad, const uint32_t* ids, T* table, size_t n, uint32_t r) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n * r; i += (size_t)gridDim.x * blockDim.x)
+        add_at(table + (size_t)ids[i / r] * r + i % r, load(grad, i));
+}
+
 }  // namespace
 
 #define FOR_TYPES(X) X(f32, float) X(bf16, __nv_bfloat16)
@@ -341,6 +360,14 @@ __device__ void top_k(const T* logits, uint32_t* out, uint32_t n, uint32_t k) {
     }                                                                                                  \
     extern "C" __global__ void top_k_##NAME(const T* z, uint32_t* out, uint32_t n, uint32_t k) {       \
         top_k(z, out, n, k);                                                                           \
+    }                                                                                                  \
+    extern "C" __global__ void gather_rows_##NAME(const T* t, const uint32_t* ids, T* out, size_t n,    \
+                                                  uint32_t r) {                                        \
+        gather_rows(t, ids, out, n, r);                                                                \
+    }                                                                                                  \
+    extern "C" __global__ void scatter_add_rows_##NAME(const T* g, const uint32_t* ids, T* t, size_t n, \
+                                                       uint32_t r) {                                   \
+        scatter_add_rows(g, ids, t, n, r);                                                             \
     }
 
 FOR_TYPES(KERNELS)

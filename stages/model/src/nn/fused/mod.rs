@@ -21,6 +21,7 @@
 //! | `MaskedSoftmax` (`softmax.rs`) | `softmax(scores * scale + mask)` | yes | `masked_softmax` | `SoftmaxGrad` |
 //! | `Swiglu` (`swiglu.rs`) | `silu(g) * u` | yes | `swiglu` | `SwigluGrad` (gate, up) |
 //! | `SumSquares`, `Moment`, `AdamStep` (`adamw.rs`) | gradient norm, AdamW in place | yes | `sum_squares`, `moment`, `adam_apply` | none |
+//! | `GatherRows` (`gather.rs`) | rows of a table by index (DFlash 2's codebooks) | yes | `gather_rows` | `ScatterAddRows` (atomic adds) |
 //! | `TopK` (`topk.rs`) | the `k` largest entries' indices per row (DFlash 2's candidates) | yes | `top_k` | none (indices) |
 //! | flash attention ([`flash`]) | causal and block attention | no (composed ops) | `flash.cu`, bf16 | its own kernels |
 //! | `AttentionNode`, `LinearNode` (`nodes.rs`) | untracked forward, written-out backward | yes | yes | written out |
@@ -248,6 +249,7 @@ mod adamw;
 #[allow(unsafe_code)]
 mod cuda;
 pub mod flash;
+mod gather;
 mod loss;
 mod nodes;
 mod norm;
@@ -270,6 +272,7 @@ pub fn prepare_device(device: &candle_core::Device) -> Result<()> {
     let _ = device;
     Ok(())
 }
+pub use gather::gather_rows;
 pub use loss::cross_entropy;
 pub use nodes::linear;
 pub(crate) use nodes::{Saved, attention_node};

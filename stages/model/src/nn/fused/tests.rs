@@ -302,3 +302,28 @@ fn top_k_equals_repeated_argmaxes_ties_included() {
     }
     assert!(top_k(&x, 33).is_err() && top_k(&x, 0).is_err());
 }
+
+#[test]
+fn gathered_rows_and_their_gradient_equal_index_select() {
+    let table = Var::from_tensor(&randn(&[50, 7], 3)).unwrap();
+    // Repeats (row 4 four times), the first and last rows, and an order that is not sorted.
+    let ids = Tensor::new(&[4u32, 0, 49, 4, 17, 4, 3, 4, 17], &Device::Cpu).unwrap();
+    let upstream = randn(&[9, 7], 4);
+    let ours = gather_rows(table.as_tensor(), &ids).unwrap();
+    let theirs = table.as_tensor().index_select(&ids, 0).unwrap();
+    assert_eq!(max_diff(&ours, &theirs), 0.0);
+    let g = |y: &Tensor| {
+        (y * &upstream)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap()
+            .get(table.as_tensor())
+            .unwrap()
+            .clone()
+    };
+    assert!(max_diff(&g(&ours), &g(&theirs)) < 1e-12);
+    let bad = Tensor::new(&[50u32], &Device::Cpu).unwrap();
+    assert!(gather_rows(table.as_tensor(), &bad).is_err());
+}
