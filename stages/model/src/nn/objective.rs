@@ -232,7 +232,9 @@ pub fn loss_packed(
     let rows: Vec<u32> = (0..blocks)
         .flat_map(|j| (1..bs).map(move |k| (j * bs + k) as u32))
         .collect();
-    let hidden = hidden.index_select(&Tensor::new(rows.as_slice(), device)?, 0)?;
+    // A fused gather: its backward adds rows in parallel on a GPU (candle's `index_select`
+    // backward walks every row index once per hidden column there).
+    let hidden = super::fused::gather_rows(&hidden, &Tensor::new(rows.as_slice(), device)?)?;
     // The logits stay in the activations' dtype: the fused cross-entropy widens per element.
     // `linear` gives the frozen LM head no gradient (a plain matmul's backward would).
     let logits = super::fused::linear(&hidden, &lm_head.to_dtype(dtype)?)?;
