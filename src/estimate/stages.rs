@@ -690,7 +690,7 @@ impl Sizer<'_> {
         ));
         if drafter.dflash2.is_some() {
             s.notes.push(format!(
-                "head dflash2: {} of it the convolutions and the candidate selector (its codebooks are vocabulary x rank, twice)",
+                "head dflash2: {} of it the convolutions and the candidate selector (its codebooks are vocabulary x rank, twice); its step is sized as a DFlash one's (no GPU measurement yet; 1.4x on a 2-core CPU at SmolLM2's size)",
                 count(drafter.dflash2_parameters() as f64)
             ));
         }
