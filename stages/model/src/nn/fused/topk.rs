@@ -39,6 +39,8 @@ fused_op! {
 }
 
 /// Whether `(a, i)` ranks before `(b, j)`: larger first, the lower index among equals.
+// Exact equality on purpose: equal values are ties, ordered by index as argmax orders them.
+#[allow(clippy::float_cmp)]
 fn before(a: f64, i: u32, b: f64, j: u32) -> bool {
     a > b || (a == b && i < j)
 }
