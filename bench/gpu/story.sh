@@ -18,6 +18,12 @@
 #     seconds left, and trains (the value it chose goes to $OUT: commit it to the pipeline);
 #   - `bring-back` copies the store's results (manifests, metrics, bench results, the drafter,
 #     the run records, zstd) under $OUT, so they land on this machine.
+# A session's calls, one after another while the machine is warm (copy PACK/x to .gpu/x before
+# each of the first three): a `stash`; b `stash`; c `stash && setup && probe fused`, then
+# `train-fit SECONDS` (tokens, then `drafter`; it prints the `max_steps` it chose: set both
+# `max_steps:` of the local pipeline to it before the next call, whose working tree replaces
+# the machine's), `run SECONDS --only drafter2` (DFlash 2 at the same data and steps),
+# `run SECONDS --only bench; bring-back`, `reference 6`.
 set -euo pipefail
 STASH=/tmp/dflash-story
 STORE=$STASH/store
