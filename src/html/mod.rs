@@ -266,11 +266,12 @@ fn stage_section(h: &mut String, v: &StageView) {
             ));
             if v.accuracy.iter().any(|a| !a.is_empty()) {
                 h.push_str("<p>accuracy per block position (the drafted token equals the target's), per optimizer step</p>");
-                let names = ["k = 1", "k = 2", "k = 3"];
+                let names: Vec<String> =
+                    (1..=v.accuracy.len()).map(|k| format!("k = {k}")).collect();
                 let mut series: Vec<(&str, &[(f64, f64)])> = names
                     .iter()
                     .zip(&v.accuracy)
-                    .map(|(n, a)| (*n, a.as_slice()))
+                    .map(|(n, a)| (n.as_str(), a.as_slice()))
                     .collect();
                 series.push(("k = 1, held out", &v.eval_accuracy));
                 h.push_str(&charts::lines(&series, "step", "accuracy"));

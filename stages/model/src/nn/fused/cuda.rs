@@ -376,19 +376,18 @@ pub fn top_k(z: Arg<'_>, k: usize) -> Result<CudaStorage> {
 pub fn gather_rows(table: Arg<'_>, ids: Arg<'_>) -> Result<CudaStorage> {
     by_type!(table.0.dtype(), "gather-rows", |T| {
         let dev = table.0.device();
-        let (_, r) = rows(table.1);
+        let (count, r) = rows(table.1);
         let n = ids.1.shape().elem_count();
         let (ts, is) = (view::<T>(table)?, view::<u32>(ids)?);
         let out = fresh::<T>(dev, n * r)?;
-        let r32 = r as u32;
-        // Reads n ids (checked below the table's rows by the caller) and n*r table elements,
-        // writes n*r.
+        let (r32, count32) = (r as u32, count as u32);
+        // Reads n ids and, for each below `count`, its table row; writes all n*r.
         launch!(
             dev,
             "gather_rows",
             T,
             elementwise(n * r),
-            [&ts, &is, &out, &n, &r32]
+            [&ts, &is, &out, &n, &r32, &count32]
         );
         Ok(stored(dev, out))
     })
@@ -401,14 +400,14 @@ pub fn scatter_add_rows(grad: Arg<'_>, ids: Arg<'_>, count: usize) -> Result<Cud
         let (n, r) = rows(grad.1);
         let (gs, is) = (view::<T>(grad)?, view::<u32>(ids)?);
         let out = dev.alloc_zeros::<T>(count * r)?;
-        let r32 = r as u32;
-        // Reads n*r gradients and n ids (< count, as the forward checked), adds into count*r.
+        let (r32, count32) = (r as u32, count as u32);
+        // Reads n*r gradients and n ids, adds into count*r (an id past `count` adds nothing).
         launch!(
             dev,
             "scatter_add_rows",
             T,
             elementwise(n * r),
-            [&gs, &is, &out, &n, &r32]
+            [&gs, &is, &out, &n, &r32, &count32]
         );
         Ok(stored(dev, out))
     })

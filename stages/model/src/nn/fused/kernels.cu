@@ -283,22 +283,27 @@ __device__ void top_k(const T* logits, uint32_t* out, uint32_t n, uint32_t k) {
     }
 }
 
-// out[j, c] = table[ids[j], c] over n rows of width r.
+// out[j, c] = table[ids[j], c] over n rows of width r; an id past the table's `rows` reads as 0.
 template <typename T>
-__device__ void gather_rows(const T* table, const uint32_t* ids, T* out, size_t n, uint32_t r) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n * r; i += (size_t)gridDim.x * blockDim.x)
-        out[i] = table[(size_t)ids[i / r] * r + i % r];
+__device__ void gather_rows(const T* table, const uint32_t* ids, T* out, size_t n, uint32_t r, uint32_t rows) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n * r; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t id = ids[i / r];
+        if (id < rows) out[i] = table[(size_t)id * r + i % r];
+        else store(out, i, 0.0f);
+    }
 }
 
 __device__ __forceinline__ void add_at(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void add_at(__nv_bfloat16* p, float v) { atomicAdd(p, __float2bfloat16(v)); }
 
 // table[ids[j], c] += grad[j, c] over n rows of width r, one thread per element (atomics: an
-// index may repeat); `table` starts at zero.
+// index may repeat); `table` (`rows` rows) starts at zero; an id past it adds nothing.
 template <typename T>
-__device__ void scatter_add_rows(const T* grad, const uint32_t* ids, T* table, size_t n, uint32_t r) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n * r; i += (size_t)gridDim.x * blockDim.x)
-        add_at(table + (size_t)ids[i / r] * r + i % r, load(grad, i));
+__device__ void scatter_add_rows(const T* grad, const uint32_t* ids, T* table, size_t n, uint32_t r, uint32_t rows) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n * r; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t id = ids[i / r];
+        if (id < rows) add_at(table + (size_t)id * r + i % r, load(grad, i));
+    }
 }
 
 }  // namespace
@@ -362,12 +367,12 @@ __device__ void scatter_add_rows(const T* grad, const uint32_t* ids, T* table, s
         top_k(z, out, n, k);                                                                           \
     }                                                                                                  \
     extern "C" __global__ void gather_rows_##NAME(const T* t, const uint32_t* ids, T* out, size_t n,    \
-                                                  uint32_t r) {                                        \
-        gather_rows(t, ids, out, n, r);                                                                \
+                                                  uint32_t r, uint32_t rows) {                         \
+        gather_rows(t, ids, out, n, r, rows);                                                          \
     }                                                                                                  \
     extern "C" __global__ void scatter_add_rows_##NAME(const T* g, const uint32_t* ids, T* t, size_t n, \
-                                                       uint32_t r) {                                   \
-        scatter_add_rows(g, ids, t, n, r);                                                             \
+                                                       uint32_t r, uint32_t rows) {                    \
+        scatter_add_rows(g, ids, t, n, r, rows);                                                       \
     }
 
 FOR_TYPES(KERNELS)

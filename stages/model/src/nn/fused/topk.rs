@@ -2,9 +2,10 @@
 //!
 //! Composed from candle ops this was `k` argmax passes, each followed by a scatter that copies
 //! the whole `[rows, vocab]` logits to mask the pick: in a training step the largest tensor,
-//! copied eight times, and on CPU 43% of a DFlash 2 drafter's forward and backward. Here it is
-//! one pass: each row keeps its best `k` as it reads (on a GPU each thread a strided slice's,
-//! then `k` block-wide rounds pick among the threads' best).
+//! copied eight times (on CPU, fusing it cut a DFlash 2 drafter's forward and backward from 4.9 s
+//! to 3.8 s at SmolLM2's size). Here it is one pass: each row keeps its best `k` as it reads (on
+//! a GPU each thread a strided slice's, then `k` block-wide rounds pick among the threads'
+//! best).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Tensor, WithDType, bail};
