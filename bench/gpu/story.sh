@@ -20,10 +20,10 @@
 #     the run records, zstd) under $OUT, so they land on this machine.
 # A session's calls, one after another while the machine is warm (copy PACK/x to .gpu/x before
 # each of the first three): a `stash`; b `stash`; c `stash && setup && probe fused`, then
-# `train-fit SECONDS` (tokens, then `drafter`; it prints the `max_steps` it chose: set both
-# `max_steps:` of the local pipeline to it before the next call, whose working tree replaces
-# the machine's), `run SECONDS --only drafter2` (DFlash 2 at the same data and steps),
-# `run SECONDS --only bench; bring-back`, `reference 6`.
+# `train-fit SECONDS drafter2` (tokens, then DFlash 2, the slower head; it prints the
+# `max_steps` it chose: set both `max_steps:` of the local pipeline to it before the next call,
+# whose working tree replaces the machine's), `run SECONDS --only drafter` (DFlash at the same
+# data and steps), `run SECONDS --only bench; bring-back`, `reference 6`.
 set -euo pipefail
 STASH=/tmp/dflash-story
 STORE=$STASH/store
@@ -158,17 +158,20 @@ train-speed)
     rm -f pipelines/speed.yaml
     ;;
 train-fit)
-    # There: time 12 training steps (a scratch copy of the pipeline, same data), then train with
-    # `max_steps` set to what fits in SECONDS less the load and the export; resumes as `run`.
+    # There: time 12 training steps of STAGE (default `drafter`; a scratch copy of the pipeline,
+    # same data), then train it with `max_steps` set to what fits in SECONDS less the load and
+    # the export; resumes as `run`. Every `max_steps:` of the pipeline gets the value, so fitting
+    # the slower head (`drafter2`) first gives both drafters the same steps.
     secs=${1:?seconds}
+    stage=${2:-drafter}
     cuda_env
     t0=$(date +%s)
     timeout -s INT -k 20 "$secs" $STASH/dflash run $(story_pipeline) --store $STORE --only tokens || true
     probe() {
         sed -e "s/max_steps: [0-9]*/max_steps: $1/" -e 's/checkpoint_every: [0-9]*/checkpoint_every: 100000/' \
             $(story_pipeline) > pipelines/probe.yaml
-        $STASH/dflash run pipelines/probe.yaml --store $STASH/probe-$1 --only drafter --json 2>/dev/null |
-            python3 -c "import json,sys;d=json.load(sys.stdin);print([s['seconds'] for s in d['stages'] if s['id']=='drafter'][0])"
+        $STASH/dflash run pipelines/probe.yaml --store $STASH/probe-$1 --only $stage --json 2>/dev/null |
+            python3 -c "import json,sys;d=json.load(sys.stdin);print([s['seconds'] for s in d['stages'] if s['id']=='$stage'][0])"
     }
     # The probes' upstream stages are the pipeline's: copy the store so they are cached.
     cp -r $STORE $STASH/probe-4 && cp -r $STORE $STASH/probe-16
@@ -176,11 +179,10 @@ train-fit)
     rm -rf pipelines/probe.yaml $STASH/probe-4 $STASH/probe-16
     left=$(( secs - ($(date +%s) - t0) ))
     steps=$(python3 -c "s=max(($b-$a)/12, 0.005); f=max($a-4*s, 0); print(max(1, int(($left - 2*f - 20) / s)))")
-    echo "probe: 4 steps $a s, 16 steps $b s; $left s left: max_steps $steps" | tee -a "$OUT/train-fit.txt"
-    grep -q "max_steps: $steps\b" pipelines/smollm2.yaml ||
-        sed -i "s/max_steps: [0-9]*/max_steps: $steps/" pipelines/smollm2.yaml
+    echo "probe ($stage): 4 steps $a s, 16 steps $b s; $left s left: max_steps $steps" | tee -a "$OUT/train-fit.txt"
+    sed -i "s/max_steps: [0-9]*/max_steps: $steps/" pipelines/smollm2.yaml
     cp pipelines/smollm2.yaml "$OUT/smollm2.yaml"
-    timeout -s INT -k 20 "$left" $STASH/dflash run $(story_pipeline) --store $STORE --only drafter || echo "run stopped: exit $?"
+    timeout -s INT -k 20 "$left" $STASH/dflash run $(story_pipeline) --store $STORE --only $stage || echo "run stopped: exit $?"
     ;;
 reference)
     # There, after `bring-back`: the exported drafter in z-lab's reference implementation
@@ -219,7 +221,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac
