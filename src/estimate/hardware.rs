@@ -214,6 +214,12 @@ impl Assumptions {
                 source: "measured: pipelines/smollm2.yaml on one H100, 0.38 s per step of 16 sequences (30 + 3x3 layer passes each; 0.26 s per 8 on an H200 before) (README)".into(),
             },
             Assumption {
+                name: "train_dflash2_step_ratio",
+                value: 1.7,
+                meaning: "a DFlash 2 training step (`head: dflash2`), in DFlash steps at the same shape",
+                source: "measured: pipelines/smollm2.yaml on one H100, 300 steps of 16 sequences in 213.2 s (DFlash 2) against 124.9 s (DFlash), both with loading and export (README)".into(),
+            },
+            Assumption {
                 name: "decode_step_s_per_layer",
                 value: 0.000_18,
                 meaning: "seconds one in-process decoding step (one token, batch 1) spends per target layer on a GPU",
@@ -230,6 +236,12 @@ impl Assumptions {
                 value: 2.3,
                 meaning: "a drafter's round (its pass and the verification), in target steps",
                 source: "measured: the same bench, a 3-layer drafter's round 11.9-12.9 ms against 5.2-5.7 ms (README)".into(),
+            },
+            Assumption {
+                name: "bench_tree_round_ratio",
+                value: 2.7,
+                meaning: "a drafter's round verified as a tree (its pass and a 32-node target pass), in target steps",
+                source: "measured: the same bench, tree rounds 14.0-14.9 ms against 5.2-5.7 ms (README)".into(),
             },
             Assumption {
                 name: "tokenize_tokens_per_s",

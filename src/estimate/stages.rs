@@ -588,14 +588,21 @@ impl Sizer<'_> {
         let step = self.assumptions.get("decode_step_s_per_layer") * target.layers as f64;
         let verify = self.assumptions.get("bench_verify_step_ratio");
         let draft = self.assumptions.get("bench_drafter_round_ratio");
-        let factor = 1.0 + if ngram { verify } else { 0.0 } + drafters * draft;
+        let tree = self.assumptions.get("bench_tree_round_ratio");
+        // Each drafter decodes once per way of verifying it (`both`: chain, then tree).
+        let per_drafter = match spec.params["verify"].as_str() {
+            Some("tree") => tree,
+            Some("both") => draft + tree,
+            _ => draft,
+        };
+        let factor = 1.0 + if ngram { verify } else { 0.0 } + drafters * per_drafter;
         let seconds = turns * max_new * step * factor;
         s.resource = Resource::Gpu;
         s.gpus = 1;
         s.gpu_hours = seconds / 3600.0;
         s.wall_hours = Some(s.gpu_hours);
         s.notes.push(format!(
-            "{} turns ({} prompts per set{}; a multi-turn set asks more) x {} tokens: a target step of {:.1} ms, rounds of {verify:.1}x (prompt lookup) and {draft:.1}x (a drafter) a step, counted at tau 1 (an upper bound)",
+            "{} turns ({} prompts per set{}; a multi-turn set asks more) x {} tokens: a target step of {:.1} ms, rounds of {verify:.1}x (prompt lookup), {draft:.1}x (a drafter's chain) and {tree:.1}x (its tree) a step, counted at tau 1 (an upper bound)",
             count(turns),
             count(prompts),
             if known { "" } else { ", sets of unknown size taken as full" },
@@ -658,7 +665,14 @@ impl Sizer<'_> {
         let flops_s = (f_target + f_drafter) / (peak * mfu);
         let launch_s = self.assumptions.get("train_launch_s_per_layer")
             * (target.layers + 3 * p.draft_layers) as f64;
-        let gpu_s = sequences * flops_s.max(launch_s);
+        // DFlash 2's convolutions, top-k and selector: measured as a whole-step ratio, since
+        // its extra cost is small ops and lookups rather than FLOPs.
+        let head_ratio = if drafter.dflash2.is_some() {
+            self.assumptions.get("train_dflash2_step_ratio")
+        } else {
+            1.0
+        };
+        let gpu_s = sequences * flops_s.max(launch_s) * head_ratio;
         if launch_s > flops_s {
             s.notes.push(format!(
                 "launch-bound: {:.1} ms of kernel launches per sequence against {:.1} ms of FLOPs (a small target)",
@@ -690,7 +704,7 @@ impl Sizer<'_> {
         ));
         if drafter.dflash2.is_some() {
             s.notes.push(format!(
-                "head dflash2: {} of it the convolutions and the candidate selector (its codebooks are vocabulary x rank, twice); its step is sized as a DFlash one's (no GPU measurement yet; 1.4x on a 2-core CPU at SmolLM2's size)",
+                "head dflash2: {} of it the convolutions and the candidate selector (its codebooks are vocabulary x rank, twice); a step {head_ratio}x a DFlash one's (`train_dflash2_step_ratio`)",
                 count(drafter.dflash2_parameters() as f64)
             ));
         }

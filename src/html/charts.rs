@@ -195,7 +195,7 @@ pub fn lines(series: &[(&str, &[(f64, f64)])], x_label: &str, y_label: &str) -> 
 }
 
 /// Grouped horizontal bars: per label, one bar per series (values in the series' own unit;
-/// bars scale to the largest value).
+/// bars scale to the largest value; a NaN is a value that series lacks, drawn as a dash).
 pub fn bars(
     labels: &[String],
     series: &[(&str, Vec<f64>)],
@@ -238,8 +238,19 @@ pub fn bars(
             l = esc(label)
         );
         for (k, (_, values)) in series.iter().enumerate() {
-            let v = values.get(i).copied().unwrap_or(0.0);
+            let v = values.get(i).copied().unwrap_or(f64::NAN);
             let y = gy + k as f64 * bar_h;
+            if !v.is_finite() {
+                // A value one series lacks (a method only one run had): no bar, a dash, so
+                // that it does not read as a measured zero.
+                let _ = write!(
+                    s,
+                    r#"<text x="{tx:.1}" y="{ty:.1}" font-size="10">-</text>"#,
+                    tx = label_w + 4.0,
+                    ty = y + bar_h - 4.0
+                );
+                continue;
+            }
             let bw = v / max * plot_w;
             let _ = write!(
                 s,
@@ -254,4 +265,22 @@ pub fn bars(
     }
     s.push_str("</svg>");
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A method only one of two runs benched: its other bar is a dash, not a bar at "0.00".
+    #[test]
+    fn a_value_a_series_lacks_is_a_dash_not_a_zero_bar() {
+        let labels = ["gsm8k drafter2".to_owned()];
+        let series = [("this run", vec![1.7]), ("that run", vec![f64::NAN])];
+        let svg = bars(&labels, &series, &|v| format!("{v:.2}"));
+        assert!(svg.contains(">1.70</text>"), "{svg}");
+        assert!(svg.contains(">-</text>"), "{svg}");
+        assert!(!svg.contains("0.00") && !svg.contains("NaN"), "{svg}");
+        // The legend's two swatches and the one bar.
+        assert_eq!(svg.matches("<rect").count(), 3, "{svg}");
+    }
 }

@@ -418,8 +418,8 @@ fn comparison(h: &mut String, run: &RunRecord, stages: &[StageView], other: &Aga
                     shown(b)
                 );
                 labels.push(format!("{set} {method}"));
-                this_tau.push(a.unwrap_or(0.0));
-                that_tau.push(b.unwrap_or(0.0));
+                this_tau.push(a.unwrap_or(f64::NAN));
+                that_tau.push(b.unwrap_or(f64::NAN));
             }
         }
         h.push_str("</table>");
