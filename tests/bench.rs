@@ -248,6 +248,22 @@ fn tree_verification_runs_beside_the_chain_and_is_lossless() {
         methods["trained+tree"]["tau"].as_f64().unwrap(),
     );
     assert!(tree >= chain, "tau chain {chain}, tree {tree}");
+    // Each round's time split into proposing and verifying: autoregressive decoding proposes
+    // nothing, a drafter's pass takes time, every method verifies.
+    for (name, m) in methods.as_object().unwrap() {
+        let (p, v) = (
+            m["propose_ms_per_round"].as_f64(),
+            m["verify_ms_per_round"].as_f64(),
+        );
+        assert!(p >= Some(0.0) && v > Some(0.0), "{name}: {m}");
+    }
+    assert!(
+        methods["autoregressive"]["propose_ms_per_round"]
+            .as_f64()
+            .unwrap()
+            < 0.01
+    );
+    assert!(methods["trained"]["propose_ms_per_round"].as_f64().unwrap() > 0.0);
     // A tree of one node is a plain target step: refused at plan time below 2.
     env.write(
         "p.yaml",

@@ -15,8 +15,16 @@ pub fn table(results: &serde_json::Map<String, Value>, warnings: &[String]) -> S
     }
     let _ = writeln!(
         out,
-        "{:<14} {:<16} {:>7} {:>6} {:>8} {:>8}  {:<24} {}",
-        "set", "method", "prompts", "tau", "tok/s", "speedup", "accepted at k=1..", "identical"
+        "{:<14} {:<16} {:>7} {:>6} {:>8} {:>8}  {:<24} {:<10} {}",
+        "set",
+        "method",
+        "prompts",
+        "tau",
+        "tok/s",
+        "speedup",
+        "accepted at k=1..",
+        "identical",
+        "ms/round (propose + verify)"
     );
     for (set, v) in results {
         let Some(methods) = v["methods"].as_object() else {
@@ -45,9 +53,16 @@ pub fn table(results: &serde_json::Map<String, Value>, warnings: &[String]) -> S
                 (Some(s), Some(n)) => format!("{s}/{n}"),
                 _ => "-".into(),
             };
+            let per_round = match (
+                r["propose_ms_per_round"].as_f64(),
+                r["verify_ms_per_round"].as_f64(),
+            ) {
+                (Some(p), Some(v)) => format!("{p:.1} + {v:.1}"),
+                _ => "-".into(),
+            };
             let _ = writeln!(
                 out,
-                "{:<14} {:<16} {:>7} {tau:>6} {:>8.1} {:>7.2}x  {:<24} {identical}",
+                "{:<14} {:<16} {:>7} {tau:>6} {:>8.1} {:>7.2}x  {:<24} {identical:<10} {per_round}",
                 if i == 0 { set.as_str() } else { "" },
                 name,
                 r["prompts"].as_u64().unwrap_or(0),

@@ -44,6 +44,13 @@ pub struct MethodResult {
     pub rounds: u64,
     /// Tokens the rounds committed.
     pub committed: u64,
+    /// Milliseconds a round spent proposing (the drafter's pass, a tree's building, prompt
+    /// lookup's search), mean over rounds; absent in results from before it was measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub propose_ms_per_round: Option<f64>,
+    /// Milliseconds a round spent verifying (the target's pass and what follows), mean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify_ms_per_round: Option<f64>,
 }
 
 /// Running totals for one method on one set.
@@ -56,6 +63,8 @@ struct Totals {
     committed: u64,
     accepted_at: Vec<u64>,
     identical: u64,
+    decode_seconds: f64,
+    propose_seconds: f64,
 }
 
 impl Totals {
@@ -65,6 +74,8 @@ impl Totals {
         self.seconds += d.prefill_seconds + d.decode_seconds;
         self.rounds += d.rounds;
         self.committed += d.committed;
+        self.decode_seconds += d.decode_seconds;
+        self.propose_seconds += d.propose_seconds;
         if self.accepted_at.len() < d.accepted_at.len() {
             self.accepted_at.resize(d.accepted_at.len(), 0);
         }
@@ -97,6 +108,8 @@ impl Totals {
             identical: greedy.then_some(self.identical),
             rounds: self.rounds,
             committed: self.committed,
+            propose_ms_per_round: Some(self.propose_seconds * 1e3 / rounds),
+            verify_ms_per_round: Some((self.decode_seconds - self.propose_seconds) * 1e3 / rounds),
         }
     }
 }
@@ -603,6 +616,10 @@ fn compact(results: &serde_json::Map<String, Value>) -> serde_json::Map<String, 
                         "acceptance": r["acceptance"].as_array().map(|a| a.iter().map(round).collect::<Vec<_>>())});
                     if !r["identical"].is_null() {
                         o["identical"] = r["identical"].clone();
+                    }
+                    if !r["propose_ms_per_round"].is_null() {
+                        o["propose_ms_per_round"] = json!(round(&r["propose_ms_per_round"]));
+                        o["verify_ms_per_round"] = json!(round(&r["verify_ms_per_round"]));
                     }
                     if !r["latency_p50"].is_null() {
                         o["latency_p50"] = json!(round(&r["latency_p50"]));

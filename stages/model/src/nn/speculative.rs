@@ -78,6 +78,11 @@ pub struct Decoded {
     pub prefill_seconds: f64,
     /// Seconds in the rounds.
     pub decode_seconds: f64,
+    /// Of `decode_seconds`, those spent proposing: the drafter's pass (and, for a tree,
+    /// building it) or prompt lookup's search, up to the proposals on the host; the rest is the
+    /// target's verification pass and the bookkeeping after it. Both ends of a proposal wait
+    /// for the device (its tokens are read back), so on a GPU the split is real, not queued.
+    pub propose_seconds: f64,
 }
 
 impl Decoded {
@@ -191,6 +196,7 @@ pub fn decode(
     while !stopped && tokens.len() < s.max_new_tokens {
         let anchor = *tokens.last().expect("one token");
         let at = prompt.len() + tokens.len() - 1;
+        let round = Instant::now();
         // The round commits at most the proposals plus one.
         let room = (s.max_new_tokens - tokens.len()).min(block) - 1;
         // This round's accepted proposals and the target's token after them.
@@ -226,6 +232,7 @@ pub fn decode(
                     }
                 }
             };
+            out.propose_seconds += round.elapsed().as_secs_f64();
             let (logits, tapped) =
                 target.extend_tree(&tree.tokens, &tree.parents, &mut cache, taps)?;
             let (path, next) = walk(&tree, &logits, s.temperature, &mut rng)?;
@@ -259,6 +266,7 @@ pub fn decode(
                     propose(target, d, ctx, anchor, at, room)?
                 }
             };
+            out.propose_seconds += round.elapsed().as_secs_f64();
             let ids: Vec<u32> = std::iter::once(anchor).chain(proposed.clone()).collect();
             let (logits, tapped) = target.extend(&ids, &mut cache, taps)?;
             let (k, next) = verify(&logits, &proposed, s.temperature, &mut rng)?;
