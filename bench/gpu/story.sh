@@ -19,11 +19,13 @@
 #   - `bring-back` copies the store's results (manifests, metrics, bench results, the drafter,
 #     the run records, zstd) under $OUT, so they land on this machine.
 # A session's calls, one after another while the machine is warm (copy PACK/x to .gpu/x before
-# each of the first three): a `stash`; b `stash`; c `stash && setup && probe fused`, then
-# `train-fit SECONDS drafter2` (tokens, then DFlash 2, the slower head; it prints the
-# `max_steps` it chose: set both `max_steps:` of the local pipeline to it before the next call,
-# whose working tree replaces the machine's), `run SECONDS --only drafter` (DFlash at the same
-# data and steps), `run SECONDS --only bench; bring-back`, `reference 6`.
+# each of the first three): a `stash`; b `stash`; c `stash && setup && run SECONDS --only
+# tokens_more` (the expansion's answers: the first batch's come cached with SEED), then
+# `train-fit SECONDS` (the data, then `drafter`; it prints the `max_steps` it chose: set both
+# `max_steps:` of the local pipeline to it before the next call, whose working tree replaces
+# the machine's), `run SECONDS --only bench; bring-back`, `reference 6`. DFlash 2 beside it:
+# `train-fit SECONDS drafter2` first (the slower head), then `--only drafter`, and
+# `--only bench_dflash2` too.
 set -euo pipefail
 STASH=/tmp/dflash-story
 STORE=$STASH/store
@@ -166,7 +168,7 @@ train-fit)
     stage=${2:-drafter}
     cuda_env
     t0=$(date +%s)
-    timeout -s INT -k 20 "$secs" $STASH/dflash run $(story_pipeline) --store $STORE --only tokens || true
+    timeout -s INT -k 20 "$secs" $STASH/dflash run $(story_pipeline) --store $STORE --only tokens --only tokens_more || true
     probe() {
         sed -e "s/max_steps: [0-9]*/max_steps: $1/" -e 's/checkpoint_every: [0-9]*/checkpoint_every: 100000/' \
             $(story_pipeline) > pipelines/probe.yaml
@@ -212,7 +214,7 @@ bring-back)
     # the drafter and the bench artifact exported, the run's report, under $OUT in 15 MiB pieces.
     cuda_env
     rm -rf /tmp/back && mkdir -p /tmp/back
-    for s in drafter bench; do
+    for s in drafter bench bench_dflash2; do
         $STASH/dflash export $s -p $(story_pipeline) --store $STORE /tmp/back/$s || true
     done
     # Not the checkpoints (weights and both moments, each): the exported weights and metrics.
