@@ -76,6 +76,8 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
         ">held out</text>",
         "accuracy per block position",
         ">k = 1, held out</text>",
+        // Held-out tau both ways: over anchors, and per decoding round (what bench measures).
+        ">per decoding round</text>",
         "share of rows by source",
         "tau (tokens committed per verification round)",
         "id=\"stage-broken\"",

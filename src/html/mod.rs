@@ -27,6 +27,9 @@ pub struct StageView {
     pub accuracy: Vec<Vec<(f64, f64)>>,
     /// (step, held-out accuracy at k = 1), where `train` evaluated.
     pub eval_accuracy: Vec<(f64, f64)>,
+    /// (step, held-out tau over anchors drawn anywhere; per decoding round), where `train`
+    /// evaluated (the second from train v4's metrics on).
+    pub eval_tau: [Vec<(f64, f64)>; 2],
 }
 
 /// The block positions whose accuracy the report draws.
@@ -60,6 +63,19 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
         let (mut loss, mut eval_loss) = (Vec::new(), Vec::new());
         let mut accuracy = vec![Vec::new(); ACCURACY_POSITIONS];
         let mut eval_accuracy = Vec::new();
+        let mut eval_tau: [Vec<(f64, f64)>; 2] = Default::default();
+        // Both taus of one evaluation (`tau`, `tau_per_round`), where present.
+        let taus = |e: &Value, s: f64, into: &mut [Vec<(f64, f64)>; 2], front: bool| {
+            for (series, key) in into.iter_mut().zip(["tau", "tau_per_round"]) {
+                if let Some(t) = e[key].as_f64() {
+                    if front {
+                        series.insert(0, (s, t));
+                    } else {
+                        series.push((s, t));
+                    }
+                }
+            }
+        };
         if let Some(m) = &manifest
             && m.fingerprint.kind == "train"
             && let Some(f) = m.files.iter().find(|f| f.path == "metrics.jsonl")
@@ -86,6 +102,7 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
                 if let Some(a) = v["eval"]["accuracy"][0].as_f64() {
                     eval_accuracy.push((s, a));
                 }
+                taus(&v["eval"], s, &mut eval_tau, false);
             }
             // The held-out figures before the first step are in the stats, not the curve.
             if let Some(start) = m.stats.get("eval").map(|e| &e["start"]) {
@@ -95,6 +112,7 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
                 if let Some(a) = start["accuracy"][0].as_f64() {
                     eval_accuracy.insert(0, (0.0, a));
                 }
+                taus(start, 0.0, &mut eval_tau, true);
             }
         }
         out.push(StageView {
@@ -104,6 +122,7 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
             eval_loss,
             accuracy,
             eval_accuracy,
+            eval_tau,
         });
     }
     Ok(out)
@@ -275,6 +294,17 @@ fn stage_section(h: &mut String, v: &StageView) {
                     .collect();
                 series.push(("k = 1, held out", &v.eval_accuracy));
                 h.push_str(&charts::lines(&series, "step", "accuracy"));
+            }
+            if !v.eval_tau[1].is_empty() {
+                h.push_str("<p>tau on the held-out sequences: the mean over anchors drawn anywhere, and per decoding round (the harmonic mean of the acceptance lengths: what a greedy decode of them measures, and what to compare with <code>bench</code>)</p>");
+                h.push_str(&charts::lines(
+                    &[
+                        ("over anchors", &v.eval_tau[0]),
+                        ("per decoding round", &v.eval_tau[1]),
+                    ],
+                    "step",
+                    "tau",
+                ));
             }
         }
         "bench" => bench_chart(h, &m.stats),

@@ -41,7 +41,8 @@ fn sequences(
 
 /// What one evaluation measured, as the metrics line and the stats carry it.
 fn eval_json(m: &StepMetrics, sequences: usize) -> Value {
-    json!({"loss": m.loss, "accuracy": m.accuracy(), "tau": m.tau(), "sequences": sequences})
+    json!({"loss": m.loss, "accuracy": m.accuracy(), "tau": m.tau(),
+        "tau_per_round": m.tau_per_round(), "sequences": sequences})
 }
 
 /// A 64-bit mix of the seed and a position (SplitMix64's finaliser), for per-sequence streams.
@@ -438,10 +439,11 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     if let Some(e) = &last_eval {
         let _ = write!(
             summary,
-            "; held out ({} sequences): loss {:.3}, tau {:.2}",
+            "; held out ({} sequences): loss {:.3}, tau {:.2} ({:.2} per decoding round)",
             held_blocks.len(),
             e.loss,
-            e.tau()
+            e.tau(),
+            e.tau_per_round()
         );
     }
     let _ = write!(

@@ -133,6 +133,10 @@ pub struct StepMetrics {
     pub accepted: u64,
     /// Blocks.
     pub blocks: u64,
+    /// Sum over blocks of `1 / (accepted + 1)`: the rounds a decode would spend per block
+    /// position (see [`StepMetrics::tau_per_round`]).
+    #[serde(default)]
+    pub rounds: f64,
 }
 
 impl StepMetrics {
@@ -151,6 +155,7 @@ impl StepMetrics {
         }
         self.accepted += o.accepted;
         self.blocks += o.blocks;
+        self.rounds += o.rounds;
     }
 
     /// Accuracy per block position.
@@ -168,6 +173,20 @@ impl StepMetrics {
             0.0
         } else {
             1.0 + self.accepted as f64 / self.blocks as f64
+        }
+    }
+
+    /// The tau a greedy decode along these sequences would measure (tokens per round), where
+    /// [`StepMetrics::tau`] is the mean over anchors drawn anywhere. A decode does not draw its
+    /// anchors: each round starts where the last one stopped, so a stretch the drafter gets
+    /// right 15 at a time passes in few rounds and a stretch it gets wrong takes a round per
+    /// token. Tokens per round is then the harmonic mean of `accepted + 1` over positions, not
+    /// the arithmetic one, which long easy stretches (a reply repeating itself) inflate.
+    pub fn tau_per_round(&self) -> f64 {
+        if self.rounds <= 0.0 {
+            0.0
+        } else {
+            self.blocks as f64 / self.rounds
         }
     }
 }
@@ -278,9 +297,11 @@ pub fn loss_packed(
         counted: vec![0; bs - 1],
         accepted: 0,
         blocks: blocks as u64,
+        rounds: 0.0,
     };
     for j in 0..blocks {
         let mut leading = true;
+        let mut accepted = 0u64;
         for k in 1..bs {
             let r = j * (bs - 1) + (k - 1);
             let hit = predicted[r] == labels[r];
@@ -289,10 +310,10 @@ pub fn loss_packed(
                 m.correct[k - 1] += u64::from(hit);
             }
             leading &= hit && weights[r] > 0.0;
-            if leading {
-                m.accepted += 1;
-            }
+            accepted += u64::from(leading);
         }
+        m.accepted += accepted;
+        m.rounds += 1.0 / (accepted + 1) as f64;
     }
     Ok((total, m))
 }
@@ -339,4 +360,32 @@ fn selector_loss(
     let w = Tensor::new(w.as_slice(), device)?.to_dtype(log_p.dtype())?;
     let loss = (log_p.mul(&w)?.sum_all()? * -1.0)?;
     Ok((loss, picks))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StepMetrics;
+
+    /// Two anchors, one in a stretch the drafter gets wholly right (15 accepted), one where it
+    /// gets nothing: drawn anywhere, tau is 8.5; a decode crossing 16 easy and 16 hard tokens
+    /// takes 1 round and 16 rounds, 32 / 17 = 1.88 tokens a round, what `tau_per_round` says.
+    #[test]
+    fn tokens_per_round_is_the_harmonic_mean_of_the_acceptance_lengths() {
+        let block = |accepted: u64| StepMetrics {
+            accepted,
+            blocks: 1,
+            rounds: 1.0 / (accepted + 1) as f64,
+            ..StepMetrics::default()
+        };
+        let mut m = StepMetrics::default();
+        m.add(&block(15));
+        m.add(&block(0));
+        assert!((m.tau() - 8.5).abs() < 1e-12, "{}", m.tau());
+        assert!(
+            (m.tau_per_round() - 32.0 / 17.0).abs() < 1e-12,
+            "{}",
+            m.tau_per_round()
+        );
+        assert_eq!(StepMetrics::default().tau_per_round(), 0.0);
+    }
 }
