@@ -330,3 +330,55 @@ fn stages_on_the_gpu_follow_each_other_in_the_wall_clock() {
     last.sort_unstable();
     assert_eq!(last, ["drafter", "other"], "{path:?}");
 }
+
+/// The expansion's case: a second `generate` asked the same way as one already done (same
+/// model, `max_tokens`, turns) is sized by that one's replies, not by half of `max_tokens`; one
+/// asked otherwise is not.
+#[test]
+fn a_generate_is_sized_by_an_earlier_one_asked_the_same_way() {
+    let env = Env::new();
+    std::os::unix::fs::symlink(
+        support::hub::assets().join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+        env.path().join("smollm2.gguf"),
+    )
+    .unwrap();
+    env.write(
+        "a.jsonl",
+        "{\"id\": \"fr\", \"prompt\": \"What is the capital of France?\"}\n{\"id\": \"de\", \"prompt\": \"Name a colour.\"}\n",
+    );
+    env.write(
+        "b.jsonl",
+        "{\"id\": \"it\", \"prompt\": \"What is the capital of Italy?\"}\n{\"id\": \"es\", \"prompt\": \"Name a fruit.\"}\n{\"id\": \"pt\", \"prompt\": \"Name a tree.\"}\n",
+    );
+    let asked = "{backend: candle, model: smollm2.gguf, max_tokens: 6, device: cpu, batch_size: 2}";
+    env.write(
+        "p.yaml",
+        &format!(
+            "name: more\nstages:\n  first:\n    kind: download\n    params: {{path: a.jsonl}}\n  second:\n    kind: download\n    params: {{path: b.jsonl}}\n  answers:\n    kind: generate\n    inputs: [first]\n    params: {asked}\n  more:\n    kind: generate\n    inputs: [second]\n    params: {asked}\n  longer:\n    kind: generate\n    inputs: [second]\n    params: {}\n",
+            asked.replace("max_tokens: 6", "max_tokens: 60")
+        ),
+    );
+    let o = env.dflash(&["run", "p.yaml", "--only", "answers", "--only", "second"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let e = json(&env, &["p.yaml", "--gpus", "1xH100"]);
+    let answers = stage(&e, "answers");
+    assert_eq!(answers["state"], "done");
+    let per_row = answers["tokens"]["value"].as_f64().unwrap() / 2.0;
+    assert!(per_row > 0.0 && per_row <= 6.0, "{answers}");
+    let more = stage(&e, "more");
+    assert_eq!(
+        more["tokens"]["value"].as_f64().unwrap(),
+        3.0 * per_row,
+        "{more}"
+    );
+    let notes = more["notes"].to_string();
+    assert!(notes.contains("asked the same way"), "{notes}");
+    // Another `max_tokens` is another question: the assumption, and the hint to declare it.
+    let longer = stage(&e, "longer");
+    assert_eq!(
+        longer["tokens"]["value"].as_f64().unwrap(),
+        3.0 * 30.0,
+        "{longer}"
+    );
+    assert!(longer["notes"].to_string().contains("half of max_tokens"));
+}

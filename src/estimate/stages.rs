@@ -223,6 +223,37 @@ impl Sizer<'_> {
         }
     }
 
+    /// Output tokens per row of the latest earlier `generate` artifact asked the same way as
+    /// `spec` (model, `max_tokens`, `turns`, `n`, temperature): an expansion answered with the
+    /// first batch's settings is sized by the first batch's replies (a 135M model's greedy
+    /// replies run to `max_tokens` far more often than the half assumed otherwise).
+    fn measured_output(&self, spec: &StageSpec) -> Option<(f64, String)> {
+        // The model by name as the stats record it (a model file enters the key by its bytes,
+        // not in the params); the rest as the key has them.
+        let asked = |p: &Value| ["max_tokens", "turns", "n", "temperature"].map(|k| p[k].clone());
+        let (model, want) = (spec.params["model"].as_str(), asked(&spec.params));
+        self.generated
+            .iter()
+            .filter(|m| m.stats.get("model").and_then(Value::as_str) == model)
+            .filter(|m| asked(&m.fingerprint.params) == want)
+            .max_by(|a, b| a.lineage.started.cmp(&b.lineage.started))
+            .and_then(|m| {
+                let tokens = m.stats.get("completion_tokens")?.as_f64()?;
+                let rows = m.stats.get("rows")?.as_f64()?;
+                (rows > 0.0).then(|| {
+                    (
+                        tokens / rows,
+                        format!(
+                            "measured: generate artifact {} asked the same way ({} tokens over {} rows)",
+                            m.key.0.short(12),
+                            count(tokens),
+                            count(rows)
+                        ),
+                    )
+                })
+            })
+    }
+
     /// Output tokens/s of one server (or the in-process backend) for `model`, measured by the
     /// latest earlier `generate` artifact of the same model and backend.
     /// `device` tells the in-process backend's runs apart (`cpu`, `cuda`; artifacts from before
@@ -283,6 +314,11 @@ impl Sizer<'_> {
             (Some(t), Some(r)) if r.value > 0.0 => Figure::new(t / r.value, Basis::Measured),
             _ => declared(spec, "output_tokens")
                 .or_else(|| upstream(ups, |d| d.output_tokens))
+                .or_else(|| {
+                    let (per_row, source) = self.measured_output(spec)?;
+                    s.notes.push(format!("output tokens per row {per_row:.0}, {source}"));
+                    Some(Figure::new(per_row, Basis::Measured))
+                })
                 .unwrap_or_else(|| {
                     s.notes.push(format!(
                         "output length assumed to be half of max_tokens ({max_tokens}); declare `expect: {{output_tokens: N}}`"
