@@ -24,19 +24,54 @@ fn nn(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
 }
 
 /// One split (`train`, or `eval`: mix's `eval_fraction`) of every input's token files, cut to
-/// `max_length`.
+/// `max_length`, input by input.
 fn sequences(
     ctx: &StageContext<'_>,
     split: &str,
     max_length: usize,
 ) -> Result<Vec<TokenRow>, StageError> {
+    Ok(by_input(ctx, split, max_length)?
+        .into_iter()
+        .flatten()
+        .collect())
+}
+
+/// One split of each input's token files, a list per input.
+fn by_input(
+    ctx: &StageContext<'_>,
+    split: &str,
+    max_length: usize,
+) -> Result<Vec<Vec<TokenRow>>, StageError> {
     let mut out = Vec::new();
     for input in ctx.inputs {
+        let mut rows = Vec::new();
         for f in tokens::files(&input.dir, split)? {
-            out.extend(tokens::read(&f, max_length)?);
+            rows.extend(tokens::read(&f, max_length)?);
         }
+        out.push(rows);
     }
     Ok(out)
+}
+
+/// The first `n` of several lists taken in turn (the first of each, then the second of each,
+/// ...), so every input's held-out rows are scored, not only the first input's.
+fn in_turn<T>(lists: Vec<Vec<T>>, n: usize) -> Vec<T> {
+    let mut iters: Vec<_> = lists.into_iter().map(Vec::into_iter).collect();
+    let mut out = Vec::new();
+    while out.len() < n {
+        let before = out.len();
+        for it in &mut iters {
+            if out.len() < n
+                && let Some(row) = it.next()
+            {
+                out.push(row);
+            }
+        }
+        if out.len() == before {
+            break;
+        }
+    }
+    out
 }
 
 /// What one evaluation measured, as the metrics line and the stats carry it.
@@ -173,8 +208,12 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     // Held-out sequences (the mix's `eval` split, never trained on), at most `eval_sequences`:
     // the drafter's loss and acceptance on them, next to training's, show when it starts to
     // learn its data by heart (more epochs of the same rows) rather than the target.
-    let mut held = sequences(ctx, "eval", p.max_length as usize)?;
-    held.truncate(raw["eval_sequences"].as_u64().unwrap_or(64) as usize);
+    // Taken from the inputs in turn: an expansion's own held-out rows count beside the first
+    // batch's.
+    let held = in_turn(
+        by_input(ctx, "eval", p.max_length as usize)?,
+        raw["eval_sequences"].as_u64().unwrap_or(64) as usize,
+    );
     let eval_every = raw["eval_every"].as_u64().unwrap_or(200).max(1);
     if data.is_empty() {
         return Err(StageError::new(
@@ -513,4 +552,19 @@ fn checkpoint(
     ctx.shards.commit(&name, &root)?;
     let _ = std::fs::remove_dir_all(&root);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_turn;
+
+    /// Held-out rows from two inputs, the second shorter: taken in turn, cut at `n`.
+    #[test]
+    fn held_out_rows_come_from_every_input_in_turn() {
+        let lists = || vec![vec![1, 2, 3, 4], vec![10, 20]];
+        assert_eq!(in_turn(lists(), 5), [1, 10, 2, 20, 3]);
+        assert_eq!(in_turn(lists(), 64), [1, 10, 2, 20, 3, 4]);
+        assert_eq!(in_turn(lists(), 0), Vec::<i32>::new());
+        assert_eq!(in_turn(vec![vec![], vec![7]], 3), [7]);
+    }
 }
