@@ -263,6 +263,15 @@ fn tree_verification_runs_beside_the_chain_and_is_lossless() {
             .unwrap()
             < 0.01
     );
+    // The tau at which a method's rounds match the target's step: 1 for the target itself by
+    // definition, a round's time over a step's for the others (no timing compared here).
+    let even = |m: &str| methods[m]["break_even_tau"].as_f64().unwrap();
+    assert!(
+        (even("autoregressive") - 1.0).abs() < 1e-9,
+        "{}",
+        even("autoregressive")
+    );
+    assert!(even("trained+tree") > 0.0, "{}", even("trained+tree"));
     assert!(methods["trained"]["propose_ms_per_round"].as_f64().unwrap() > 0.0);
     // A tree of one node is a plain target step: refused at plan time below 2.
     env.write(

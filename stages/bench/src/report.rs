@@ -60,6 +60,11 @@ pub fn table(results: &serde_json::Map<String, Value>, warnings: &[String]) -> S
                 (Some(p), Some(v)) => format!("{p:.1} + {v:.1}"),
                 _ => "-".into(),
             };
+            // Where the method's rounds would match the target's own step.
+            let per_round = match r["break_even_tau"].as_f64() {
+                Some(b) if i > 0 => format!("{per_round}, pays above tau {b:.2}"),
+                _ => per_round,
+            };
             let _ = writeln!(
                 out,
                 "{:<14} {:<16} {:>7} {tau:>6} {:>8.1} {:>7.2}x  {:<24} {identical:<10} {per_round}",

@@ -51,6 +51,11 @@ pub struct MethodResult {
     /// Milliseconds a round spent verifying (the target's pass and what follows), mean.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify_ms_per_round: Option<f64>,
+    /// The tau at which this method's rounds would decode as fast as autoregressive decoding:
+    /// its round time over the target's own step (autoregressive decoding's round). Above it
+    /// the method speeds decoding up; its tau against this says by how much it misses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub break_even_tau: Option<f64>,
 }
 
 /// Running totals for one method on one set.
@@ -90,7 +95,17 @@ impl Totals {
         self.identical += u64::from(same);
     }
 
-    fn result(&self, reference_tps: Option<f64>, greedy: bool) -> MethodResult {
+    /// Milliseconds per round, proposing and verifying together, mean.
+    fn round_ms(&self) -> f64 {
+        self.decode_seconds * 1e3 / self.rounds.max(1) as f64
+    }
+
+    fn result(
+        &self,
+        reference_tps: Option<f64>,
+        greedy: bool,
+        step_ms: Option<f64>,
+    ) -> MethodResult {
         let tps = self.tokens as f64 / self.seconds.max(1e-9);
         let rounds = self.rounds.max(1) as f64;
         MethodResult {
@@ -110,6 +125,9 @@ impl Totals {
             committed: self.committed,
             propose_ms_per_round: Some(self.propose_seconds * 1e3 / rounds),
             verify_ms_per_round: Some((self.decode_seconds - self.propose_seconds) * 1e3 / rounds),
+            break_even_tau: step_ms
+                .filter(|s| *s > 0.0 && self.rounds > 0)
+                .map(|s| self.round_ms() / s),
         }
     }
 }
@@ -441,10 +459,12 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         let reference_tps = totals
             .first()
             .map(|t| t.tokens as f64 / t.seconds.max(1e-9));
+        // The target's own step: autoregressive decoding's round.
+        let step_ms = totals.first().map(Totals::round_ms);
         let mut by_method = serde_json::Map::new();
         for (j, ((name, _), t)) in methods.iter().zip(&totals).enumerate() {
             // The reference is identical to itself by definition: not a finding.
-            let r = t.result(reference_tps, greedy && j > 0);
+            let r = t.result(reference_tps, greedy && j > 0, step_ms);
             by_method.insert(name.clone(), serde_json::to_value(r).expect("json"));
         }
         let mut v = json!({"prompts": set.prompts.len(), "skipped": set.skipped,
@@ -617,9 +637,10 @@ fn compact(results: &serde_json::Map<String, Value>) -> serde_json::Map<String, 
                     if !r["identical"].is_null() {
                         o["identical"] = r["identical"].clone();
                     }
-                    if !r["propose_ms_per_round"].is_null() {
-                        o["propose_ms_per_round"] = json!(round(&r["propose_ms_per_round"]));
-                        o["verify_ms_per_round"] = json!(round(&r["verify_ms_per_round"]));
+                    for k in ["propose_ms_per_round", "verify_ms_per_round", "break_even_tau"] {
+                        if !r[k].is_null() {
+                            o[k] = json!(round(&r[k]));
+                        }
                     }
                     if !r["latency_p50"].is_null() {
                         o["latency_p50"] = json!(round(&r["latency_p50"]));
