@@ -473,3 +473,70 @@ fn multi_turn_sets_are_asked_turn_by_turn_and_formats_wrap_the_prompts() {
         assert!(!stderr.contains("started"), "{stderr}");
     }
 }
+
+/// A bench killed mid-set (kill -9, after some prompts) resumes at its next prompt: the prompts
+/// it kept are not decoded again, every prompt is in the artifact once, and each output is what
+/// an unstopped run decodes.
+#[test]
+fn a_bench_killed_mid_set_resumes_at_its_next_prompt() {
+    let pipeline = PIPELINE.replace(
+        "prompts: 4, max_new_tokens: 24",
+        "prompts: 12, max_new_tokens: 64",
+    );
+    let outputs = |env: &Env| {
+        let dir = env.path().join("out");
+        let o = env.dflash(&["export", "bench", "-p", "p.yaml", dir.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let mut seen = std::collections::BTreeMap::new();
+        for line in std::fs::read_to_string(dir.join("sets/prompts.jsonl"))
+            .unwrap()
+            .lines()
+        {
+            let v: Value = serde_json::from_str(line).unwrap();
+            let at = (
+                v["id"].to_string(),
+                v["method"].as_str().unwrap().to_owned(),
+            );
+            assert!(
+                seen.insert(at, v["tokens"].clone()).is_none(),
+                "twice: {line}"
+            );
+        }
+        seen
+    };
+    let straight = Env::new();
+    setup(&straight);
+    straight.write("p.yaml", &pipeline);
+    straight.run("p.yaml", 0);
+
+    let env = Env::new();
+    setup(&env);
+    env.write("p.yaml", &pipeline);
+    let o = env.dflash(&["run", "p.yaml", "--only", "trained", "--only", "untrained"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let resume = env.path().join(".work/resume");
+    let kept = || {
+        support::env::walk(&resume)
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+            .count()
+    };
+    let mut child = env.run_until("p.yaml", "no prompt was kept", &|| kept() >= 2);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let before = kept();
+    assert!(before < 12, "the kill came after the set was done");
+    let (st, run) = env.run("p.yaml", 0);
+    assert_eq!(st["bench"], "ran");
+    let log = support::env::walk(&env.path().join(".work/logs"))
+        .into_iter()
+        .filter(|p| p.ends_with(format!("{}/bench.log", run["run_id"].as_str().unwrap())))
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .next()
+        .expect("the rerun's bench log");
+    let said = format!("prompts: {before} of 12 prompts decoded by an earlier attempt, kept");
+    assert!(log.contains(&said), "{log}");
+    let (a, b) = (outputs(&straight), outputs(&env));
+    assert_eq!(a.len(), 12 * 4);
+    assert_eq!(a, b);
+}

@@ -56,6 +56,24 @@ impl Env {
     /// Start `dflash run PIPELINE` in the background and return once `shards` shards are
     /// committed to the store (to kill it mid-run at a known point).
     pub fn run_until_shards(&self, pipeline: &str, shards: usize) -> std::process::Child {
+        let dir = self.path().join("cache/shards");
+        self.run_until(pipeline, "no shard was committed", &|| {
+            walk(&dir)
+                .iter()
+                .filter(|p| p.extension().is_some_and(|e| e == "json"))
+                .count()
+                >= shards
+        })
+    }
+
+    /// Start `dflash run PIPELINE` in the background and return once `ready` holds (a file the
+    /// run writes has appeared), polling the folder; `what` says what never happened.
+    pub fn run_until(
+        &self,
+        pipeline: &str,
+        what: &str,
+        ready: &dyn Fn() -> bool,
+    ) -> std::process::Child {
         let child = Command::new(env!("CARGO_BIN_EXE_dflash"))
             .args(["run", pipeline])
             .current_dir(self.path())
@@ -64,22 +82,12 @@ impl Env {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let dir = self.path().join("cache/shards");
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-        loop {
-            let n = walk(&dir)
-                .iter()
-                .filter(|p| p.extension().is_some_and(|e| e == "json"))
-                .count();
-            if n >= shards {
-                return child;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no shard was committed"
-            );
+        while !ready() {
+            assert!(std::time::Instant::now() < deadline, "{what}");
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
+        child
     }
 
     /// `dflash run --json`, asserting the exit code; returns status by stage id.

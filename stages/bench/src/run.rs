@@ -72,11 +72,62 @@ struct Totals {
     propose_seconds: f64,
 }
 
+/// What one turn's decode adds to its method's totals.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Figures {
+    tokens: u64,
+    seconds: f64,
+    rounds: u64,
+    committed: u64,
+    accepted_at: Vec<u64>,
+    decode_seconds: f64,
+    propose_seconds: f64,
+}
+
+impl From<&Decoded> for Figures {
+    fn from(d: &Decoded) -> Self {
+        Self {
+            tokens: d.tokens.len() as u64,
+            seconds: d.prefill_seconds + d.decode_seconds,
+            rounds: d.rounds,
+            committed: d.committed,
+            accepted_at: d.accepted_at.clone(),
+            decode_seconds: d.decode_seconds,
+            propose_seconds: d.propose_seconds,
+        }
+    }
+}
+
+/// One prompt done, every method: its lines for `sets/<set>.jsonl`, and per method (in order)
+/// each turn's figures and whether its output equals autoregressive decoding's. Kept in the
+/// stage's resume folder as soon as the prompt is done, so a set cut short (Ctrl-C, a call's
+/// time limit) resumes at its next prompt rather than its first (the set is the shard).
+#[derive(Debug, Serialize, Deserialize)]
+struct PromptDone {
+    lines: String,
+    methods: Vec<(Vec<Figures>, bool)>,
+}
+
+impl PromptDone {
+    /// What an earlier attempt kept for this prompt, if it is whole and for these methods.
+    fn read(path: &std::path::Path, methods: usize) -> Option<Self> {
+        let done: Self = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+        (done.methods.len() == methods).then_some(done)
+    }
+
+    /// Keep it: written aside, then renamed, so a kill mid-write leaves no half file.
+    fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
+        let aside = path.with_extension("part");
+        std::fs::write(&aside, serde_json::to_vec(self).expect("json"))?;
+        std::fs::rename(&aside, path)
+    }
+}
+
 impl Totals {
     /// One turn's decode.
-    fn add(&mut self, d: &Decoded) {
-        self.tokens += d.tokens.len() as u64;
-        self.seconds += d.prefill_seconds + d.decode_seconds;
+    fn add(&mut self, d: &Figures) {
+        self.tokens += d.tokens;
+        self.seconds += d.seconds;
         self.rounds += d.rounds;
         self.committed += d.committed;
         self.decode_seconds += d.decode_seconds;
@@ -398,6 +449,11 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         * methods.len() as u64;
     let mut finished = 0u64;
     let mut results: serde_json::Map<String, Value> = serde_json::Map::new();
+    let asked = Asked {
+        target: &target,
+        methods: &methods,
+        greedy,
+    };
     for set in &prompt_sets {
         let shard = format!("set-{}", set.name);
         let summary_file = format!("sets/{}.json", set.name);
@@ -411,50 +467,52 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         }
         let mut totals: Vec<Totals> = methods.iter().map(|_| Totals::default()).collect();
         let mut lines = String::new();
+        let kept = ctx.resume_dir.join(&shard);
+        std::fs::create_dir_all(&kept)?;
+        let mut resumed = 0usize;
         for (i, prompt) in set.prompts.iter().enumerate() {
-            // The autoregressive reference's tokens per turn, which every method must equal
-            // under greedy decoding.
-            let mut reference: Option<Vec<Vec<u32>>> = None;
-            for ((name, m), t) in methods.iter().zip(&mut totals) {
-                let turns =
-                    decode_turns(ctx, &target, m, prompt, rendering.as_mut(), &settings(m, i))?;
-                let same = reference.as_ref().is_none_or(|r| {
-                    r.len() == turns.len() && r.iter().zip(&turns).all(|(r, (_, d))| *r == d.tokens)
-                });
-                for (turn, (prompt_ids, d)) in turns.iter().enumerate() {
-                    let mut line = json!({"id": prompt.id, "turn": turn, "method": name,
-                        "prompt_tokens": prompt_ids.len(), "output_tokens": d.tokens.len(),
-                        "rounds": d.rounds, "committed": d.committed, "tau": d.tau(),
-                        "seconds": d.prefill_seconds + d.decode_seconds, "stopped": d.stopped,
-                        "prompt": prompt_ids, "tokens": d.tokens});
-                    if reference.is_none() {
-                        if let Some(r) = &rendering {
-                            line["text"] = Value::String(r.decode(&d.tokens));
-                        }
-                    } else if greedy {
-                        let r = reference.as_ref().and_then(|r| r.get(turn));
-                        line["identical"] = Value::Bool(r == Some(&d.tokens));
-                    }
-                    lines.push_str(&line.to_string());
-                    lines.push('\n');
-                    t.add(d);
+            let file = kept.join(format!("prompt-{i:06}.json"));
+            let done = if let Some(kept) = PromptDone::read(&file, methods.len()) {
+                resumed += 1;
+                finished += methods.len() as u64;
+                kept
+            } else {
+                let done = asked.decode(
+                    ctx,
+                    prompt,
+                    rendering.as_mut(),
+                    &|m| settings(m, i),
+                    &mut |name| {
+                        finished += 1;
+                        ctx.progress.set(
+                            finished,
+                            Some(total),
+                            &format!(
+                                "{}: prompt {}/{} {name}",
+                                set.name,
+                                i + 1,
+                                set.prompts.len()
+                            ),
+                        );
+                    },
+                )?;
+                done.write(&file)?;
+                done
+            };
+            for (t, (figures, same)) in totals.iter_mut().zip(&done.methods) {
+                for f in figures {
+                    t.add(f);
                 }
-                t.prompt_done(same);
-                if reference.is_none() {
-                    reference = Some(turns.into_iter().map(|(_, d)| d.tokens).collect());
-                }
-                finished += 1;
-                ctx.progress.set(
-                    finished,
-                    Some(total),
-                    &format!(
-                        "{}: prompt {}/{} {name}",
-                        set.name,
-                        i + 1,
-                        set.prompts.len()
-                    ),
-                );
+                t.prompt_done(*same);
             }
+            lines.push_str(&done.lines);
+        }
+        if resumed > 0 {
+            say(&format!(
+                "{}: {resumed} of {} prompts decoded by an earlier attempt, kept",
+                set.name,
+                set.prompts.len()
+            ));
         }
         let reference_tps = totals
             .first()
@@ -485,6 +543,70 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     }
 
     finish(ctx, p, &results, &warnings)
+}
+
+/// What every prompt of a set is decoded with.
+struct Asked<'a> {
+    target: &'a Target,
+    methods: &'a [(String, Method)],
+    greedy: bool,
+}
+
+impl Asked<'_> {
+    /// Decode `prompt` with every method in turn, the first (autoregressive decoding) the
+    /// reference whose tokens every other must equal under greedy decoding; `each` is told as
+    /// each method finishes.
+    fn decode(
+        &self,
+        ctx: &StageContext<'_>,
+        prompt: &sets::Prompt,
+        mut rendering: Option<&mut Rendering>,
+        settings: &dyn Fn(&Method) -> Settings,
+        each: &mut dyn FnMut(&str),
+    ) -> Result<PromptDone, StageError> {
+        let mut done = PromptDone {
+            lines: String::new(),
+            methods: Vec::with_capacity(self.methods.len()),
+        };
+        let mut reference: Option<Vec<Vec<u32>>> = None;
+        for (name, m) in self.methods {
+            let turns = decode_turns(
+                ctx,
+                self.target,
+                m,
+                prompt,
+                rendering.as_deref_mut(),
+                &settings(m),
+            )?;
+            let same = reference.as_ref().is_none_or(|r| {
+                r.len() == turns.len() && r.iter().zip(&turns).all(|(r, (_, d))| *r == d.tokens)
+            });
+            for (turn, (prompt_ids, d)) in turns.iter().enumerate() {
+                let mut line = json!({"id": prompt.id, "turn": turn, "method": name,
+                    "prompt_tokens": prompt_ids.len(), "output_tokens": d.tokens.len(),
+                    "rounds": d.rounds, "committed": d.committed, "tau": d.tau(),
+                    "seconds": d.prefill_seconds + d.decode_seconds, "stopped": d.stopped,
+                    "prompt": prompt_ids, "tokens": d.tokens});
+                if reference.is_none() {
+                    if let Some(r) = rendering.as_deref() {
+                        line["text"] = Value::String(r.decode(&d.tokens));
+                    }
+                } else if self.greedy {
+                    let r = reference.as_ref().and_then(|r| r.get(turn));
+                    line["identical"] = Value::Bool(r == Some(&d.tokens));
+                }
+                done.lines.push_str(&line.to_string());
+                done.lines.push('\n');
+            }
+            done.methods
+                .push((turns.iter().map(|(_, d)| Figures::from(d)).collect(), same));
+            if reference.is_none() {
+                reference = Some(turns.into_iter().map(|(_, d)| d.tokens).collect());
+            }
+            each(name);
+        }
+        Ok(done)
+    }
 }
 
 /// Decode every turn of `prompt` with `m`: the first as read, each later user turn after the
