@@ -80,6 +80,8 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
         ">per decoding round</text>",
         "share of rows by source",
         "tau (tokens committed per verification round)",
+        // Each method's tau beside the tau at which it would break even.
+        ">break-even tau</text>",
         "id=\"stage-broken\"",
     ] {
         assert!(html.contains(want), "missing {want}");

@@ -369,13 +369,35 @@ fn bench_chart(h: &mut String, stats: &serde_json::Map<String, Value>) {
         .map(|m| {
             let v = labels
                 .iter()
-                .map(|l| sets[l]["methods"][m]["tau"].as_f64().unwrap_or(0.0))
+                .map(|l| sets[l]["methods"][m]["tau"].as_f64().unwrap_or(f64::NAN))
                 .collect();
             (m.as_str(), v)
         })
         .collect();
     h.push_str("<p>tau (tokens committed per verification round) by prompt set</p>");
     h.push_str(&charts::bars(&labels, &series, &|v| format!("{v:.2}")));
+    // Each method's tau beside the tau at which it would decode as fast as the target alone
+    // (its round over the target's step): where the first bar is shorter, it slows decoding.
+    let (mut pairs, mut tau, mut even) = (Vec::new(), Vec::new(), Vec::new());
+    for (set, v) in sets {
+        for (m, r) in v["methods"].as_object().into_iter().flatten() {
+            if let (Some(t), Some(b)) = (r["tau"].as_f64(), r["break_even_tau"].as_f64())
+                && m != "autoregressive"
+            {
+                pairs.push(format!("{set} {m}"));
+                tau.push(t);
+                even.push(b);
+            }
+        }
+    }
+    if !pairs.is_empty() {
+        h.push_str("<p>tau against break-even tau (a round's time over the target's own step: the tau at which the method decodes as fast as the target alone)</p>");
+        h.push_str(&charts::bars(
+            &pairs,
+            &[("tau", tau), ("break-even tau", even)],
+            &|v| format!("{v:.2}"),
+        ));
+    }
 }
 
 /// The two runs side by side: each stage's artifact in both (the same bytes or not), and each
