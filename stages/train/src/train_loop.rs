@@ -403,7 +403,8 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             .map_err(nn("optimizer step"))?;
         let s1 = step + 1;
         let mut line = json!({"step": s1, "lr": lr, "loss": m.loss, "grad_norm": norm,
-            "accuracy": m.accuracy(), "tau": m.tau(), "sequences": batches.len()});
+            "accuracy": m.accuracy(), "tau": m.tau(), "tau_per_round": m.tau_per_round(),
+            "sequences": batches.len()});
         if (s1 % eval_every == 0 || s1 == total)
             && let Some(e) = evaluate()?
         {
@@ -414,7 +415,12 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         ctx.progress.set(
             s1,
             Some(total),
-            &format!("loss {:.3} tau {:.2}", m.loss, m.tau()),
+            &format!(
+                "loss {:.3} tau {:.2} ({:.2} per decoding round)",
+                m.loss,
+                m.tau(),
+                m.tau_per_round()
+            ),
         );
         last = m;
         if s1 % p.checkpoint_every.max(1) == 0 && s1 < total {
@@ -456,6 +462,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     stats.insert("final_loss".into(), json!(last.loss));
     stats.insert("final_accuracy".into(), json!(last.accuracy()));
     stats.insert("final_tau".into(), json!(last.tau()));
+    stats.insert("final_tau_per_round".into(), json!(last.tau_per_round()));
     // Held out: at the start (a fresh run) and after the last step, on the same blocks.
     if total == 0 {
         last_eval.clone_from(&eval_start);
@@ -470,10 +477,11 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     let mut summary = String::new();
     let _ = write!(
         summary,
-        "{total} steps over {n} sequences; loss {} -> {:.3}; tau {:.2}",
+        "{total} steps over {n} sequences; loss {} -> {:.3}; tau {:.2} ({:.2} per decoding round)",
         first_loss.map_or_else(|| "?".into(), |l| format!("{l:.3}")),
         last.loss,
         last.tau(),
+        last.tau_per_round(),
     );
     if let Some(e) = &last_eval {
         let _ = write!(
