@@ -64,15 +64,18 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
         let mut accuracy = vec![Vec::new(); ACCURACY_POSITIONS];
         let mut eval_accuracy = Vec::new();
         let mut eval_tau: [Vec<(f64, f64)>; 2] = Default::default();
-        // Both taus of one evaluation (`tau`, `tau_per_round`), where present.
-        let taus = |e: &Value, s: f64, into: &mut [Vec<(f64, f64)>; 2], front: bool| {
-            for (series, key) in into.iter_mut().zip(["tau", "tau_per_round"]) {
+        // One evaluation of the held-out sequences at step `s` (before the first step in the
+        // stats, then in the metrics lines where `train` scored them).
+        let mut held = |e: &Value, s: f64| {
+            if let Some(l) = e["loss"].as_f64() {
+                eval_loss.push((s, l));
+            }
+            if let Some(a) = e["accuracy"][0].as_f64() {
+                eval_accuracy.push((s, a));
+            }
+            for (series, key) in eval_tau.iter_mut().zip(["tau", "tau_per_round"]) {
                 if let Some(t) = e[key].as_f64() {
-                    if front {
-                        series.insert(0, (s, t));
-                    } else {
-                        series.push((s, t));
-                    }
+                    series.push((s, t));
                 }
             }
         };
@@ -80,6 +83,9 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
             && m.fingerprint.kind == "train"
             && let Some(f) = m.files.iter().find(|f| f.path == "metrics.jsonl")
         {
+            if let Some(start) = m.stats.get("eval").map(|e| &e["start"]) {
+                held(start, 0.0);
+            }
             let bytes = store.get_blob(&f.digest).await?;
             for line in String::from_utf8_lossy(&bytes).lines() {
                 let Ok(v) = serde_json::from_str::<Value>(line) else {
@@ -91,28 +97,12 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
                 if let Some(l) = v["loss"].as_f64() {
                     loss.push((s, l));
                 }
-                if let Some(l) = v["eval"]["loss"].as_f64() {
-                    eval_loss.push((s, l));
-                }
                 for (k, series) in accuracy.iter_mut().enumerate() {
                     if let Some(a) = v["accuracy"][k].as_f64() {
                         series.push((s, a));
                     }
                 }
-                if let Some(a) = v["eval"]["accuracy"][0].as_f64() {
-                    eval_accuracy.push((s, a));
-                }
-                taus(&v["eval"], s, &mut eval_tau, false);
-            }
-            // The held-out figures before the first step are in the stats, not the curve.
-            if let Some(start) = m.stats.get("eval").map(|e| &e["start"]) {
-                if let Some(l) = start["loss"].as_f64() {
-                    eval_loss.insert(0, (0.0, l));
-                }
-                if let Some(a) = start["accuracy"][0].as_f64() {
-                    eval_accuracy.insert(0, (0.0, a));
-                }
-                taus(start, 0.0, &mut eval_tau, true);
+                held(&v["eval"], s);
             }
         }
         out.push(StageView {

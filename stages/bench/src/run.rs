@@ -58,22 +58,16 @@ pub struct MethodResult {
     pub break_even_tau: Option<f64>,
 }
 
-/// Running totals for one method on one set.
+/// Running totals for one method on one set: its turns' figures summed, and its prompts.
 #[derive(Default)]
 struct Totals {
     prompts: u64,
-    tokens: u64,
-    seconds: f64,
-    rounds: u64,
-    committed: u64,
-    accepted_at: Vec<u64>,
     identical: u64,
-    decode_seconds: f64,
-    propose_seconds: f64,
+    sum: Figures,
 }
 
-/// What one turn's decode adds to its method's totals.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+/// What one turn's decode adds to its method's totals (and, summed, the totals).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 struct Figures {
     tokens: u64,
     seconds: f64,
@@ -82,6 +76,23 @@ struct Figures {
     accepted_at: Vec<u64>,
     decode_seconds: f64,
     propose_seconds: f64,
+}
+
+impl Figures {
+    fn add(&mut self, d: &Figures) {
+        self.tokens += d.tokens;
+        self.seconds += d.seconds;
+        self.rounds += d.rounds;
+        self.committed += d.committed;
+        self.decode_seconds += d.decode_seconds;
+        self.propose_seconds += d.propose_seconds;
+        if self.accepted_at.len() < d.accepted_at.len() {
+            self.accepted_at.resize(d.accepted_at.len(), 0);
+        }
+        for (t, a) in self.accepted_at.iter_mut().zip(&d.accepted_at) {
+            *t += a;
+        }
+    }
 }
 
 impl From<&Decoded> for Figures {
@@ -124,31 +135,20 @@ impl PromptDone {
 }
 
 impl Totals {
-    /// One turn's decode.
-    fn add(&mut self, d: &Figures) {
-        self.tokens += d.tokens;
-        self.seconds += d.seconds;
-        self.rounds += d.rounds;
-        self.committed += d.committed;
-        self.decode_seconds += d.decode_seconds;
-        self.propose_seconds += d.propose_seconds;
-        if self.accepted_at.len() < d.accepted_at.len() {
-            self.accepted_at.resize(d.accepted_at.len(), 0);
-        }
-        for (t, a) in self.accepted_at.iter_mut().zip(&d.accepted_at) {
-            *t += a;
-        }
-    }
-
     /// A prompt done, every turn of it: `same` when each equals autoregressive decoding's.
     fn prompt_done(&mut self, same: bool) {
         self.prompts += 1;
         self.identical += u64::from(same);
     }
 
+    /// Output tokens per second, prefill included.
+    fn tokens_per_second(&self) -> f64 {
+        self.sum.tokens as f64 / self.sum.seconds.max(1e-9)
+    }
+
     /// Milliseconds per round, proposing and verifying together, mean.
     fn round_ms(&self) -> f64 {
-        self.decode_seconds * 1e3 / self.rounds.max(1) as f64
+        self.sum.decode_seconds * 1e3 / self.sum.rounds.max(1) as f64
     }
 
     fn result(
@@ -157,27 +157,24 @@ impl Totals {
         greedy: bool,
         step_ms: Option<f64>,
     ) -> MethodResult {
-        let tps = self.tokens as f64 / self.seconds.max(1e-9);
-        let rounds = self.rounds.max(1) as f64;
+        let f = &self.sum;
+        let tps = self.tokens_per_second();
+        let rounds = f.rounds.max(1) as f64;
         MethodResult {
             prompts: self.prompts,
-            output_tokens: self.tokens,
-            seconds: self.seconds,
+            output_tokens: f.tokens,
+            seconds: f.seconds,
             tokens_per_second: tps,
-            tau: self.committed as f64 / rounds,
-            acceptance: self
-                .accepted_at
-                .iter()
-                .map(|&a| a as f64 / rounds)
-                .collect(),
+            tau: f.committed as f64 / rounds,
+            acceptance: f.accepted_at.iter().map(|&a| a as f64 / rounds).collect(),
             speedup: reference_tps.map_or(1.0, |r| tps / r.max(1e-9)),
             identical: greedy.then_some(self.identical),
-            rounds: self.rounds,
-            committed: self.committed,
-            propose_ms_per_round: Some(self.propose_seconds * 1e3 / rounds),
-            verify_ms_per_round: Some((self.decode_seconds - self.propose_seconds) * 1e3 / rounds),
+            rounds: f.rounds,
+            committed: f.committed,
+            propose_ms_per_round: Some(f.propose_seconds * 1e3 / rounds),
+            verify_ms_per_round: Some((f.decode_seconds - f.propose_seconds) * 1e3 / rounds),
             break_even_tau: step_ms
-                .filter(|s| *s > 0.0 && self.rounds > 0)
+                .filter(|s| *s > 0.0 && f.rounds > 0)
                 .map(|s| self.round_ms() / s),
         }
     }
@@ -501,7 +498,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             };
             for (t, (figures, same)) in totals.iter_mut().zip(&done.methods) {
                 for f in figures {
-                    t.add(f);
+                    t.sum.add(f);
                 }
                 t.prompt_done(*same);
             }
@@ -514,9 +511,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
                 set.prompts.len()
             ));
         }
-        let reference_tps = totals
-            .first()
-            .map(|t| t.tokens as f64 / t.seconds.max(1e-9));
+        let reference_tps = totals.first().map(Totals::tokens_per_second);
         // The target's own step: autoregressive decoding's round.
         let step_ms = totals.first().map(Totals::round_ms);
         let mut by_method = serde_json::Map::new();

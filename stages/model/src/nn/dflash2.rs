@@ -134,9 +134,11 @@ pub fn top_k(logits: &Tensor, k: usize) -> Result<Tensor> {
 pub fn candidate_logits(hidden: &Tensor, lm_head: &Tensor, candidates: &Tensor) -> Result<Tensor> {
     let (n, k) = candidates.dims2()?;
     let h = hidden.dim(1)?;
+    // The candidates' rows, then their dtype: converting the whole head would copy
+    // vocabulary x hidden every step.
     let rows = lm_head
-        .to_dtype(hidden.dtype())?
         .index_select(&candidates.flatten_all()?, 0)?
+        .to_dtype(hidden.dtype())?
         .reshape((n, k, h))?;
     rows.matmul(&hidden.unsqueeze(2)?)?.squeeze(2)
 }
