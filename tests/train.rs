@@ -369,8 +369,9 @@ fn a_hugging_face_folder_target_trains_as_its_gguf_does() {
 /// tiny random one as a Hugging Face folder (`tests/support/qwen3_5_reference.py`, checked
 /// against transformers in `stages/model/tests/qwen3_5.rs`) with SmolLM2's tokenizer and chat
 /// template. The whole story runs on it: generate (the candle backend), tokenize, a drafter
-/// trained against its taps, and a bench that is lossless: every verification pass is cropped to
-/// its accepted prefix, the Gated DeltaNet layers' state included.
+/// trained against its taps, and a bench that is lossless, as chains and as trees: every
+/// verification pass is cropped to its accepted prefix (or path), the Gated DeltaNet layers'
+/// state included.
 #[test]
 fn a_hybrid_qwen3_5_target_runs_the_story_and_benches_dflash_and_dflash2_losslessly() {
     let env = Env::new();
@@ -407,7 +408,7 @@ stages:
   bench:
     kind: bench
     inputs: [drafter, chats]
-    params: {target: qwen35, prompts: 3, max_new_tokens: 20}
+    params: {target: qwen35, prompts: 3, max_new_tokens: 20, verify: both}
   drafter2:
     kind: train
     inputs: [tokens]
@@ -417,7 +418,7 @@ stages:
   bench2:
     kind: bench
     inputs: [drafter2, chats]
-    params: {target: qwen35, prompts: 3, max_new_tokens: 20}
+    params: {target: qwen35, prompts: 3, max_new_tokens: 20, verify: both}
 "#,
     );
     let (st, _) = env.run("p.yaml", 0);
@@ -433,7 +434,8 @@ stages:
     let m = env.show("bench", "p.yaml");
     let set = &m["stats"]["sets"]["chats"];
     assert_eq!(set["prompts"], 3, "{m}");
-    for name in ["ngram", "drafter"] {
+    // The drafter verified as a tree too: each node's Gated DeltaNet state from its parent's.
+    for name in ["ngram", "drafter", "drafter+tree"] {
         let r = &set["methods"][name];
         assert_eq!(
             r["identical"], 3,
@@ -458,7 +460,9 @@ stages:
         "{config}"
     );
     let set = &env.show("bench2", "p.yaml")["stats"]["sets"]["chats"];
-    assert_eq!(set["methods"]["drafter2"]["identical"], 3, "{set}");
+    for name in ["drafter2", "drafter2+tree"] {
+        assert_eq!(set["methods"][name]["identical"], 3, "{name}: {set}");
+    }
     // A setting DFlash 2 does not have: refused at plan time, by name.
     let p = std::fs::read_to_string(env.path().join("p.yaml")).unwrap();
     let err = plan_refuses(
@@ -467,14 +471,4 @@ stages:
         &p.replace("selector_rank: 8}", "selector_rank: 8, kernel: 3}"),
     );
     assert!(err.contains("`kernel` is not a DFlash 2 setting"), "{err}");
-    // Tree verification follows branches a Gated DeltaNet state cannot: refused at plan time.
-    let err = plan_refuses(
-        &env,
-        "tree.yaml",
-        &p.replace("max_new_tokens: 20}", "max_new_tokens: 20, verify: tree}"),
-    );
-    assert!(
-        err.contains("attention-only") && err.contains("verify: chain"),
-        "{err}"
-    );
 }

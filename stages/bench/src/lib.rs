@@ -105,7 +105,7 @@ impl StageKind for BenchKind {
             Param::new("template_kwargs", ParamType::Map(Box::new(ParamType::Any)), "passed to the chat template, e.g. {enable_thinking: false}; must match what the drafter was trained with").default(json!({})),
             Param::new("prompt_format", ParamType::Map(Box::new(ParamType::Str)), "per prompt set, how each user turn is asked: a preset of z-lab's benchmark harness (humaneval, gsm8k, math) or a template holding {prompt}, e.g. {humaneval: humaneval, gsm8k: gsm8k}; sets not named are asked as they are").default(json!({})),
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where the in-process decoding runs (`auto`: GPU 0 when this build and machine have one); every method runs on it").default("auto"),
-            Param::new("verify", ParamType::Enum(&["chain", "tree", "both"]), "how a drafter's block is verified: `chain` (its likeliest token per position), `tree` (a tree of its likeliest tokens per position, one target pass over all of it, the longest path the target agrees with committed; method `<drafter>+tree`), or `both` side by side; trees need an attention-only target").default("chain"),
+            Param::new("verify", ParamType::Enum(&["chain", "tree", "both"]), "how a drafter's block is verified: `chain` (its likeliest token per position), `tree` (a tree of its likeliest tokens per position, one target pass over all of it, the longest path the target agrees with committed; method `<drafter>+tree`), or `both` side by side").default("chain"),
             Param::new("tree_width", int(), "tree verification: candidates per block position").default(4).at_least(1.0),
             Param::new("tree_budget", int(), "tree verification: nodes per tree, the round's first token included (the target pass's width)").default(32).at_least(2.0),
         ]
@@ -183,21 +183,6 @@ impl StageKind for BenchKind {
                     )),
                 );
             }
-        }
-        // A tree is verified in one pass over branches; a Gated DeltaNet state follows one
-        // sequence, so hybrid targets verify chains only.
-        if params["verify"].as_str().is_some_and(|v| v != "chain")
-            && let Some(target) = params["target"].as_str()
-            && let Ok(shape) = dflash_model::shape::ModelShape::locate(target, env.cwd)
-            && shape.linear.is_some()
-        {
-            issues.push(
-                Issue::new(
-                    "verify",
-                    format!("tree verification needs an attention-only target; `{target}` has Gated DeltaNet layers"),
-                )
-                .help("use `verify: chain` with this target"),
-            );
         }
         // Prompt lookup measured at another block size than the drafter would compare two
         // things at once.

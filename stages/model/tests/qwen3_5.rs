@@ -3,7 +3,8 @@
 //! draws, the same bytes on every machine), checked against transformers 5.24's
 //! `Qwen3_5ForCausalLM` on the same folder (its outputs in `fixtures/qwen3_5_reference.json`,
 //! computed by the script where torch is), and against itself: the chunked form, decoding one
-//! token at a time, and a speculative round cropped back to its accepted prefix.
+//! token at a time, a speculative round cropped back to its accepted prefix, and a tree pass
+//! cut down to one of its paths.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -169,6 +170,53 @@ fn a_verification_pass_is_cropped_to_its_accepted_prefix() {
     target.extend(&ids[..100], &mut cache, &[]).unwrap();
     let e = cache.truncate(50).unwrap_err().to_string();
     assert!(e.contains("position 50"), "{e}");
+}
+
+/// Tree verification: one pass over a tree of tokens whose branches share a prefix; each node's
+/// logits are what the whole sequence gives at the end of its path, and once one path is kept,
+/// decoding goes on as if only that path had been fed (the Gated DeltaNet layers' state and the
+/// attention layers' keys and values both).
+#[test]
+fn a_tree_pass_gives_each_path_its_own_state() {
+    let (_dir, folder) = model_dir();
+    let target = Target::load(&folder, &Device::Cpu).unwrap();
+    let ids = prompt();
+    let taps = [1usize, 2];
+    let (whole, whole_taps) = {
+        let mut cache = KvCache::default();
+        let (l, t) = target.extend(&ids, &mut cache, &taps).unwrap();
+        (rows(&l), rows(&t.unwrap()))
+    };
+    let mut cache = KvCache::default();
+    target.extend(&ids[..100], &mut cache, &taps).unwrap();
+    // Node 0 is ids[100]; the true path is 0 -> 2 -> 3 -> 6 -> 7 (ids[101..105]); wrong
+    // siblings hang off it at every depth, one of them with a child of its own.
+    let (a, b) = (ids[101], ids[102]);
+    let (c, d) = (ids[103], ids[104]);
+    let tokens = [ids[100], 5, a, b, 7, 9, c, d, 11];
+    let parents = [0usize, 0, 0, 2, 1, 3, 3, 6, 6];
+    let path = [0usize, 2, 3, 6, 7];
+    let (logits, tapped) = target
+        .extend_tree(&tokens, &parents, &mut cache, &taps)
+        .unwrap();
+    let (logits, tapped) = (rows(&logits), rows(&tapped.unwrap()));
+    for (j, &node) in path.iter().enumerate() {
+        let d = max_diff(&logits[node..=node], &whole[100 + j..=100 + j]);
+        assert!(d < 1e-3, "node {node} (position {}): logits {d}", 100 + j);
+        let d = max_diff(&tapped[node..=node], &whole_taps[100 + j..=100 + j]);
+        assert!(d < 1e-3, "node {node}: taps {d}");
+    }
+    // Without a path chosen, the pass cannot be extended or cropped.
+    let mut unchosen = cache.clone();
+    let e = target.extend(&[1], &mut unchosen, &[]).unwrap_err();
+    assert!(e.to_string().contains("keep one path"), "{e}");
+    cache.keep_path(100, &path).unwrap();
+    assert_eq!(cache.len(), 105);
+    let (rest, rest_taps) = target.extend(&ids[105..], &mut cache, &taps).unwrap();
+    let d = max_diff(&rows(&rest), &whole[105..].to_vec());
+    assert!(d < 1e-3, "logits after the kept path: {d}");
+    let d = max_diff(&rows(&rest_taps.unwrap()), &whole_taps[105..].to_vec());
+    assert!(d < 1e-3, "taps after the kept path: {d}");
 }
 
 /// A tiny model of `kind` (`tests/support/qwen3_5_reference.py write-kind`: numpy draws in the

@@ -21,6 +21,9 @@
 //!   state crosses chunks, so the sequential part is `n / 64` steps, not `n`.
 //! - [`DeltaNet::steps`] goes token by token and returns the state after every token: what a
 //!   decoder needs to step, and to roll back to any position of a verified proposal.
+//! - [`DeltaNet::tree`] steps a tree of tokens (tree verification): each node from its parent's
+//!   state, its convolution over its own ancestors, so every root-to-node path gets exactly what
+//!   [`DeltaNet::steps`] would give that path as a sequence.
 //!
 //! The state is per layer, not per token: its memory does not grow with the context.
 
@@ -128,25 +131,39 @@ impl DeltaNet {
         })
     }
 
-    /// Projections, convolution and gates of `x` `[n, H]` after `state`.
-    fn mix(&self, x: &Tensor, state: &DeltaState) -> Result<Mixed> {
+    /// Projections, convolution and gates of `x` `[n, H]` after `state`: the tokens of one
+    /// sequence (`windows` `None`), or a tree's nodes, `windows` then holding each node's
+    /// convolution inputs (`kernel` rows of the carried-then-new inputs, oldest first:
+    /// [`tree_windows`]).
+    fn mix(&self, x: &Tensor, state: &DeltaState, windows: Option<&[u32]>) -> Result<Mixed> {
         let s = &self.shape;
         let n = x.dim(0)?;
         let qkv = self.qkv.forward(x)?;
         let conv_inputs = Tensor::cat(&[&state.conv.to_dtype(qkv.dtype())?, &qkv], 0)?;
-        // Depthwise and causal: output t is the sum over the kernel's taps j of
-        // w[:, j] * input[t + j] in the carried-then-new sequence.
         let w = self.conv.to_dtype(DType::F32)?;
         let inputs = conv_inputs.to_dtype(DType::F32)?;
-        let mut conv = inputs
-            .narrow(0, 0, n)?
-            .broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
-        for j in 1..s.kernel {
-            conv = (conv
-                + inputs
-                    .narrow(0, j, n)?
-                    .broadcast_mul(&w.narrow(1, j, 1)?.t()?)?)?;
-        }
+        let conv = match windows {
+            // Depthwise and causal: output t is the sum over the kernel's taps j of
+            // w[:, j] * input[t + j] in the carried-then-new sequence.
+            None => {
+                let mut conv = inputs
+                    .narrow(0, 0, n)?
+                    .broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
+                for j in 1..s.kernel {
+                    conv = (conv
+                        + inputs
+                            .narrow(0, j, n)?
+                            .broadcast_mul(&w.narrow(1, j, 1)?.t()?)?)?;
+                }
+                conv
+            }
+            // A node's taps read its own window: its ancestors, then the carried inputs.
+            Some(windows) => inputs
+                .index_select(&Tensor::new(windows, x.device())?, 0)?
+                .reshape((n, s.kernel, s.conv_dim()))?
+                .broadcast_mul(&w.t()?.unsqueeze(0)?)?
+                .sum(1)?,
+        };
         let conv = candle_nn::ops::silu(&conv)?;
         let kw = s.key_heads * s.key_dim;
         let repeat = s.value_heads / s.key_heads;
@@ -231,7 +248,7 @@ impl DeltaNet {
     pub fn forward(&self, x: &Tensor, state: &DeltaState) -> Result<(Tensor, DeltaState)> {
         let s = &self.shape;
         let n = x.dim(0)?;
-        let m = self.mix(x, state)?;
+        let m = self.mix(x, state, None)?;
         let chunks = n.div_ceil(CHUNK);
         let padded = chunks * CHUNK;
         let heads = s.value_heads;
@@ -315,21 +332,14 @@ impl DeltaNet {
     /// state after every token (entry t: after token t).
     pub fn steps(&self, x: &Tensor, state: &DeltaState) -> Result<(Tensor, Vec<DeltaState>)> {
         let n = x.dim(0)?;
-        let m = self.mix(x, state)?;
+        let m = self.mix(x, state, None)?;
         let mut s = state.recurrent.clone();
         let mut outs = Vec::with_capacity(n);
         let mut states = Vec::with_capacity(n);
         for t in 0..n {
-            let at = |x: &Tensor| x.narrow(1, t, 1)?.contiguous();
-            // [heads, 1, d] rows of token t.
-            let (q, k, v) = (at(&m.q)?, at(&m.k)?, at(&m.v)?);
-            let g = at(&m.g)?.exp()?.unsqueeze(2)?;
-            let beta = at(&m.beta)?.unsqueeze(2)?;
-            s = s.broadcast_mul(&g)?;
-            let remembered = k.matmul(&s)?;
-            let delta = (v - remembered)?.broadcast_mul(&beta)?;
-            s = (s + k.transpose(1, 2)?.contiguous()?.matmul(&delta)?)?;
-            outs.push(q.matmul(&s)?);
+            let o;
+            (o, s) = step(&s, &m, t)?;
+            outs.push(o);
             states.push(DeltaState {
                 conv: self.conv_after(&m, t + 1)?,
                 recurrent: s.clone(),
@@ -338,6 +348,101 @@ impl DeltaNet {
         let o = Tensor::cat(&outs, 1)?;
         Ok((self.finish(&o, &m.z, x.dtype())?, states))
     }
+
+    /// The layer over a tree of tokens `x` `[n, H]` after `state` (`parents[i] < i` for every
+    /// node but the root, node 0, which follows `state`): each node is stepped from its parent's
+    /// state and convolves its own ancestors' inputs. The output `[n, H]` and the state after
+    /// every node: node i's are what [`Self::steps`] gives at the end of the root-to-i path.
+    pub fn tree(
+        &self,
+        x: &Tensor,
+        parents: &[usize],
+        state: &DeltaState,
+    ) -> Result<(Tensor, Vec<DeltaState>)> {
+        let n = x.dim(0)?;
+        if parents.len() != n {
+            candle_core::bail!("a tree of {n} nodes with {} parents", parents.len());
+        }
+        if let Some(i) = (1..n).find(|&i| parents[i] >= i) {
+            candle_core::bail!(
+                "tree node {i}'s parent {} does not come before it",
+                parents[i]
+            );
+        }
+        let kernel = self.shape.kernel;
+        let windows = tree_windows(parents, kernel);
+        let m = self.mix(x, state, Some(&windows))?;
+        let mut recurrent: Vec<Tensor> = Vec::with_capacity(n);
+        let mut outs = Vec::with_capacity(n);
+        for t in 0..n {
+            let before = if t == 0 {
+                &state.recurrent
+            } else {
+                &recurrent[parents[t]]
+            };
+            let (o, s) = step(before, &m, t)?;
+            outs.push(o);
+            recurrent.push(s);
+        }
+        let device = x.device();
+        let states = recurrent
+            .into_iter()
+            .enumerate()
+            .map(|(t, recurrent)| {
+                // What the node's children convolve before their own input: its window's last
+                // `kernel - 1` rows.
+                let kept = Tensor::new(&windows[t * kernel + 1..(t + 1) * kernel], device)?;
+                Ok(DeltaState {
+                    conv: m.conv_inputs.index_select(&kept, 0)?,
+                    recurrent,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let o = Tensor::cat(&outs, 1)?;
+        Ok((self.finish(&o, &m.z, x.dtype())?, states))
+    }
+}
+
+/// One token of the gated delta rule: row `t` of `m` after the recurrent state `s`; its output
+/// `[heads, 1, value_dim]` and the state after it.
+fn step(s: &Tensor, m: &Mixed, t: usize) -> Result<(Tensor, Tensor)> {
+    let at = |x: &Tensor| x.narrow(1, t, 1)?.contiguous();
+    // [heads, 1, d] rows of token t.
+    let (q, k, v) = (at(&m.q)?, at(&m.k)?, at(&m.v)?);
+    let g = at(&m.g)?.exp()?.unsqueeze(2)?;
+    let beta = at(&m.beta)?.unsqueeze(2)?;
+    let s = s.broadcast_mul(&g)?;
+    let remembered = k.matmul(&s)?;
+    let delta = (v - remembered)?.broadcast_mul(&beta)?;
+    let s = (s + k.transpose(1, 2)?.contiguous()?.matmul(&delta)?)?;
+    Ok((q.matmul(&s)?, s))
+}
+
+/// Each tree node's convolution window, `kernel` rows per node (oldest first) into the
+/// carried-then-new inputs (`kernel - 1` carried rows, then one per node): its ancestors up
+/// to the root, then as many carried rows as the window still needs. For a chain (`parents[i]
+/// = i - 1`) node t's window is rows t..t + kernel, as [`DeltaNet::steps`] convolves.
+fn tree_windows(parents: &[usize], kernel: usize) -> Vec<u32> {
+    let carried = kernel - 1;
+    let mut out = vec![0u32; parents.len() * kernel];
+    for (i, window) in out.chunks_mut(kernel).enumerate() {
+        let mut node = Some(i);
+        let mut next_carried = carried;
+        for slot in window.iter_mut().rev() {
+            match node {
+                Some(at) => {
+                    *slot = (carried + at) as u32;
+                    node = (at > 0).then(|| parents[at]);
+                }
+                None => {
+                    // At most `kernel - 1` of these: the node itself took one slot.
+                    next_carried -= 1;
+                    *slot = next_carried as u32;
+                }
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -410,5 +515,67 @@ mod tests {
         // The state after token t of a stepped call is where a call for the rest resumes.
         let (rest, _) = d.steps(&x.narrow(0, 3, 4).unwrap(), &states[2]).unwrap();
         assert!(max_diff(&rest, &stepped.narrow(0, 3, 4).unwrap()) < 1e-5);
+    }
+
+    /// A tree's every node gets what stepping its root-to-node path as a sequence gives: the
+    /// output row and the state after it (the convolution's carried inputs too), after a
+    /// carried state whose convolution rows the shallow nodes still read; a chain-shaped tree is
+    /// `steps`.
+    #[test]
+    fn a_tree_steps_each_node_from_its_parent() {
+        let d = layer(5);
+        let cpu = Device::Cpu;
+        let mut init = super::super::drafter::Init::new(13);
+        let prefix = init.normal(&[6, 16], 1.0, DType::F32, &cpu).unwrap();
+        let fresh = d.empty_state(DType::F32, &cpu).unwrap();
+        let (_, state) = d.forward(&prefix, &fresh).unwrap();
+        // Root 0; two branches under it, one of them forking again; a path 4 deep (past the
+        // kernel's reach into the carried rows).
+        let parents = [0usize, 0, 1, 1, 0, 4, 5, 5, 2, 6];
+        let x = init
+            .normal(&[parents.len(), 16], 1.0, DType::F32, &cpu)
+            .unwrap();
+        let (out, states) = d.tree(&x, &parents, &state).unwrap();
+        for i in 0..parents.len() {
+            let mut path = vec![i];
+            while *path.last().unwrap() != 0 {
+                path.push(parents[*path.last().unwrap()]);
+            }
+            path.reverse();
+            let rows = Tensor::new(
+                path.iter()
+                    .map(|&p| p as u32)
+                    .collect::<Vec<_>>()
+                    .as_slice(),
+                &cpu,
+            )
+            .unwrap();
+            let (stepped, along) = d.steps(&x.index_select(&rows, 0).unwrap(), &state).unwrap();
+            let want = stepped.narrow(0, path.len() - 1, 1).unwrap();
+            let got = out.narrow(0, i, 1).unwrap();
+            assert!(
+                max_diff(&got, &want) < 1e-5,
+                "node {i}: {}",
+                max_diff(&got, &want)
+            );
+            let end = along.last().unwrap();
+            assert!(
+                max_diff(&states[i].recurrent, &end.recurrent) < 1e-5,
+                "node {i}"
+            );
+            // The same rows up to the projection's rounding over another batch of rows.
+            assert!(
+                max_diff(&states[i].conv, &end.conv) < 1e-6,
+                "node {i}'s window"
+            );
+        }
+        let chain: Vec<usize> = (0..parents.len()).map(|i| i.saturating_sub(1)).collect();
+        let (treed, _) = d.tree(&x, &chain, &state).unwrap();
+        let (stepped, _) = d.steps(&x, &state).unwrap();
+        assert!(max_diff(&treed, &stepped) < 1e-5);
+        let e = d
+            .tree(&x, &[0, 0, 3, 1, 0, 4, 5, 5, 2, 6], &state)
+            .unwrap_err();
+        assert!(e.to_string().contains("node 2's parent 3"), "{e}");
     }
 }

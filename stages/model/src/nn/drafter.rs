@@ -726,6 +726,64 @@ pub(crate) mod tests {
         }));
     }
 
+    /// The LM head in chunks of rows (what a GPU runs) gives the loss, the metrics and every
+    /// gradient the whole logits give (what CPU runs), DFlash and DFlash 2 both.
+    #[test]
+    fn the_chunked_head_trains_as_the_whole_one() {
+        use crate::nn::objective::{Head, StepMetrics, loss_packed_by};
+        for dflash2 in [
+            None,
+            Some(Dflash2Config {
+                conv_kernel_size: 3,
+                conv_group_size: 4,
+                selector_rank: 3,
+                selector_top_k: 6,
+            }),
+        ] {
+            let target = tiny_target(DType::F64);
+            let mut config = DrafterConfig::for_target(&target.config, 2, vec![0, 2], 4, 39);
+            config.dflash2 = dflash2;
+            let drafter = Drafter::init(config, 3, DType::F64, &Device::Cpu).unwrap();
+            let (ids, mask) = sequence();
+            let context = target.tapped(&ids, &drafter.config.target_layers).unwrap();
+            let batch = Batch::sample(&ids, &mask, 3, 4, 39, 2.0, 5).unwrap();
+            let embed = |t: &Tensor| target.embed(t);
+            let run = |head: Head| -> (f64, StepMetrics, Vec<Tensor>) {
+                let (l, m) = loss_packed_by(
+                    &drafter,
+                    &embed,
+                    &target.lm_head,
+                    &context,
+                    &[&batch],
+                    batch.weight(),
+                    head,
+                )
+                .unwrap();
+                let g = drafter.gradients(&l.backward().unwrap());
+                (l.to_scalar().unwrap(), m, g.into_values().collect())
+            };
+            let (whole, wm, wg) = run(Head::Whole);
+            let (chunked, cm, cg) = run(Head::Chunked);
+            assert!((whole - chunked).abs() < 1e-12, "{whole} vs {chunked}");
+            assert_eq!(
+                (wm.correct, wm.counted, wm.accepted),
+                (cm.correct, cm.counted, cm.accepted)
+            );
+            assert_eq!(wg.len(), cg.len());
+            for (a, b) in wg.iter().zip(&cg) {
+                let diff: f64 = (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar()
+                    .unwrap();
+                assert!(diff < 1e-12, "{diff}");
+            }
+        }
+    }
+
     fn packed_equals_separate(dflash2: Option<Dflash2Config>) {
         let dtype = DType::F64;
         let target = tiny_target(dtype);

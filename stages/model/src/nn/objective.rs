@@ -217,6 +217,36 @@ pub fn loss_packed(
     batches: &[&Batch],
     normalizer: f64,
 ) -> Result<(Tensor, StepMetrics)> {
+    // On a GPU the LM head and its loss run in chunks of rows, the logits never whole; on CPU
+    // the step stays what it always was, bit for bit.
+    let head = if context.device().is_cuda() {
+        Head::Chunked
+    } else {
+        Head::Whole
+    };
+    loss_packed_by(drafter, embed, lm_head, context, batches, normalizer, head)
+}
+
+/// How [`loss_packed`] runs the LM head and its cross-entropy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Head {
+    /// The `[rows, vocab]` logits at once, then the fused cross-entropy.
+    Whole,
+    /// [`super::fused::head_cross_entropy`]: chunks of rows, the rows' gradient computed with
+    /// the loss.
+    Chunked,
+}
+
+/// [`loss_packed`] with the LM head run as `head` says.
+pub fn loss_packed_by(
+    drafter: &Drafter,
+    embed: &dyn Fn(&Tensor) -> Result<Tensor>,
+    lm_head: &Tensor,
+    context: &Tensor,
+    batches: &[&Batch],
+    normalizer: f64,
+    head: Head,
+) -> Result<(Tensor, StepMetrics)> {
     let Some(first) = batches.first() else {
         candle_core::bail!("a packed loss needs at least one sequence");
     };
@@ -254,17 +284,37 @@ pub fn loss_packed(
     // A fused gather: its backward adds rows in parallel on a GPU (candle's `index_select`
     // backward walks every row index once per hidden column there).
     let hidden = super::fused::gather_rows(&hidden, &Tensor::new(rows.as_slice(), device)?)?;
-    // The logits stay in the activations' dtype: the fused cross-entropy widens per element.
-    // `linear` gives the frozen LM head no gradient (a plain matmul's backward would).
-    let logits = super::fused::linear(&hidden, &lm_head.to_dtype(dtype)?)?;
-    let nll = super::fused::cross_entropy(&logits, &labels)?;
+    // DFlash's proposal is each row's likeliest token; DFlash 2 picks among the top k.
+    let top = drafter
+        .config
+        .dflash2
+        .as_ref()
+        .map_or(1, |d| d.selector_top_k);
+    let (nll, top) = match head {
+        Head::Whole => {
+            // The logits stay in the activations' dtype: the fused cross-entropy widens per
+            // element. `linear` gives the frozen LM head no gradient (a plain matmul's backward
+            // would).
+            let logits = super::fused::linear(&hidden, &lm_head.to_dtype(dtype)?)?;
+            let nll = super::fused::cross_entropy(&logits, &labels)?;
+            let top = match top {
+                1 => logits.argmax_keepdim(D::Minus1)?,
+                k => super::dflash2::top_k(&logits, k)?,
+            };
+            (nll, top)
+        }
+        Head::Chunked => {
+            let h = super::fused::head_cross_entropy(&hidden, lm_head, &labels, top)?;
+            (h.nll, h.top)
+        }
+    };
     let weights_t = Tensor::new(weights.as_slice(), device)?.to_dtype(nll.dtype())?;
     let total = (nll.mul(&weights_t)?.sum_all()? / normalizer)?;
 
     // DFlash 2: the selector's loss, and its picks are what decoding would propose.
     let (total, predicted) = match &drafter.config.dflash2 {
-        None => (total, logits.argmax(D::Minus1)?.to_vec1()?),
-        Some(d) => {
+        None => (total, top.flatten_all()?.to_vec1()?),
+        Some(_) => {
             // Teacher forcing: the predecessor of position k is the true token k - 1 (the
             // anchor for k = 1): acceptance needs every token before k right.
             let predecessors: Vec<u32> = (0..blocks)
@@ -277,12 +327,11 @@ pub fn loss_packed(
             let (selector, picks) = selector_loss(
                 drafter,
                 &hidden,
-                &logits,
+                &top,
                 lm_head,
                 &predecessors,
                 &labels,
                 &weights,
-                d.selector_top_k,
             )?;
             {
                 // The selector's loss is in f32 at least, as the cross-entropy's.
@@ -319,20 +368,19 @@ pub fn loss_packed(
 }
 
 /// The candidate selector's weighted cross-entropy (summed, not normalised) over each row's
-/// top-`k` candidates, at rows whose label is among them ([`super::dflash2`]), and the token it
-/// picks at every row after the true predecessor.
+/// top-k `candidates` `[rows, k]`, at rows whose label is among them ([`super::dflash2`]), and
+/// the token it picks at every row after the true predecessor.
 fn selector_loss(
     drafter: &Drafter,
     hidden: &Tensor,
-    logits: &Tensor,
+    candidates: &Tensor,
     lm_head: &Tensor,
     predecessors: &[u32],
     labels: &[u32],
     weights: &[f32],
-    k: usize,
 ) -> Result<(Tensor, Vec<u32>)> {
     let device = hidden.device();
-    let candidates = super::dflash2::top_k(logits, k)?;
+    let candidates = candidates.clone();
     let before = Tensor::new(predecessors, device)?;
     let unary = super::dflash2::candidate_logits(hidden, lm_head, &candidates)?;
     let scores = super::dflash2::scores(hidden, &unary, &candidates, &before, &|n| {

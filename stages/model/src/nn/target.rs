@@ -827,8 +827,8 @@ impl Target {
 
     /// [`Self::extend`] for a tree of tokens (`parents[i]` before `i`; node 0 the root, the
     /// round's first token): every node sees the cache and its own ancestors, at the position
-    /// of its depth. The caller keeps the accepted path with [`KvCache::keep_path`]. Attention
-    /// targets only: a Gated DeltaNet state follows one sequence, not a tree.
+    /// of its depth; a hybrid's Gated DeltaNet layers step each node from its parent's state
+    /// ([`DeltaNet::tree`]). The caller keeps the accepted path with [`KvCache::keep_path`].
     pub fn extend_tree(
         &self,
         ids: &[u32],
@@ -836,11 +836,6 @@ impl Target {
         cache: &mut KvCache,
         taps: &[usize],
     ) -> Result<(Tensor, Option<Tensor>)> {
-        if self.config.hybrid.is_some() {
-            candle_core::bail!(
-                "tree verification needs an attention-only target (this one has Gated DeltaNet layers)"
-            );
-        }
         if ids.len() != parents.len() || ids.is_empty() {
             candle_core::bail!(
                 "a tree of {} tokens with {} parents",
@@ -1080,9 +1075,21 @@ fn delta_layer(d: &DeltaNet, i: usize, h: &Tensor, s: &mut Seq<'_>) -> Result<Te
         Some(Slot::Kv(..)) => {
             candle_core::bail!("layer {i}: a key/value slot in a Gated DeltaNet layer")
         }
+        Some(Slot::DeltaTree { .. }) => candle_core::bail!(
+            "layer {i}: the last pass was a tree; keep one path of it (`KvCache::keep_path`) before extending"
+        ),
         None if past == 0 => d.empty_state(h.dtype(), h.device())?,
         None => candle_core::bail!("layer {i}: no Gated DeltaNet state at position {past}"),
     };
+    if let Some(parents) = s.parents {
+        let (out, nodes) = d.tree(h, parents, &before)?;
+        cache.layers[i] = Some(Slot::DeltaTree {
+            past,
+            before,
+            nodes,
+        });
+        return Ok(out);
+    }
     let (out, kept) = if n <= STEPPED_UP_TO {
         let (out, states) = d.steps(h, &before)?;
         let kept = std::iter::once((past, before))
@@ -1297,6 +1304,13 @@ enum Slot {
     /// Gated DeltaNet: the state at the positions it can be cropped to (ascending; the last at
     /// the cache's length). It holds no per-token history, so only these.
     Delta(Vec<(usize, DeltaState)>),
+    /// Gated DeltaNet after a tree pass from `past`: the state before it and after each node,
+    /// until [`KvCache::keep_path`] turns one root-down path of them into [`Slot::Delta`].
+    DeltaTree {
+        past: usize,
+        before: DeltaState,
+        nodes: Vec<DeltaState>,
+    },
 }
 
 impl KvCache {
@@ -1311,7 +1325,8 @@ impl KvCache {
     }
 
     /// After a tree pass that started at `past`: keep the first `past` positions and then the
-    /// tree nodes `path` (indices into the pass, in order), dropping the other branches.
+    /// tree nodes `path` (indices into the pass, in order: the root, then each node's child),
+    /// dropping the other branches.
     pub fn keep_path(&mut self, past: usize, path: &[usize]) -> Result<()> {
         let n = self.len.saturating_sub(past);
         if path.iter().any(|&i| i >= n) {
@@ -1326,8 +1341,28 @@ impl KvCache {
                     let at = Tensor::new(keep.as_slice(), k.device())?;
                     *slot = Slot::Kv(k.index_select(&at, 1)?, v.index_select(&at, 1)?);
                 }
+                Slot::DeltaTree {
+                    past: from,
+                    before,
+                    nodes,
+                } => {
+                    if *from != past {
+                        candle_core::bail!(
+                            "a tree pass from position {from} cut as if from {past}"
+                        );
+                    }
+                    // The path's j-th node sits at `past + j`; its state is the one after it.
+                    let kept = std::iter::once((past, before.clone()))
+                        .chain(
+                            path.iter()
+                                .enumerate()
+                                .map(|(j, &node)| (past + j + 1, nodes[node].clone())),
+                        )
+                        .collect();
+                    *slot = Slot::Delta(kept);
+                }
                 Slot::Delta(_) => {
-                    candle_core::bail!("a Gated DeltaNet layer cannot keep a tree path")
+                    candle_core::bail!("a Gated DeltaNet layer's last pass was not a tree")
                 }
             }
         }
@@ -1343,6 +1378,9 @@ impl KvCache {
         for slot in self.layers.iter_mut().flatten() {
             match slot {
                 Slot::Kv(k, v) => *slot = Slot::Kv(k.narrow(1, 0, len)?, v.narrow(1, 0, len)?),
+                Slot::DeltaTree { .. } => candle_core::bail!(
+                    "the last pass was a tree: keep one path of it (`keep_path`), then crop"
+                ),
                 Slot::Delta(kept) => {
                     kept.retain(|(at, _)| *at <= len);
                     if kept.last().is_none_or(|(at, _)| *at != len) {

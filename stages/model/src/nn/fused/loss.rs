@@ -21,7 +21,7 @@ pub fn cross_entropy(logits: &Tensor, labels: &[u32]) -> Result<Tensor> {
 }
 
 /// The dtype cross-entropy losses come out in.
-fn loss_dtype(logits: DType) -> DType {
+pub(super) fn loss_dtype(logits: DType) -> DType {
     if logits == DType::F64 {
         DType::F64
     } else {

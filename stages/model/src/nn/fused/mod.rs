@@ -16,6 +16,7 @@
 //! | op | computes | CPU | CUDA | backward |
 //! |---|---|---|---|---|
 //! | `CrossEntropy` (`loss.rs`) | per row, logsumexp minus the label's logit | yes | `cross_entropy` | `CrossEntropyGrad` |
+//! | `head_cross_entropy` (`head.rs`) | the LM head's matmul, cross-entropy and top-k in chunks of rows (logits never whole) | yes (composed) | yes (composed) | the rows' gradient, computed in the forward |
 //! | `RmsNorm` (`norm.rs`) | RMSNorm times its weight | yes | `rms_norm` | `RmsNormGrad`, `RmsNormWeightGrad` |
 //! | `Rope` (`norm.rs`) | rotate-half rotary embedding | yes | `rope` | itself, inverted |
 //! | `MaskedSoftmax` (`softmax.rs`) | `softmax(scores * scale + mask)` | yes | `masked_softmax` | `SoftmaxGrad` |
@@ -250,6 +251,7 @@ mod adamw;
 mod cuda;
 pub mod flash;
 mod gather;
+mod head;
 mod loss;
 mod nodes;
 mod norm;
@@ -273,6 +275,7 @@ pub fn prepare_device(device: &candle_core::Device) -> Result<()> {
     Ok(())
 }
 pub use gather::gather_rows;
+pub use head::{HeadLoss, head_cross_entropy};
 pub use loss::cross_entropy;
 pub use nodes::linear;
 pub(crate) use nodes::{Saved, attention_node};

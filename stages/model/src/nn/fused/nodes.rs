@@ -147,7 +147,7 @@ struct LinearNode {
 }
 
 /// A copy of `t`'s storage: what a graph node computed untracked hands to candle.
-fn handed_over<S: BackendStorage>(
+pub(super) fn handed_over<S: BackendStorage>(
     t: &Tensor,
     pick: impl Fn(&candle_core::Storage) -> Option<&S>,
 ) -> Result<(S, Shape)> {
@@ -158,7 +158,7 @@ fn handed_over<S: BackendStorage>(
     Ok((s.try_clone(layout)?, layout.shape().clone()))
 }
 
-fn on_cpu(s: &candle_core::Storage) -> Option<&CpuStorage> {
+pub(super) fn on_cpu(s: &candle_core::Storage) -> Option<&CpuStorage> {
     match s {
         candle_core::Storage::Cpu(c) => Some(c),
         _ => None,
@@ -166,7 +166,7 @@ fn on_cpu(s: &candle_core::Storage) -> Option<&CpuStorage> {
 }
 
 #[cfg(feature = "cuda")]
-fn on_cuda(s: &candle_core::Storage) -> Option<&candle_core::CudaStorage> {
+pub(super) fn on_cuda(s: &candle_core::Storage) -> Option<&candle_core::CudaStorage> {
     match s {
         candle_core::Storage::Cuda(c) => Some(c),
         _ => None,

@@ -327,3 +327,55 @@ fn gathered_rows_and_their_gradient_equal_index_select() {
     let bad = Tensor::new(&[50u32], &Device::Cpu).unwrap();
     assert!(gather_rows(table.as_tensor(), &bad).is_err());
 }
+
+/// The LM head and its loss in chunks of rows (a ragged last chunk, and one chunk of all rows)
+/// against the whole logits: losses, top-k ids and the rows' gradient equal, the frozen head
+/// gets none.
+#[test]
+fn the_chunked_head_loss_is_the_whole_one() {
+    let (m, h, vocab) = (10, 6, 23);
+    let w = randn(&[vocab, h], 8);
+    let labels: Vec<u32> = (0..m as u32).map(|i| (i * 7 + 2) % vocab as u32).collect();
+    let up = Tensor::new(
+        &[1.0f64, 0.5, 0.0, 2.0, 1.0, 1.0, 0.25, 3.0, 1.0, 0.0],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let whole = |x: &Tensor, w: &Tensor| cross_entropy(&linear(x, w).unwrap(), &labels).unwrap();
+    let (want, want_dx, _) = grads_of(&whole, &randn(&[m, h], 9), &w, &up);
+    let logits = randn(&[m, h], 9).matmul(&w.t().unwrap()).unwrap();
+    let want_top = crate::nn::dflash2::top_k(&logits, 3).unwrap();
+    for chunk in [3, m] {
+        let f = |x: &Tensor, w: &Tensor| {
+            head::head_cross_entropy_in(x, w, &labels, 3, chunk)
+                .unwrap()
+                .nll
+        };
+        let (got, got_dx, got_dw) = grads_of(&f, &randn(&[m, h], 9), &w, &up);
+        assert!(max_diff(&got, &want) < 1e-12, "chunks of {chunk}");
+        assert!(
+            max_diff(&got_dx, &want_dx) < 1e-12,
+            "chunks of {chunk}: {got_dx} vs {want_dx}"
+        );
+        // Even as a variable, the head is left alone: it is the frozen target's.
+        assert_eq!(max_diff(&got_dw, &got_dw.zeros_like().unwrap()), 0.0);
+        let top = head::head_cross_entropy_in(&randn(&[m, h], 9), &w, &labels, 3, chunk)
+            .unwrap()
+            .top;
+        assert_eq!(
+            top.to_vec2::<u32>().unwrap(),
+            want_top.to_vec2::<u32>().unwrap()
+        );
+    }
+    // f32 rows, the default chunking: the same losses to f32's rounding.
+    let x32 = randn(&[m, h], 9).to_dtype(DType::F32).unwrap();
+    let got = head_cross_entropy(&x32, &w, &labels, 1).unwrap();
+    assert_eq!(got.nll.dtype(), DType::F32);
+    assert!(max_diff(&got.nll, &want) < 1e-4);
+    assert_eq!(got.top.dims2().unwrap(), (m, 1));
+    let e = head_cross_entropy(&randn(&[m, h + 1], 9), &w, &labels, 1).unwrap_err();
+    assert!(
+        e.to_string().contains("rows of 7 against a head of 6"),
+        "{e}"
+    );
+}
