@@ -675,6 +675,14 @@ fn parts(args: &[String]) -> Result<()> {
             .backward()?;
         Ok(())
     })?;
+    // What `train` runs on a GPU now: chunks of rows, the logits never whole.
+    timed(&device, "lm_head_cross_entropy_chunked", &|| {
+        fused::head_cross_entropy(hid.as_tensor(), &target.lm_head, &batch.labels, 1)?
+            .nll
+            .sum_all()?
+            .backward()?;
+        Ok(())
+    })?;
     let (g, u) = (randn(&[m, f])?, randn(&[m, f])?);
     timed(&device, "swiglu_gate_m_x_12288", &|| {
         reduce(&fused::swiglu(g.as_tensor(), u.as_tensor())?)?.backward()?;
