@@ -4,18 +4,22 @@ Writes a Qwen3.5 text model at a real layer shape (Qwen3.5-27B's widths: hidden 
 17408, 24 attention heads of 256 with 4 KV heads, Gated DeltaNet with 16 key heads and 48 value
 heads of 128) with LAYERS layers alternating Gated DeltaNet and attention as 27B does (three of
 one, then one of the other), a small vocabulary (the layers are what is measured), random weights
-(numpy); then times one forward over TOKENS tokens, every layer, no cache, in f32:
-- transformers 5.24's `Qwen3_5ForCausalLM.model` (its own chunked Gated DeltaNet in PyTorch, the
-  fastest it runs without the flash-linear-attention kernels, which need a GPU), under
-  `torch.no_grad()`, torch's threads = this machine's cores;
+(numpy); then times one forward over TOKENS tokens, every layer, no cache:
+- transformers 5.24's `Qwen3_5ForCausalLM.model` under `torch.no_grad()`: on CPU in f32 (its own
+  chunked Gated DeltaNet in PyTorch, torch's threads = this machine's cores); with `--device
+  cuda` in bf16 on the GPU, with the flash-linear-attention kernels where that package imports
+  (the output says which ran: `transformers_delta`), else its PyTorch path;
 - dflash's `Target::tapped` over all layers (`train_probe target`, a release build of the
-  `dflash-model` example).
-Each is warmed up once and timed REPEATS times; prints the medians and their ratio.
+  `dflash-model` example; f32 on CPU, bf16 on a GPU, as `train` loads a target).
+Each is warmed up once and timed REPEATS times; prints the medians and their ratio. `--check`
+also compares every layer's output (transformers' from forward hooks, dflash's from `train_probe
+target --dump`): the largest difference relative to the layer's largest value, and the mean.
 
     cargo build --release -p dflash-model --features nn --example train_probe
-    python3 bench/hybrid_forward.py [--layers 2] [--tokens 256] [--repeats 3]
+    python3 bench/hybrid_forward.py [--layers 2] [--tokens 256] [--repeats 3] [--device cuda] [--check]
 
-Needs torch (`pip install --target DIR torch`, then PYTHONPATH=DIR, works on CPU)."""
+Needs torch (`pip install --target DIR torch`, then PYTHONPATH=DIR, works on CPU); on the GPU
+machine, the probe built with `--features cuda`."""
 import argparse
 import json
 import os
@@ -37,6 +41,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     target_dir = os.environ.get("CARGO_TARGET_DIR", os.path.join(HERE, "..", "target"))
     ap.add_argument("--probe", default=os.path.join(target_dir, "release", "examples", "train_probe"))
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--check", action="store_true")
     a = ap.parse_args()
     import torch
     from transformers import Qwen3_5ForCausalLM
@@ -59,24 +65,71 @@ def main():
         ids = [(i * 7919 + 13) % 1024 for i in range(a.tokens)]
 
         torch.set_num_threads(os.cpu_count())
-        model = Qwen3_5ForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
-        x = torch.tensor([ids])
+        cuda = a.device == "cuda"
+        dtype = torch.bfloat16 if cuda else torch.float32
+        model = Qwen3_5ForCausalLM.from_pretrained(d, torch_dtype=dtype).to(a.device).eval()
+        x = torch.tensor([ids], device=a.device)
+        try:
+            import fla  # noqa: F401  transformers uses its kernels for Gated DeltaNet when present
+
+            delta = "flash-linear-attention"
+        except ImportError:
+            delta = "torch"
+
+        def sync():
+            if cuda:
+                torch.cuda.synchronize()
 
         def once():
+            sync()
             t = time.perf_counter()
             with torch.no_grad():
                 model.model(x)
+            sync()
             return time.perf_counter() - t
 
         once()
         theirs = statistics.median(once() for _ in range(a.repeats))
+        layers = []
+        if a.check:
+            outs = []
+            hooks = [layer.register_forward_hook(
+                lambda m, i, r: outs.append((r[0] if isinstance(r, tuple) else r)[0].float().cpu()))
+                for layer in model.model.layers]
+            with torch.no_grad():
+                model.model(x)
+            for h in hooks:
+                h.remove()
+            layers = outs
         del model
-        out = subprocess.run([a.probe, "target", d, "--tokens", str(a.tokens), "--repeats",
-                              str(a.repeats)], capture_output=True, text=True, check=True)
-        ours = json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
-    print(json.dumps({"layers": kinds, "tokens": a.tokens, "threads": os.cpu_count(),
-                      "transformers_s": round(theirs, 3), "dflash_s": round(ours, 3),
-                      "dflash_speed_vs_transformers": round(theirs / ours, 2)}))
+        if cuda:
+            torch.cuda.empty_cache()  # the probe runs beside this process on the same GPU
+        dump = os.path.join(d, "dflash_layers.safetensors")
+        cmd = [a.probe, "target", d, "--tokens", str(a.tokens), "--repeats", str(a.repeats)]
+        if a.check:
+            cmd += ["--dump", dump]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        probe = json.loads(out.stdout.strip().splitlines()[-1])
+        ours = probe["seconds"]
+        result = {"layers": kinds, "tokens": a.tokens, "device": a.device,
+                  "threads": os.cpu_count(), "dtype": str(dtype).replace("torch.", ""),
+                  "dflash_dtype": probe.get("dtype"), "transformers_delta": delta,
+                  "transformers_s": round(theirs, 4), "dflash_s": round(ours, 4),
+                  "dflash_speed_vs_transformers": round(theirs / ours, 2)}
+        if a.check:
+            from safetensors.torch import load_file
+
+            mine = load_file(dump)["layers"]
+            hidden = config["hidden_size"]
+            diffs = []
+            for i, ref in enumerate(layers):
+                got = mine[:, i * hidden:(i + 1) * hidden]
+                scale = ref.abs().max().item()
+                diffs.append({"layer": i, "kind": kinds[i],
+                              "max_rel": round((got - ref).abs().max().item() / scale, 5),
+                              "mean_rel": round((got - ref).abs().mean().item() / ref.abs().mean().item(), 5)})
+            result["layer_diffs"] = diffs
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@
 # `max_steps:` of the local pipeline to it before the next call, whose working tree replaces
 # the machine's), `run SECONDS --only bench; bring-back`, `reference 6`. DFlash 2 beside it:
 # `train-fit SECONDS drafter2` first (the slower head), then `--only drafter`, and
-# `--only bench_dflash2` too.
+# `--only bench_dflash2` too. A hybrid target's GPU figures (issue 23): `hybrid [LAYERS] [TOKENS]`
+# after `setup`.
 set -euo pipefail
 STASH=/tmp/dflash-story
 STORE=$STASH/store
@@ -71,7 +72,12 @@ pack-inputs)
     fi
     xz -T2 -6 -c .assets/sharegpt.json > "$pack"/c/sharegpt.json.xz
     cp .assets/HumanEval.jsonl.gz .assets/gsm8k.jsonl .assets/mt-bench.jsonl "$pack"/c/
-    cp .whl/*.whl "$pack"/c/ 2>/dev/null || true  # dflash==0.1.0 (the reference), gguf
+    # The reference package (dflash==0.1.0), gguf, and the flash-linear-attention kernels that
+    # transformers runs a hybrid's Gated DeltaNet with on a GPU (`hybrid`): wheels from PyPI.
+    ls .whl/dflash-0.1.0-*.whl >/dev/null 2>&1 ||
+        pip download -q --no-deps -d .whl dflash==0.1.0 gguf==0.19.0 flash-linear-attention==0.6.0 \
+            fla-core==0.6.0 einops==0.8.1
+    cp .whl/*.whl "$pack"/c/
     if [ -n "$init" ]; then
         mkdir -p "$pack"/c/init && cp "$init"/config.json "$init"/model.safetensors "$pack"/c/init/
     fi
@@ -188,6 +194,18 @@ train-fit)
     sed -i "s/max_steps: [0-9]*/max_steps: $steps/" pipelines/smollm2.yaml
     cp pipelines/smollm2.yaml "$OUT/smollm2.yaml"
     timeout -s INT -k 20 "$left" $STASH/dflash run $(story_pipeline) --store $STORE --only $stage || echo "run stopped: exit $?"
+    ;;
+hybrid)
+    # There: a hybrid target's forward at Qwen3.5-27B's layer widths (LAYERS layers, TOKENS
+    # tokens), dflash (bf16, `train_probe target`) against transformers (bf16) on the GPU, every
+    # layer's output compared; twice: transformers with the flash-linear-attention kernels, and
+    # with its own PyTorch Gated DeltaNet. Needs `train_probe` in the pack (`a`).
+    cuda_env
+    for with_fla in 1 0; do
+        site=""; [ $with_fla = 1 ] && site=$STASH/site
+        PYTHONPATH=$site python3 bench/hybrid_forward.py --device cuda --check --probe $STASH/train_probe \
+            --layers "${1:-4}" --tokens "${2:-2048}" --repeats 5 | tee -a "$OUT/hybrid_forward.jsonl"
+    done
     ;;
 reference)
     # There, after `bring-back`: the exported drafter in z-lab's reference implementation

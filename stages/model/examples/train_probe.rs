@@ -19,10 +19,11 @@
 //! value and the gradients of its five inputs, the target's causal attention after a cache) in
 //! bf16 on the device against the composed path in f64 on CPU, one JSON line per tensor.
 //!
-//! `train_probe target FOLDER [--tokens 512] [--repeats 3]`: a Hugging Face target folder's
-//! forward over one sequence of `--tokens` random ids (every layer, no KV cache: what `train`
-//! runs per sequence), timed `--repeats` times after a warm-up; one JSON line with the median
-//! seconds (`bench/hybrid_forward.py` runs transformers beside it).
+//! `train_probe target FOLDER [--tokens 512] [--repeats 3] [--dump OUT.safetensors]`: a Hugging
+//! Face target folder's forward over one sequence of `--tokens` random ids (every layer, no KV
+//! cache: what `train` runs per sequence; f32 on CPU, bf16 on a GPU), timed `--repeats` times
+//! after a warm-up; one JSON line with the median seconds (`bench/hybrid_forward.py` runs
+//! transformers beside it); `--dump` writes every layer's output (`layers`, f32) to compare.
 //!
 //! `train_probe parity OUT.safetensors`: a small target and drafter (f32, weights drawn on CPU),
 //! one sequence, one loss; writes every weight, the batch, the loss, the taps and every
@@ -763,9 +764,13 @@ fn parity(args: &[String]) -> Result<()> {
 fn target_forward(args: &[String]) -> Result<()> {
     let folder = args
         .get(2)
-        .ok_or("train_probe target FOLDER [--tokens N] [--repeats N]")?;
+        .ok_or("train_probe target FOLDER [--tokens N] [--repeats N] [--dump OUT.safetensors]")?;
     let tokens: usize = arg(args, "--tokens", 512);
     let repeats: usize = arg(args, "--repeats", 3);
+    let dump = args
+        .iter()
+        .position(|a| a == "--dump")
+        .and_then(|i| args.get(i + 1));
     let device = dflash_model::nn::device::select("auto")?;
     let target = Target::load(std::path::Path::new(folder), &device)?;
     let vocab = target.config.vocab as u32;
@@ -783,9 +788,16 @@ fn target_forward(args: &[String]) -> Result<()> {
     run()?;
     let mut times: Vec<f64> = (0..repeats.max(1)).map(|_| run()).collect::<Result<_>>()?;
     times.sort_by(f64::total_cmp);
+    if let Some(out) = dump {
+        // Every layer's output, f32, for a reference to compare against.
+        let tapped = target.tapped(&ids, &all)?.to_dtype(DType::F32)?;
+        let saved = HashMap::from([("layers".to_string(), tapped)]);
+        candle_core::safetensors::save(&saved, out)?;
+    }
     println!(
         "{}",
         serde_json::json!({"tokens": tokens, "layers": target.config.layers,
+            "dtype": format!("{:?}", target.lm_head.dtype()),
             "device": if device.is_cuda() { "cuda" } else { "cpu" },
             "seconds": times[times.len() / 2], "all": times})
     );
