@@ -138,6 +138,20 @@ fn the_hybrid_matches_transformers_logits_and_every_layer() {
     }
 }
 
+/// The logits and taps of one pass over all of `ids`, and a cache holding their first `prefix`.
+fn whole_and_prefix(
+    target: &Target,
+    ids: &[u32],
+    taps: &[usize],
+    prefix: usize,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, KvCache) {
+    let mut cache = KvCache::default();
+    let (l, t) = target.extend(ids, &mut cache, taps).unwrap();
+    let mut prefixed = KvCache::default();
+    target.extend(&ids[..prefix], &mut prefixed, taps).unwrap();
+    (rows(&l), rows(&t.unwrap()), prefixed)
+}
+
 /// A speculative round: a pass over an anchor and proposals keeps every position's state, is
 /// cropped to the accepted prefix, and decoding goes on from there exactly as if only the
 /// accepted tokens had been fed; taps equal the whole-sequence pass's.
@@ -145,15 +159,8 @@ fn the_hybrid_matches_transformers_logits_and_every_layer() {
 fn a_verification_pass_is_cropped_to_its_accepted_prefix() {
     let (_dir, folder) = model_dir();
     let target = Target::load(&folder, &Device::Cpu).unwrap();
-    let ids = prompt();
-    let taps = [1usize, 2];
-    let (whole, whole_taps) = {
-        let mut cache = KvCache::default();
-        let (l, t) = target.extend(&ids, &mut cache, &taps).unwrap();
-        (rows(&l), rows(&t.unwrap()))
-    };
-    let mut cache = KvCache::default();
-    target.extend(&ids[..100], &mut cache, &taps).unwrap();
+    let (ids, taps) = (prompt(), [1usize, 2]);
+    let (whole, whole_taps, mut cache) = whole_and_prefix(&target, &ids, &taps, 100);
     // 12 tokens verified: 8 of them right, then 4 wrong ones.
     let mut proposal: Vec<u32> = ids[100..108].to_vec();
     proposal.extend([1, 2, 3, 4]);
@@ -180,15 +187,8 @@ fn a_verification_pass_is_cropped_to_its_accepted_prefix() {
 fn a_tree_pass_gives_each_path_its_own_state() {
     let (_dir, folder) = model_dir();
     let target = Target::load(&folder, &Device::Cpu).unwrap();
-    let ids = prompt();
-    let taps = [1usize, 2];
-    let (whole, whole_taps) = {
-        let mut cache = KvCache::default();
-        let (l, t) = target.extend(&ids, &mut cache, &taps).unwrap();
-        (rows(&l), rows(&t.unwrap()))
-    };
-    let mut cache = KvCache::default();
-    target.extend(&ids[..100], &mut cache, &taps).unwrap();
+    let (ids, taps) = (prompt(), [1usize, 2]);
+    let (whole, whole_taps, mut cache) = whole_and_prefix(&target, &ids, &taps, 100);
     // Node 0 is ids[100]; the true path is 0 -> 2 -> 3 -> 6 -> 7 (ids[101..105]); wrong
     // siblings hang off it at every depth, one of them with a child of its own.
     let (a, b) = (ids[101], ids[102]);

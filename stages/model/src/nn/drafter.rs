@@ -771,14 +771,7 @@ pub(crate) mod tests {
             );
             assert_eq!(wg.len(), cg.len());
             for (a, b) in wg.iter().zip(&cg) {
-                let diff: f64 = (a - b)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar()
-                    .unwrap();
+                let diff = crate::nn::testing::max_diff(a, b);
                 assert!(diff < 1e-12, "{diff}");
             }
         }
