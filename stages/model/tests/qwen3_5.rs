@@ -3,14 +3,15 @@
 //! draws, the same bytes on every machine), checked against transformers 5.24's
 //! `Qwen3_5ForCausalLM` on the same folder (its outputs in `fixtures/qwen3_5_reference.json`,
 //! computed by the script where torch is), and against itself: the chunked form, decoding one
-//! token at a time, a speculative round cropped back to its accepted prefix, and a tree pass
-//! cut down to one of its paths.
+//! token at a time, a speculative round cropped back to its accepted prefix, a tree pass cut
+//! down to one of its paths, and a batch decoded together.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use candle_core::{Device, Tensor};
 use dflash_model::nn::Target;
+use dflash_model::nn::batch::BatchDecoder;
 use dflash_model::nn::target::KvCache;
 
 fn model_dir() -> (tempfile::TempDir, PathBuf) {
@@ -217,6 +218,38 @@ fn a_tree_pass_gives_each_path_its_own_state() {
     assert!(d < 1e-3, "logits after the kept path: {d}");
     let d = max_diff(&rows(&rest_taps.unwrap()), &whole_taps[105..].to_vec());
     assert!(d < 1e-3, "taps after the kept path: {d}");
+}
+
+/// Batched generation on a hybrid: prompts of different lengths prefilled in one pass and
+/// stepped together give each sequence the logits it gets decoded alone.
+#[test]
+fn a_hybrid_batch_decodes_each_sequence_as_it_decodes_alone() {
+    let (_dir, folder) = model_dir();
+    let target = Target::load(&folder, &Device::Cpu).unwrap();
+    let ids = prompt();
+    // One prompt long enough for the chunked form (over 64 tokens), two short ones.
+    let prompts: [&[u32]; 3] = [&ids[..90], &ids[90..93], &ids[20..21]];
+    let (mut batch, mut logits) = BatchDecoder::prefill(&target, &prompts, 6).unwrap();
+    let mut alone: Vec<(KvCache, Vec<Vec<f32>>)> = prompts
+        .iter()
+        .map(|p| {
+            let mut cache = KvCache::default();
+            let (l, _) = target.extend(p, &mut cache, &[]).unwrap();
+            (cache, rows(&l)[p.len() - 1..].to_vec())
+        })
+        .collect();
+    for step in 0..6u32 {
+        let got = rows(&logits);
+        for (row, (_, want)) in alone.iter().enumerate() {
+            let d = max_diff(&got[row..=row], want);
+            assert!(d < 1e-4, "step {step}, sequence {row}: {d}");
+        }
+        let next: Vec<u32> = (0..3).map(|r| (step * 7 + r * 11) % 96).collect();
+        logits = batch.step(&next).unwrap();
+        for ((cache, want), &t) in alone.iter_mut().zip(&next) {
+            *want = rows(&target.extend(&[t], cache, &[]).unwrap().0);
+        }
+    }
 }
 
 /// A tiny model of `kind` (`tests/support/qwen3_5_reference.py write-kind`: numpy draws in the

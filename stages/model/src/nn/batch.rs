@@ -9,8 +9,9 @@
 //! Grouped-query heads are multiplied without repeating the keys: the query heads that share a
 //! key/value head are stacked as rows of one matrix against it.
 //!
-//! A hybrid target (Gated DeltaNet layers, whose state is per sequence) decodes each sequence
-//! alone through [`Target::extend`] behind the same interface: correct, not yet batched.
+//! A hybrid target (Gated DeltaNet layers, whose state is per sequence) keeps a cache per
+//! sequence and goes through [`Target::extend_last`]: its projections, norms, MLPs and LM head
+//! run once for the whole batch, its attention and Gated DeltaNet layers per sequence.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -20,6 +21,10 @@ use super::target::Target;
 
 /// Columns prefilled per pass (2 in the tests, so their short prompts take several).
 const PREFILL_CHUNK: usize = if cfg!(test) { 2 } else { 256 };
+
+/// A hybrid's prefill: at most this many prompt tokens per pass (whole prompts; a longer one
+/// goes alone), so a large batch's stacked rows stay within memory.
+const HYBRID_PREFILL_ROWS: usize = 8192;
 
 /// Sequences decoded together; see the module docs.
 pub struct BatchDecoder<'t> {
@@ -34,8 +39,8 @@ pub struct BatchDecoder<'t> {
     capacity: usize,
     /// The LM head in f32, made once: a bf16 target's would otherwise be cast every step.
     lm_head: Linear,
-    /// A hybrid target's sequences, each decoded alone through its own cache (their Gated
-    /// DeltaNet states are per sequence; the shared columns above are for attention only).
+    /// A hybrid target's sequences, each with its own cache (their Gated DeltaNet states are
+    /// per sequence; the shared columns above are for attention only), stepped together.
     alone: Option<Vec<super::target::KvCache>>,
 }
 
@@ -49,13 +54,22 @@ impl<'t> BatchDecoder<'t> {
         let c = &target.config;
         let device = target.embed.device();
         if c.hybrid.is_some() {
-            let mut caches = Vec::with_capacity(prompts.len());
-            let mut logits = Vec::with_capacity(prompts.len());
-            for p in prompts {
-                let mut cache = super::target::KvCache::default();
-                let (l, _) = target.extend(p, &mut cache, &[])?;
-                logits.push(l.narrow(0, p.len() - 1, 1)?);
-                caches.push(cache);
+            let lm_head = Linear::Dense(target.lm_head.to_dtype(DType::F32)?);
+            let mut caches = vec![super::target::KvCache::default(); prompts.len()];
+            let mut logits = Vec::new();
+            // Whole prompts per pass, up to the row budget.
+            let (mut from, mut rows) = (0, 0);
+            for (i, p) in prompts.iter().enumerate() {
+                rows += p.len();
+                let last = i + 1 == prompts.len();
+                if last || rows + prompts[i + 1].len() > HYBRID_PREFILL_ROWS {
+                    logits.push(target.extend_last(
+                        &prompts[from..=i],
+                        &mut caches[from..=i],
+                        &lm_head,
+                    )?);
+                    (from, rows) = (i + 1, 0);
+                }
             }
             let decoder = Self {
                 target,
@@ -64,10 +78,15 @@ impl<'t> BatchDecoder<'t> {
                 start: vec![0; prompts.len()],
                 width: prompts.iter().map(|p| p.len()).max().unwrap_or(0),
                 capacity: usize::MAX,
-                lm_head: Linear::Dense(target.lm_head.to_dtype(DType::F32)?),
+                lm_head,
                 alone: Some(caches),
             };
-            return Ok((decoder, Tensor::cat(&logits, 0)?));
+            let logits = if logits.len() == 1 {
+                logits.pop().expect("one")
+            } else {
+                Tensor::cat(&logits, 0)?
+            };
+            return Ok((decoder, logits));
         }
         let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
         let capacity = longest + extra;
@@ -108,12 +127,10 @@ impl<'t> BatchDecoder<'t> {
             candle_core::bail!("{} tokens for {} sequences", next.len(), self.start.len());
         }
         if let Some(caches) = self.alone.as_mut() {
-            let mut logits = Vec::with_capacity(caches.len());
-            for (cache, &t) in caches.iter_mut().zip(next) {
-                logits.push(self.target.extend(&[t], cache, &[])?.0);
-            }
+            let seqs: Vec<&[u32]> = next.iter().map(std::slice::from_ref).collect();
+            let logits = self.target.extend_last(&seqs, caches, &self.lm_head)?;
             self.width += 1;
-            return Tensor::cat(&logits, 0);
+            return Ok(logits);
         }
         if self.width >= self.capacity {
             candle_core::bail!("the batch's cache is full ({} columns)", self.capacity);

@@ -825,6 +825,47 @@ impl Target {
         Ok((logits, tapped))
     }
 
+    /// [`Self::extend`] for several sequences in one pass, each after its own cache (`caches[i]`
+    /// for `seqs[i]`, appended to): their rows stacked, so every projection, norm and MLP runs
+    /// once for all of them, attention and Gated DeltaNet layers per sequence. Only each
+    /// sequence's next-token logits after its last id, `[seqs, vocab]` (f32, through `lm_head`,
+    /// the head in f32): what batched generation needs.
+    pub fn extend_last(
+        &self,
+        seqs: &[&[u32]],
+        caches: &mut [KvCache],
+        lm_head: &Linear,
+    ) -> Result<Tensor> {
+        if seqs.len() != caches.len() || seqs.iter().any(|s| s.is_empty()) {
+            candle_core::bail!(
+                "{} sequences (none may be empty) for {} caches",
+                seqs.len(),
+                caches.len()
+            );
+        }
+        let mut stacked: Vec<Seq<'_>> = seqs
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(ids, cache)| Seq {
+                ids,
+                cache: Some(cache),
+                parents: None,
+            })
+            .collect();
+        let (x, _) = self.run_layers(&mut stacked, &[], self.config.layers)?;
+        let mut at = 0;
+        let last: Vec<u32> = seqs
+            .iter()
+            .map(|ids| {
+                at += ids.len();
+                (at - 1) as u32
+            })
+            .collect();
+        let x = x.index_select(&Tensor::new(last.as_slice(), x.device())?, 0)?;
+        let h = fused_norm(&x, &self.norm, self.config.eps)?;
+        lm_head.forward(&h.to_dtype(DType::F32)?)
+    }
+
     /// [`Self::extend`] for a tree of tokens (`parents[i]` before `i`; node 0 the root, the
     /// round's first token): every node sees the cache and its own ancestors, at the position
     /// of its depth; a hybrid's Gated DeltaNet layers step each node from its parent's state
