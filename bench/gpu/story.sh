@@ -82,9 +82,19 @@ pack-inputs)
         mkdir -p "$pack"/c/init && cp "$init"/config.json "$init"/model.safetensors "$pack"/c/init/
     fi
     if [ -n "$seed" ]; then
-        (cd "$seed" && find . -type f -size -4M | sort | tar -czf - -T -) > "$pack"/b/store-seed.tar.gz
+        # A store folder, or a `store-small.tar.gz` that `bring-back` brought (and was
+        # committed); in `c` when no INIT takes its room there, else in `b`.
+        part=b; [ -z "$init" ] && part=c
+        if [ -f "$seed" ]; then
+            cp "$seed" "$pack"/$part/store-seed.tar.gz
+        else
+            (cd "$seed" && find . -type f -size -4M | sort | tar -czf - -T -) > "$pack"/$part/store-seed.tar.gz
+        fi
     fi
     du -sb "$pack"/a "$pack"/b "$pack"/c
+    for p in a b c; do
+        [ "$(du -sb "$pack"/$p | cut -f1)" -lt $((63 * 1024 * 1024)) ] || echo "warning: $pack/$p is over what one call carries (64 MiB with the tree)" >&2
+    done
     ;;
 stash)
     # There: keep what this call carried (the working tree's .gpu/ is replaced by the next call).
@@ -228,17 +238,22 @@ probe)
     $STASH/train_probe "$@"
     ;;
 bring-back)
-    # There: the store's small files (manifests, run records, shard lists, metrics, results),
-    # the drafter and the bench artifact exported, the run's report, under $OUT in 15 MiB pieces.
+    # There: the store's files under 4 MB (manifests, run records, shard lists, metrics,
+    # results, and the completions' shards: commit `store-small.tar.gz` to bench/results/ so a
+    # later session seeds its store with it, `pack-inputs ... SEED`, instead of generating
+    # again), the drafters and the bench artifacts exported, the run's report, under $OUT in
+    # 15 MiB pieces.
     cuda_env
     rm -rf /tmp/back && mkdir -p /tmp/back
-    for s in drafter bench bench_dflash2; do
+    for s in drafter drafter2 bench bench_dflash2; do
         $STASH/dflash export $s -p $(story_pipeline) --store $STORE /tmp/back/$s || true
     done
     # Not the checkpoints (weights and both moments, each): the exported weights and metrics.
-    find /tmp/back/drafter -mindepth 1 -maxdepth 1 ! -name drafter ! -name '*.json*' -exec rm -rf {} + || true
+    for d in drafter drafter2; do
+        find /tmp/back/$d -mindepth 1 -maxdepth 1 ! -name drafter ! -name '*.json*' -exec rm -rf {} + || true
+    done
     $STASH/dflash report latest --store $STORE -o /tmp/back/report.html || true
-    (cd $STORE && find . -type f -size -2M | sort) > /tmp/small.txt
+    (cd $STORE && find . -type f -size -4M | sort) > /tmp/small.txt
     tar -czf /tmp/back/store-small.tar.gz -C $STORE -T /tmp/small.txt
     tar -czf - -C /tmp back | split -b 15M -d - "$OUT/back.tar.gz."
     ls -la "$OUT"
