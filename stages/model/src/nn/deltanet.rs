@@ -305,17 +305,22 @@ impl DeltaNet {
         let intra = (q.matmul(&kt)? * &decay)?;
         let last = cum.narrow(2, CHUNK - 1, 1)?;
         let k_tail = k.broadcast_mul(&last.broadcast_sub(&cum)?.exp()?.unsqueeze(D::Minus1)?)?;
-        let chunk_decay = last.exp()?;
+        let chunk_decay = last.exp()?.unsqueeze(D::Minus1)?;
+        // Chunk-major copies, made once: each chunk's slice is then contiguous as it is, where
+        // slicing the head-major tensors took a copy per operand and chunk (launches on a GPU).
+        let by_chunk = |t: &Tensor| t.transpose(0, 1)?.contiguous();
+        let (values, k_decayed) = (by_chunk(&values)?, by_chunk(&k_decayed)?);
+        let (q_decayed, intra) = (by_chunk(&q_decayed)?, by_chunk(&intra)?);
+        let k_tail = by_chunk(&k_tail.transpose(D::Minus1, D::Minus2)?)?;
+        let chunk_decay = by_chunk(&chunk_decay)?;
         let mut state_s = state.recurrent.clone();
         let mut outs = Vec::with_capacity(chunks);
         for c in 0..chunks {
-            let at = |t: &Tensor| -> Result<Tensor> { t.narrow(1, c, 1)?.squeeze(1)?.contiguous() };
-            let v_new = (at(&values)? - at(&k_decayed)?.matmul(&state_s)?)?;
-            let o = (at(&q_decayed)?.matmul(&state_s)? + at(&intra)?.matmul(&v_new)?)?;
+            let v_new = (values.get(c)? - k_decayed.get(c)?.matmul(&state_s)?)?;
+            let o = (q_decayed.get(c)?.matmul(&state_s)? + intra.get(c)?.matmul(&v_new)?)?;
             outs.push(o);
-            let kc = at(&k_tail)?.transpose(1, 2)?.contiguous()?;
             state_s =
-                (state_s.broadcast_mul(&at(&chunk_decay)?.unsqueeze(2)?)? + kc.matmul(&v_new)?)?;
+                (state_s.broadcast_mul(&chunk_decay.get(c)?)? + k_tail.get(c)?.matmul(&v_new)?)?;
         }
         let o = Tensor::cat(&outs, 1)?.narrow(1, 0, n)?;
         let out = self.finish(&o, &m.z, x.dtype())?;
