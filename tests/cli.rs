@@ -304,6 +304,107 @@ fn only_runs_the_stage_and_what_it_needs() {
     );
 }
 
+/// `matrix:` makes one stage per combination of its values (`ID@param=value,...`, the first
+/// param varying slowest), each keyed by its own params; a list input naming the declaring
+/// stage takes them all, in order; `--only` by the declaring id runs them all; adding a value
+/// runs only the new stage.
+#[test]
+fn a_matrix_makes_a_stage_per_combination() {
+    let env = Env::new();
+    let p = r#"
+stages:
+  sweep:
+    kind: command
+    params: {env: {WHAT: x}}
+    matrix:
+      run: ["echo $WHAT-one > $DFLASH_OUT/v.txt", "echo $WHAT-two > $DFLASH_OUT/v.txt"]
+      env: [{WHAT: a}, {WHAT: b}]
+  all:
+    kind: command
+    inputs: [sweep]
+    params: {run: "cat $DFLASH_IN_SWEEP_RUN_0_ENV_0/v.txt $DFLASH_IN_SWEEP_RUN_0_ENV_1/v.txt $DFLASH_IN_SWEEP_RUN_1_ENV_0/v.txt $DFLASH_IN_SWEEP_RUN_1_ENV_1/v.txt > $DFLASH_OUT/all.txt"}
+"#;
+    // `env` is in both: refused, pointing at the matrix's entry.
+    let err = errors_of(&env, "both.yaml", p);
+    assert!(
+        err.contains("param `env` of `sweep` is in both `params` and `matrix`"),
+        "{err}"
+    );
+    let p = p.replace("    params: {env: {WHAT: x}}\n", "");
+    env.write("p.yaml", &p);
+    let (st, _) = env.run("p.yaml", 0);
+    let ids = [
+        "sweep@run=0,env=0",
+        "sweep@run=0,env=1",
+        "sweep@run=1,env=0",
+        "sweep@run=1,env=1",
+    ];
+    for id in ids {
+        assert_eq!(st[id], "ran", "{st:?}");
+    }
+    env.dflash(&["export", "all", "-p", "p.yaml", "out"]);
+    assert_eq!(
+        std::fs::read_to_string(env.path().join("out/all.txt")).unwrap(),
+        "a-one\nb-one\na-two\nb-two\n"
+    );
+    let m = env.show("all", "p.yaml");
+    let inputs: Vec<&str> = m["fingerprint"]["inputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(inputs, ids, "{m}");
+    // A third value: only its two stages (and what takes them all) run.
+    let p3 = p.replace(
+        r#""echo $WHAT-two > $DFLASH_OUT/v.txt"]"#,
+        r#""echo $WHAT-two > $DFLASH_OUT/v.txt", "echo $WHAT-three > $DFLASH_OUT/v.txt"]"#,
+    );
+    env.write("p3.yaml", &p3);
+    let out = env.dflash(&["run", "p3.yaml", "--only", "sweep", "--json"]);
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ran: Vec<&str> = v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["status"] == "ran")
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ran, ["sweep@run=2,env=0", "sweep@run=2,env=1"], "{v}");
+    // Malformed matrices, each located: an unknown param, an empty list, a role that would
+    // take several stages.
+    let err = errors_of(
+        &env,
+        "bad.yaml",
+        r#"
+stages:
+  s:
+    kind: command
+    matrix: {runn: ["true"], shards: []}
+  t:
+    kind: command
+    matrix: {run: ["true", "false"]}
+  u:
+    kind: command
+    inputs: {mine: t}
+    params: {run: "true"}
+"#,
+    );
+    assert!(
+        err.contains("has no param `runn`") && err.contains("did you mean `run`?"),
+        "{err}"
+    );
+    assert!(
+        err.contains("`matrix.shards` of `s` must be a non-empty list"),
+        "{err}"
+    );
+    assert!(
+        err.contains("input `mine` of `u` names `t`, a matrix of 2 stages"),
+        "{err}"
+    );
+}
+
 fn errors_of(env: &Env, name: &str, text: &str) -> String {
     env.write(name, text);
     let out = env.dflash(&["plan", name]);

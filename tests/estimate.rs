@@ -376,3 +376,36 @@ fn a_generate_is_sized_by_an_earlier_one_asked_the_same_way() {
     assert!((tokens - 3.0 * 30.0).abs() < 1e-9, "{longer}");
     assert!(longer["notes"].to_string().contains("half of max_tokens"));
 }
+
+/// A sweep (`matrix:`) whose one variant has the drafter's params: one key, so one training in
+/// GPU-hours, cost and storage; the variant says whose work it is.
+#[test]
+fn a_sweep_variant_equal_to_a_stage_is_counted_once() {
+    let env = story();
+    let sweep = "  sweep:\n    kind: train\n    inputs: [tokens]\n    params: {target: target-27b, taps: 5, epochs: 6, mask_token_id: 151669}\n    matrix: {draft_layers: [5, 3]}\n";
+    let story = std::fs::read_to_string(env.path().join("story.yaml")).unwrap();
+    env.write("sweep.yaml", &format!("{story}{sweep}"));
+    let args = ["--gpus", "8xH200", PINNED[0], PINNED[1]];
+    let alone = json(&env, &[&["story.yaml"][..], &args].concat());
+    let e = json(&env, &[&["sweep.yaml"][..], &args].concat());
+    // Whichever of the two is sized second is counted as done by the other.
+    let (a, b) = (stage(&e, "drafter"), stage(&e, "sweep@draft_layers=5"));
+    let (twin, first) = if a["gpu_hours"] == 0.0 {
+        (a, "sweep@draft_layers=5")
+    } else {
+        (b, "drafter")
+    };
+    assert_eq!(twin["gpu_hours"], 0.0, "{a} {b}");
+    let note = format!("the same work as `{first}`");
+    assert!(twin["notes"].to_string().contains(&note), "{twin}");
+    let other = stage(&e, "sweep@draft_layers=3");
+    let extra = other["gpu_hours"].as_f64().unwrap();
+    assert!(extra > 0.0, "{other}");
+    let total = |v: &Value| v["totals"]["gpu_hours"].as_f64().unwrap();
+    assert!(
+        (total(&e) - total(&alone) - extra).abs() < 1e-9,
+        "{} vs {} + {extra}",
+        total(&e),
+        total(&alone)
+    );
+}

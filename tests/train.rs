@@ -287,6 +287,38 @@ fn stages_on_the_accelerator_take_turns() {
     );
 }
 
+/// A sweep (`matrix:`) whose one variant is the pipeline's own drafter: the same key, trained
+/// once; the stage that waited for the GPU finds it committed and is cached, not trained again.
+#[test]
+fn a_sweep_variant_equal_to_another_stage_trains_once() {
+    let env = Env::new();
+    tiny(&env);
+    let sweep = "  sweep:\n    kind: train\n    inputs: [tokens]\n    params: {target: tiny.gguf, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 63,\n             target_layers: [0, 2], epochs: 2, checkpoint_every: 50}\n    matrix: {lr: [0.003, 0.01]}\n";
+    env.write(
+        "sweep.yaml",
+        &format!("{}{sweep}", PIPELINE.replace("epochs: 6", "epochs: 2")),
+    );
+    // Jobs enough for all three trainings to be ready, and to look for their keys, at once.
+    let o = env.dflash(&["run", "sweep.yaml", "--json", "-j", "4"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let st: std::collections::BTreeMap<&str, &str> = v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["id"].as_str().unwrap(), s["status"].as_str().unwrap()))
+        .collect();
+    let same = ["drafter", "sweep@lr=0.003"];
+    let mut statuses: Vec<&str> = same.iter().map(|id| st[*id]).collect();
+    statuses.sort_unstable();
+    assert_eq!(statuses, ["cached", "ran"], "{st:?}");
+    assert_eq!(st["sweep@lr=0.01"], "ran", "{st:?}");
+    assert_eq!(
+        env.show("drafter", "sweep.yaml")["key"],
+        env.show("sweep@lr=0.003", "sweep.yaml")["key"]
+    );
+}
+
 #[test]
 fn kill_9_after_a_checkpoint_then_rerun_ends_exactly_as_an_unstopped_run() {
     let straight = Env::new();

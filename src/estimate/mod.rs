@@ -273,6 +273,10 @@ pub async fn estimate(
     };
     let n = pipeline.stages.len();
     let mut out: Vec<Option<StageEstimate>> = vec![None; n];
+    // Stages with the same kind, params and (recursively) inputs have one key: the runtime
+    // does their work once (a sweep's variant equal to a stage beside it), so it is counted once.
+    let mut work: Vec<String> = vec![String::new(); n];
+    let mut first_of: HashMap<String, usize> = HashMap::new();
     for &i in &graph.order {
         let spec = &pipeline.stages[i];
         let ups: Vec<&Data> = graph.inputs[i]
@@ -287,7 +291,34 @@ pub async fn estimate(
             .iter()
             .map(|&u| pipeline.stages[u].kind.as_str())
             .collect();
-        let sized = sizer.size(spec, &ups, &up_kinds, state, manifests.get(&spec.id));
+        let mut sized = sizer.size(spec, &ups, &up_kinds, state, manifests.get(&spec.id));
+        let inputs: Vec<&str> = graph.inputs[i].iter().map(|&u| work[u].as_str()).collect();
+        work[i] = blake3::hash(
+            format!(
+                "{}\u{0}{}\u{0}{}",
+                spec.kind,
+                spec.params,
+                inputs.join("\u{0}")
+            )
+            .as_bytes(),
+        )
+        .to_hex()
+        .to_string();
+        match first_of.get(&work[i]) {
+            Some(&j) if sized.state != "done" => {
+                sized.gpu_hours = 0.0;
+                sized.cost = 0.0;
+                sized.wall_hours = Some(0.0);
+                sized.storage_bytes = None;
+                sized.notes.push(format!(
+                    "the same work as `{}` (one key): done once",
+                    pipeline.stages[j].id
+                ));
+            }
+            _ => {
+                first_of.entry(work[i].clone()).or_insert(i);
+            }
+        }
         out[i] = Some(sized);
     }
     let (warnings, alternatives) = (sizer.warnings, sizer.alternatives);

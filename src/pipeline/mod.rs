@@ -52,6 +52,8 @@ pub struct StageSpec {
     pub params: Value,
     /// `expect:`: declared data sizes for `dflash estimate` (never part of the key).
     pub expect: Value,
+    /// For a stage a `matrix:` made (`ID@param=value,...`), the id that declared it.
+    pub matrix_of: Option<String>,
 }
 
 /// A reference to an upstream stage.
@@ -94,7 +96,17 @@ pub enum LoadError {
 }
 
 const TOP_KEYS: &[&str] = &["name", "store", "stages", "description"];
-const STAGE_KEYS: &[&str] = &["kind", "inputs", "params", "expect", "description"];
+const STAGE_KEYS: &[&str] = &[
+    "kind",
+    "inputs",
+    "params",
+    "matrix",
+    "expect",
+    "description",
+];
+
+/// At most this many stages from one `matrix:`.
+const MAX_VARIANTS: usize = 256;
 
 /// What a stage may declare under `expect:` for `dflash estimate`, before any data exists.
 /// It never enters a key: it describes the data, it does not change what is computed.
@@ -186,9 +198,9 @@ pub fn parse(
         Ok(v) => v,
         Err(e) => return Err(fail(vec![syntax_problem(&text, &e)])),
     };
-    let spans = Spans::index(&text);
+    let mut spans = Spans::index(&text);
     let mut v = Validator {
-        spans: &spans,
+        spans: &mut spans,
         problems: Vec::new(),
         unchecked: std::collections::HashSet::new(),
     };
@@ -201,6 +213,9 @@ pub fn parse(
     }
     if !v.problems.is_empty() {
         let mut problems = v.problems;
+        // A matrix's variants share their text: what is wrong there is said once.
+        let mut seen = std::collections::HashSet::new();
+        problems.retain(|p| seen.insert((p.code, p.span.clone())));
         problems.sort_by_key(|p| p.span.start);
         return Err(fail(problems));
     }
@@ -292,7 +307,7 @@ fn syntax_problem(text: &str, e: &serde_yaml::Error) -> Problem {
 }
 
 struct Validator<'a> {
-    spans: &'a Spans,
+    spans: &'a mut Spans,
     problems: Vec<Problem>,
     /// Stages whose params have problems of type or range: their kind's checks would only
     /// repeat them.
@@ -498,16 +513,16 @@ impl Validator<'_> {
         };
         let mut stages = Vec::new();
         for (id, spec) in stages_map {
-            if let Some(s) = self.stage(id, spec, registry) {
-                stages.push(s);
-            }
+            stages.extend(self.stage(id, spec, registry));
         }
         let ids: Vec<&str> = stages_map.keys().map(String::as_str).collect();
         self.check_inputs(&stages, &ids);
+        let stages = self.matrix_inputs(stages);
         Some((name, store, stages))
     }
 
-    fn stage(&mut self, id: &str, spec: &Value, registry: &Registry) -> Option<StageSpec> {
+    /// A stage as declared; several with a `matrix:` (one per combination of its values).
+    fn stage(&mut self, id: &str, spec: &Value, registry: &Registry) -> Vec<StageSpec> {
         if id.is_empty()
             || !id
                 .chars()
@@ -535,7 +550,7 @@ impl Validator<'_> {
                 span,
                 "here",
             ));
-            return None;
+            return Vec::new();
         };
         self.unknown_keys(map, STAGE_KEYS, &["stages", id], &format!("stage `{id}`"));
         let kind_name = match map.get("kind") {
@@ -555,7 +570,7 @@ impl Validator<'_> {
                     )
                     .help(format!("kinds: {}", list(&registry.names()))),
                 );
-                return None;
+                return Vec::new();
             }
         };
         let inputs = self.inputs(id, map.get("inputs"));
@@ -575,17 +590,8 @@ impl Validator<'_> {
                 )
                 .help(help),
             );
-            return None;
+            return Vec::new();
         };
-        let before = self.problems.len();
-        let params = self.section(id, &kind_name, "params", &kind.params(), map.get("params"));
-        // A missing param leaves the others worth checking; a wrong type or range does not.
-        if self.problems[before..]
-            .iter()
-            .any(|p| p.code != "dflash::pipeline::missing_param")
-        {
-            self.unchecked.insert(id.to_owned());
-        }
         let expect = self.section(
             id,
             &kind_name,
@@ -593,13 +599,220 @@ impl Validator<'_> {
             &expect_schema(),
             map.get("expect"),
         );
-        Some(StageSpec {
-            id: id.to_owned(),
-            kind: kind_name,
-            inputs,
-            params,
-            expect,
-        })
+        let schema = kind.params();
+        let variants = match map.get("matrix") {
+            None => vec![(id.to_owned(), None, map.get("params").cloned())],
+            Some(m) => self.matrix(id, &kind_name, &schema, m, map.get("params")),
+        };
+        let mut out = Vec::with_capacity(variants.len());
+        for (vid, set, given) in variants {
+            let before = self.problems.len();
+            let params = self.section(&vid, &kind_name, "params", &schema, given.as_ref());
+            // A missing param leaves the others worth checking; a wrong type or range does not.
+            if self.problems[before..]
+                .iter()
+                .any(|p| p.code != "dflash::pipeline::missing_param")
+            {
+                self.unchecked.insert(vid.clone());
+            }
+            out.push(StageSpec {
+                id: vid,
+                kind: kind_name.clone(),
+                inputs: inputs.clone(),
+                params,
+                expect: expect.clone(),
+                matrix_of: set.map(|_| id.to_owned()),
+            });
+        }
+        out
+    }
+
+    /// A stage's `matrix:` (params to lists of values): one `(id, set, params)` per combination,
+    /// the first param varying slowest, each id `ID@param=value,...` (a value that is not a
+    /// short scalar shows as its index), each variant's params the stage's with the matrix's
+    /// values set. Nothing where the matrix is malformed (the problems say why).
+    #[allow(clippy::type_complexity)]
+    fn matrix(
+        &mut self,
+        id: &str,
+        kind: &str,
+        schema: &[dflash_stage_api::Param],
+        m: &Value,
+        given: Option<&Value>,
+    ) -> Vec<(String, Option<Vec<(String, usize)>>, Option<Value>)> {
+        let names: Vec<&str> = schema.iter().map(|p| p.name).collect();
+        let malformed = |this: &mut Self, at: Vec<&str>, message: String, help: &str| {
+            let span = this.at(&at);
+            this.push(Problem::new("dflash::pipeline::matrix", message, span, "here").help(help));
+        };
+        let Some(map) = m.as_object().filter(|m| !m.is_empty()) else {
+            malformed(
+                self,
+                vec!["stages", id, "matrix"],
+                format!(
+                    "`matrix` of `{id}` must map params to lists of values, found {}",
+                    describe_value(m)
+                ),
+                "e.g. `matrix: {lr: [6e-4, 2e-3], block_size: [8, 16]}`",
+            );
+            return Vec::new();
+        };
+        let mut axes: Vec<(&str, &Vec<Value>)> = Vec::new();
+        for (param, values) in map {
+            if !names.contains(&param.as_str()) {
+                let span = self.spans.key(&["stages", id, "matrix", param]);
+                let p = Problem::new(
+                    "dflash::pipeline::unknown_param",
+                    format!("`{kind}` has no param `{param}`"),
+                    span,
+                    "unknown param",
+                );
+                self.push(match did_you_mean(param, names.iter().copied()) {
+                    Some(s) => p.help(format!("did you mean `{s}`?")),
+                    None => p.help(format!("`{kind}` params: {}", list(&names))),
+                });
+            } else if given.and_then(|g| g.get(param)).is_some() {
+                malformed(
+                    self,
+                    vec!["stages", id, "matrix", param],
+                    format!("param `{param}` of `{id}` is in both `params` and `matrix`"),
+                    "keep it in one: the matrix's values would replace the param's",
+                );
+            } else {
+                match values {
+                    Value::Array(list) if !list.is_empty() => axes.push((param, list)),
+                    other => malformed(
+                        self,
+                        vec!["stages", id, "matrix", param],
+                        format!(
+                            "`matrix.{param}` of `{id}` must be a non-empty list of values, found {}",
+                            describe_value(other)
+                        ),
+                        "e.g. `[6e-4, 2e-3]`",
+                    ),
+                }
+            }
+        }
+        if axes.len() != map.len() {
+            return Vec::new();
+        }
+        let count = axes.iter().map(|(_, l)| l.len()).product::<usize>();
+        if count > MAX_VARIANTS {
+            malformed(
+                self,
+                vec!["stages", id, "matrix"],
+                format!("`matrix` of `{id}` makes {count} stages, more than {MAX_VARIANTS}"),
+                "sweep fewer values at a time",
+            );
+            return Vec::new();
+        }
+        let label = |v: &Value, i: usize| -> String {
+            let shown = match v {
+                Value::Number(n) => n.to_string(),
+                Value::String(s) => s.clone(),
+                Value::Bool(b) => b.to_string(),
+                _ => String::new(),
+            };
+            let short = !shown.is_empty()
+                && shown.len() <= 32
+                && shown
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "._+-".contains(c));
+            if short { shown } else { i.to_string() }
+        };
+        let mut out = Vec::with_capacity(count);
+        let mut seen = std::collections::HashSet::new();
+        for n in 0..count {
+            // The n-th combination, the last axis varying fastest.
+            let mut rest = n;
+            let mut at = vec![0; axes.len()];
+            for (a, (_, list)) in axes.iter().enumerate().rev() {
+                at[a] = rest % list.len();
+                rest /= list.len();
+            }
+            let mut params = match given {
+                Some(Value::Object(p)) => p.clone(),
+                _ => serde_json::Map::new(),
+            };
+            let mut parts = Vec::with_capacity(axes.len());
+            let mut set = Vec::with_capacity(axes.len());
+            for ((param, list), &i) in axes.iter().zip(&at) {
+                params.insert((*param).to_owned(), list[i].clone());
+                parts.push(format!("{param}={}", label(&list[i], i)));
+                set.push(((*param).to_owned(), i));
+            }
+            let vid = format!("{id}@{}", parts.join(","));
+            if !seen.insert(vid.clone()) {
+                let (param, i) = set
+                    .iter()
+                    .zip(&axes)
+                    .find(|((_, i), (_, list))| list[..*i].contains(&list[*i]))
+                    .map_or_else(|| set[0].clone(), |(s, _)| s.clone());
+                let span = self.at(&["stages", id, "matrix", &param, &i.to_string()]);
+                self.push(Problem::new(
+                    "dflash::pipeline::matrix",
+                    format!("`matrix.{param}` of `{id}` lists a value twice"),
+                    span,
+                    "again",
+                ));
+                continue;
+            }
+            self.spans.add_variant(&vid, id, set.clone());
+            out.push((vid, Some(set), Some(Value::Object(params))));
+        }
+        out
+    }
+
+    /// Inputs naming a stage that a `matrix:` expanded: a list's entry takes every variant, in
+    /// order; a role (one input) cannot take several, and says so.
+    fn matrix_inputs(&mut self, mut stages: Vec<StageSpec>) -> Vec<StageSpec> {
+        let mut variants: std::collections::HashMap<String, Vec<String>> =
+            std::collections::HashMap::new();
+        for s in &stages {
+            if let Some(base) = &s.matrix_of {
+                variants.entry(base.clone()).or_default().push(s.id.clone());
+            }
+        }
+        if variants.is_empty() {
+            return stages;
+        }
+        for s in &mut stages {
+            let mut inputs = Vec::with_capacity(s.inputs.len());
+            for input in std::mem::take(&mut s.inputs) {
+                match variants.get(&input.stage) {
+                    None => inputs.push(input),
+                    Some(ids) if input.name == input.stage => {
+                        inputs.extend(ids.iter().map(|v| InputRef {
+                            name: v.clone(),
+                            stage: v.clone(),
+                        }));
+                    }
+                    Some(ids) => {
+                        let span = self.at(&["stages", &s.id, "inputs", &input.name]);
+                        self.push(
+                            Problem::new(
+                                "dflash::pipeline::matrix",
+                                format!(
+                                    "input `{}` of `{}` names `{}`, a matrix of {} stages; a named input takes one",
+                                    input.name,
+                                    s.id,
+                                    input.stage,
+                                    ids.len()
+                                ),
+                                span,
+                                "one of several",
+                            )
+                            .help(format!(
+                                "name one (`{}`), or list `{}` in `inputs: [...]` to take them all",
+                                ids[0], input.stage
+                            )),
+                        );
+                    }
+                }
+            }
+            s.inputs = inputs;
+        }
+        stages
     }
 
     fn inputs(&mut self, id: &str, v: Option<&Value>) -> Vec<InputRef> {
@@ -806,8 +1019,9 @@ impl Validator<'_> {
         );
         // With `--only`, the stages that will run: those named and everything upstream of them
         // (a model that only a later stage needs may not be on this machine yet).
+        let only = expand_matrix_names(stages, checks.only);
         let selected: std::collections::HashSet<&str> = all
-            .with_upstream(checks.only.iter().map(String::as_str))
+            .with_upstream(only.iter().map(String::as_str))
             .into_iter()
             .map(|s| s.id)
             .collect();
@@ -845,14 +1059,15 @@ impl Validator<'_> {
         issue: &dflash_stage_api::Issue,
         from: Option<&str>,
     ) -> Problem {
-        issue_problem(self.spans, id, issue, from)
+        issue_problem(&*self.spans, id, issue, from)
     }
 
     /// `ids`: every declared stage id, including stages that failed validation.
     fn check_inputs(&mut self, stages: &[StageSpec], ids: &[&str]) {
         for s in stages {
+            let own = s.matrix_of.as_deref().unwrap_or(&s.id);
             for (i, input) in s.inputs.iter().enumerate() {
-                if input.stage == s.id {
+                if input.stage == own {
                     let span = self.at(&["stages", &s.id, "inputs", &i.to_string()]);
                     self.push(Problem::new(
                         "dflash::graph::cycle",
@@ -886,6 +1101,26 @@ impl Validator<'_> {
             }
         }
     }
+}
+
+/// Stage names as users give them (`--only`): a name that declared a `matrix:` stands for
+/// every stage it made.
+pub fn expand_matrix_names(stages: &[StageSpec], names: &[String]) -> Vec<String> {
+    names
+        .iter()
+        .flat_map(|name| {
+            let made: Vec<String> = stages
+                .iter()
+                .filter(|s| s.matrix_of.as_deref() == Some(name.as_str()))
+                .map(|s| s.id.clone())
+                .collect();
+            if made.is_empty() {
+                vec![name.clone()]
+            } else {
+                made
+            }
+        })
+        .collect()
 }
 
 fn seg_name(s: &PathSeg) -> String {

@@ -14,6 +14,18 @@ use saphyr_parser::{Event, Parser};
 #[derive(Default, Debug)]
 pub struct Spans {
     by_path: HashMap<String, Entry>,
+    /// Stages a `matrix:` made (`stages.ID@...`), and where their text is: the declaring stage's,
+    /// a param the matrix sets at its value in the list.
+    variants: HashMap<String, Variant>,
+}
+
+/// Where a matrix variant's paths point in the text.
+#[derive(Clone, Debug)]
+struct Variant {
+    /// The declaring stage's id.
+    base: String,
+    /// Each param the matrix sets and the index of its value in the param's list.
+    set: Vec<(String, usize)>,
 }
 
 #[derive(Clone, Debug)]
@@ -118,7 +130,43 @@ impl Spans {
         })
     }
 
+    /// Let `stages.ID` resolve to the text of `base`, which declared it with a `matrix:`
+    /// setting each `(param, index)` of `set`.
+    pub fn add_variant(&mut self, id: &str, base: &str, set: Vec<(String, usize)>) {
+        self.variants.insert(
+            id.to_owned(),
+            Variant {
+                base: base.to_owned(),
+                set,
+            },
+        );
+    }
+
     fn find(&self, path: &[&str], pick: impl Fn(&Entry) -> Option<Range<usize>>) -> Range<usize> {
+        // A variant's path: its param the matrix sets, at that value in the list; else the
+        // declaring stage's own.
+        if let ["stages", id, rest @ ..] = path
+            && let Some(v) = self.variants.get(*id)
+        {
+            let mut to: Vec<String> = vec!["stages".into(), v.base.clone()];
+            let set = match rest {
+                ["params", param, below @ ..] => v
+                    .set
+                    .iter()
+                    .find(|(p, _)| p == param)
+                    .map(|(p, i)| (p, i, below)),
+                _ => None,
+            };
+            match set {
+                Some((param, i, below)) => {
+                    to.extend(["matrix".into(), param.clone(), i.to_string()]);
+                    to.extend(below.iter().map(|s| (*s).to_owned()));
+                }
+                None => to.extend(rest.iter().map(|s| (*s).to_owned())),
+            }
+            let to: Vec<&str> = to.iter().map(String::as_str).collect();
+            return self.find(&to, pick);
+        }
         (0..=path.len())
             .rev()
             .find_map(|n| self.by_path.get(&path_of(&path[..n])).and_then(&pick))

@@ -187,7 +187,7 @@ fn selection(pipeline: &Pipeline, graph: &Graph, only: &[String]) -> Result<Vec<
     }
     let mut selected = vec![false; pipeline.stages.len()];
     let mut stack = Vec::new();
-    for name in only {
+    for name in &crate::pipeline::expand_matrix_names(&pipeline.stages, only) {
         let i = pipeline
             .stages
             .iter()

@@ -65,6 +65,19 @@ pub(crate) async fn run_stage(
     if shared.cancel.is_cancelled() {
         return failed(Some(key), StageError::cancelled());
     }
+    // Another stage of the same key (a matrix variant equal to a stage beside it) may have
+    // committed it while this one waited for the accelerator.
+    if _accelerator.is_some()
+        && let Ok(Some(m)) = shared.store.manifest(&key).await
+    {
+        return Outcome {
+            status: Status::Cached,
+            key: Some(key),
+            digest: Some(m.digest),
+            error: None,
+            summary: None,
+        };
+    }
     let _ = shared.events.send(Event::Started { stage: i });
     let earlier = match shared.store.shards(&key).await {
         Ok(s) => s,
