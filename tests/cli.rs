@@ -355,6 +355,14 @@ stages:
         .map(|i| i["name"].as_str().unwrap())
         .collect();
     assert_eq!(inputs, ids, "{m}");
+    // The declaring id is not an artifact: `show` names the variants instead.
+    let out = env.dflash(&["show", "sweep", "-p", "p.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("`sweep` is a matrix of 4 stages") && err.contains("`sweep@run=1,env=0`"),
+        "{err}"
+    );
     // A third value: only its two stages (and what takes them all) run.
     let p3 = p.replace(
         r#""echo $WHAT-two > $DFLASH_OUT/v.txt"]"#,

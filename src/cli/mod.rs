@@ -218,6 +218,9 @@ enum CliError {
     #[error("`{0}` matches {1} artifacts")]
     #[diagnostic(code(dflash::cli::ambiguous), help("give more characters of the key"))]
     Ambiguous(String, usize),
+    #[error("`{0}` is a matrix of {1} stages, each with its own artifact")]
+    #[diagnostic(code(dflash::cli::matrix), help("name one: {2}"))]
+    Matrix(String, usize, String),
     #[error("stage `{0}` is not done yet, so it has no artifact")]
     #[diagnostic(
         code(dflash::cli::not_done),
@@ -790,6 +793,15 @@ async fn resolve(
             return m
                 .map(|m| (store, m))
                 .ok_or_else(|| CliError::NotDone(reference.to_owned()).into());
+        }
+        let made: Vec<String> = p
+            .stages
+            .iter()
+            .filter(|s| s.matrix_of.as_deref() == Some(reference))
+            .map(|s| format!("`{}`", s.id))
+            .collect();
+        if !made.is_empty() {
+            return Err(CliError::Matrix(reference.to_owned(), made.len(), made.join(", ")).into());
         }
         return by_prefix(store, reference).await;
     }
