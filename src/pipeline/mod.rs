@@ -213,9 +213,24 @@ pub fn parse(
     }
     if !v.problems.is_empty() {
         let mut problems = v.problems;
-        // A matrix's variants share their text: what is wrong there is said once.
+        // A matrix's variants share their text: what is wrong there is said once (the same
+        // problem at the same place, told of another variant).
+        let variants: Vec<(&str, &str)> = pipeline
+            .as_ref()
+            .map(|(_, _, stages)| {
+                stages
+                    .iter()
+                    .filter_map(|s| Some((s.id.as_str(), s.matrix_of.as_deref()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut seen = std::collections::HashSet::new();
-        problems.retain(|p| seen.insert((p.code, p.span.clone())));
+        problems.retain(|p| {
+            let told = variants.iter().fold(p.message.clone(), |m, (id, base)| {
+                m.replace(&format!("`{id}`"), &format!("`{base}`"))
+            });
+            seen.insert((p.code, p.span.clone(), told))
+        });
         problems.sort_by_key(|p| p.span.start);
         return Err(fail(problems));
     }
