@@ -29,7 +29,8 @@ stages:
     kind: train
     inputs: [tokens]
     params: {target: tiny.gguf, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 63,
-             target_layers: [0, 2], epochs: 2, lr: 0.003}
+             target_layers: [0, 2], epochs: 2}
+    matrix: {lr: [0.003, 0.01]}
   bench:
     kind: bench
     inputs: [drafter, tokens]
@@ -83,6 +84,10 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
         // Each method's tau beside the tau at which it would break even.
         ">break-even tau</text>",
         "id=\"stage-broken\"",
+        // A sweep's drafters side by side (two, from `matrix:`), the best per-round tau bold.
+        "Drafters compared",
+        "<a href=\"#stage-drafter@lr=0.01\">drafter@lr=0.01</a>",
+        "<strong>",
     ] {
         assert!(html.contains(want), "missing {want}");
     }
@@ -146,8 +151,8 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
         .output()
         .unwrap();
     let dom = String::from_utf8_lossy(&dom.stdout);
-    // Seven stages drawn as seven nodes, and the charts.
-    assert!(dom.matches("<rect x=").count() >= 7, "{dom}");
+    // Eight stages drawn as eight nodes, and the charts.
+    assert!(dom.matches("<rect x=").count() >= 8, "{dom}");
     assert!(dom.contains("<polyline"), "no loss curve in the DOM");
 }
 
@@ -157,11 +162,17 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
 fn a_report_sets_two_runs_side_by_side() {
     let env = Env::new();
     inputs(&env);
-    let pipeline = PIPELINE.replace(
-        "  broken:\n    kind: command\n    inputs: [prompts]\n    params: {run: \"echo '<script>alert(1)</script>' >&2; exit 3\"}\n",
-        "",
-    );
-    assert_ne!(pipeline, PIPELINE);
+    // One drafter (no sweep), no failing stage.
+    let pipeline = PIPELINE
+        .replace(
+            "  broken:\n    kind: command\n    inputs: [prompts]\n    params: {run: \"echo '<script>alert(1)</script>' >&2; exit 3\"}\n",
+            "",
+        )
+        .replace(
+            "epochs: 2}\n    matrix: {lr: [0.003, 0.01]}",
+            "epochs: 2, lr: 0.003}",
+        );
+    assert!(!pipeline.contains("broken") && !pipeline.contains("matrix"));
     env.write("p.yaml", &pipeline);
     let (_, first) = env.run("p.yaml", 0);
     env.write("q.yaml", &pipeline.replace("epochs: 2", "epochs: 6"));

@@ -201,11 +201,53 @@ pub fn render(run: &RunRecord, stages: &[StageView], against: Option<&Against<'_
         );
     }
     h.push_str("</table>");
+    drafters(&mut h, stages);
     for v in stages {
         stage_section(&mut h, v);
     }
     h.push_str("</body></html>\n");
     h
+}
+
+/// With several drafters in the run (a sweep), one table of what each reached on its held-out
+/// sequences at its last evaluation, the best tau per decoding round (the figure that predicts
+/// `bench`) in bold.
+fn drafters(h: &mut String, stages: &[StageView]) {
+    let last = |series: &[(f64, f64)]| series.last().map(|&(_, v)| v);
+    let rows: Vec<(&StageView, Option<f64>)> = stages
+        .iter()
+        .filter(|v| v.result.kind == "train" && !v.loss.is_empty())
+        .map(|v| (v, last(&v.eval_tau[1])))
+        .collect();
+    if rows.len() < 2 {
+        return;
+    }
+    let best = rows
+        .iter()
+        .filter_map(|(_, t)| *t)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let cell = |x: Option<f64>, digits: usize| {
+        x.map_or_else(|| "-".to_owned(), |x| format!("{x:.digits$}"))
+    };
+    h.push_str("<h2 id=\"drafters\">Drafters compared</h2><p>each drafter's last evaluation on its held-out sequences; tau per decoding round is the figure <code>bench</code> measures</p><table><tr><th>drafter</th><th>steps</th><th>training loss</th><th>held-out loss</th><th>held-out tau over anchors</th><th>held-out tau per decoding round</th></tr>");
+    for (v, per_round) in rows {
+        let tau = cell(per_round, 3);
+        let tau = if per_round == Some(best) {
+            format!("<strong>{tau}</strong>")
+        } else {
+            tau
+        };
+        let _ = write!(
+            h,
+            "<tr><td><a href=\"#stage-{id}\">{id}</a></td><td class=\"n\">{steps}</td><td class=\"n\">{loss}</td><td class=\"n\">{eval_loss}</td><td class=\"n\">{anchors}</td><td class=\"n\">{tau}</td></tr>",
+            id = esc(&v.result.id),
+            steps = v.loss.last().map_or(0.0, |&(s, _)| s),
+            loss = cell(last(&v.loss), 3),
+            eval_loss = cell(last(&v.eval_loss), 3),
+            anchors = cell(last(&v.eval_tau[0]), 3),
+        );
+    }
+    h.push_str("</table>");
 }
 
 fn stage_section(h: &mut String, v: &StageView) {
