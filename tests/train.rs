@@ -293,7 +293,7 @@ fn stages_on_the_accelerator_take_turns() {
 fn a_sweep_variant_equal_to_another_stage_trains_once() {
     let env = Env::new();
     tiny(&env);
-    let sweep = "  sweep:\n    kind: train\n    inputs: [tokens]\n    params: {target: tiny.gguf, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 63,\n             target_layers: [0, 2], epochs: 2, checkpoint_every: 50}\n    matrix: {lr: [0.003, 0.01]}\n";
+    let sweep = "  sweep:\n    kind: train\n    inputs: [tokens]\n    params: {target: tiny.gguf, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 63,\n             target_layers: [0, 2], epochs: 2, checkpoint_every: 50}\n    matrix: {lr: [0.003, 1e-2]}\n";
     env.write(
         "sweep.yaml",
         &format!("{}{sweep}", PIPELINE.replace("epochs: 6", "epochs: 2")),
@@ -312,7 +312,8 @@ fn a_sweep_variant_equal_to_another_stage_trains_once() {
     let mut statuses: Vec<&str> = same.iter().map(|id| st[*id]).collect();
     statuses.sort_unstable();
     assert_eq!(statuses, ["cached", "ran"], "{st:?}");
-    assert_eq!(st["sweep@lr=0.01"], "ran", "{st:?}");
+    // A number names its stage as written: `1e-2`, not `0.01`.
+    assert_eq!(st["sweep@lr=1e-2"], "ran", "{st:?}");
     assert_eq!(
         env.show("drafter", "sweep.yaml")["key"],
         env.show("sweep@lr=0.003", "sweep.yaml")["key"]

@@ -200,6 +200,7 @@ pub fn parse(
     };
     let mut spans = Spans::index(&text);
     let mut v = Validator {
+        text: &text,
         spans: &mut spans,
         problems: Vec::new(),
         unchecked: std::collections::HashSet::new(),
@@ -322,6 +323,8 @@ fn syntax_problem(text: &str, e: &serde_yaml::Error) -> Problem {
 }
 
 struct Validator<'a> {
+    /// The file's text (a matrix's values name its stages as written).
+    text: &'a str,
     spans: &'a mut Spans,
     problems: Vec<Problem>,
     /// Stages whose params have problems of type or range: their kind's checks would only
@@ -721,8 +724,14 @@ impl Validator<'_> {
             );
             return Vec::new();
         }
-        let label = |v: &Value, i: usize| -> String {
+        // A number as written (`6e-4`, not `0.0006`), a string as it reads.
+        let label = |this: &Self, param: &str, v: &Value, i: usize| -> String {
+            let written = this
+                .text
+                .get(this.at(&["stages", id, "matrix", param, &i.to_string()]))
+                .unwrap_or_default();
             let shown = match v {
+                Value::Number(_) if written.parse::<f64>().is_ok() => written.to_owned(),
                 Value::Number(n) => n.to_string(),
                 Value::String(s) => s.clone(),
                 Value::Bool(b) => b.to_string(),
@@ -753,7 +762,7 @@ impl Validator<'_> {
             let mut set = Vec::with_capacity(axes.len());
             for ((param, list), &i) in axes.iter().zip(&at) {
                 params.insert((*param).to_owned(), list[i].clone());
-                parts.push(format!("{param}={}", label(&list[i], i)));
+                parts.push(format!("{param}={}", label(self, param, &list[i], i)));
                 set.push(((*param).to_owned(), i));
             }
             let vid = format!("{id}@{}", parts.join(","));
