@@ -206,6 +206,17 @@ impl<E: Diagnostic + Send + Sync + 'static> From<E> for Failure {
     }
 }
 
+/// The id column's width: 24, or the longest id (a sweep's `ID@param=value,...`), so the
+/// columns after it line up.
+pub(crate) fn id_width(p: &Pipeline) -> usize {
+    p.stages
+        .iter()
+        .map(|s| s.id.len())
+        .max()
+        .unwrap_or(0)
+        .max(24)
+}
+
 /// A user-facing error raised by the CLI itself.
 #[derive(Debug, thiserror::Error, Diagnostic)]
 enum CliError {
@@ -433,6 +444,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             if json {
                 out(&serde_json::json!({ "stages": plan }).to_string());
             } else {
+                let width = id_width(&p);
                 for s in &plan {
                     let key = s.key.map_or_else(|| "-".into(), |k| k.0.short(12));
                     let state = serde_json::to_value(s.state)
@@ -440,7 +452,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                         .and_then(|v| v.as_str().map(str::to_owned))
                         .unwrap_or_default();
                     let line = format!(
-                        "{:<8} {:<24} {:<10} {key:<12} {}",
+                        "{:<8} {:<width$} {:<10} {key:<12} {}",
                         state,
                         s.id,
                         s.kind,

@@ -28,8 +28,9 @@ fn finished_line(
 ) -> String {
     let spec = &pipeline.stages[stage];
     let key = result.key.map(|k| k.0.short(12)).unwrap_or_default();
+    let width = super::id_width(pipeline);
     let mut line = format!(
-        "{:<8} {:<24} {:<10} {key:<12} {:>7.2}s",
+        "{:<8} {:<width$} {:<10} {key:<12} {:>7.2}s",
         result.status.as_str(),
         spec.id,
         spec.kind,
