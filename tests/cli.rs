@@ -397,7 +397,17 @@ stages:
     kind: command
     inputs: {mine: t}
     params: {run: "true"}
+  v:
+    kind: command
+    matrix: {shards: [2, 3]}
 "#,
+    );
+    // What every variant lacks alike is the declaring stage's, said once.
+    assert_eq!(
+        err.matches("stage `v` (`command`) needs param `run`")
+            .count(),
+        1,
+        "{err}"
     );
     assert!(
         err.contains("has no param `runn`") && err.contains("did you mean `run`?"),

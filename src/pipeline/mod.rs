@@ -225,12 +225,23 @@ pub fn parse(
                     .collect()
             })
             .unwrap_or_default();
-        let mut seen = std::collections::HashSet::new();
-        problems.retain(|p| {
-            let told = variants.iter().fold(p.message.clone(), |m, (id, base)| {
+        let told = |p: &Problem| {
+            variants.iter().fold(p.message.clone(), |m, (id, base)| {
                 m.replace(&format!("`{id}`"), &format!("`{base}`"))
-            });
-            seen.insert((p.code, p.span.clone(), told))
+            })
+        };
+        let mut times: std::collections::HashMap<_, usize> = std::collections::HashMap::new();
+        for p in &problems {
+            *times.entry((p.code, p.span.clone(), told(p))).or_default() += 1;
+        }
+        let mut seen = std::collections::HashSet::new();
+        problems.retain_mut(|p| {
+            let key = (p.code, p.span.clone(), told(p));
+            // Told of every variant alike: it is the declaring stage's, and named so.
+            if times[&key] > 1 {
+                p.message.clone_from(&key.2);
+            }
+            seen.insert(key)
         });
         problems.sort_by_key(|p| p.span.start);
         return Err(fail(problems));
