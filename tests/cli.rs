@@ -380,6 +380,30 @@ stages:
         .map(|s| s["id"].as_str().unwrap())
         .collect();
     assert_eq!(ran, ["sweep@run=2,env=0", "sweep@run=2,env=1"], "{v}");
+    // A variant with the same params as a stage beside it has its key: with jobs for both at
+    // once, one runs and the other waits for it and is cached (any kind, not only the GPU's).
+    env.write(
+        "twin.yaml",
+        r#"
+stages:
+  one: {kind: command, params: {run: "sleep 0.3; echo x > $DFLASH_OUT/x.txt"}}
+  two:
+    kind: command
+    matrix: {run: ["sleep 0.3; echo x > $DFLASH_OUT/x.txt", "echo y > $DFLASH_OUT/y.txt"]}
+"#,
+    );
+    let out = env.dflash(&["run", "twin.yaml", "--json", "-j", "4"]);
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut twins: Vec<&str> = v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["id"] == "one" || s["id"] == "two@run=0")
+        .map(|s| s["status"].as_str().unwrap())
+        .collect();
+    twins.sort_unstable();
+    assert_eq!(twins, ["cached", "ran"], "{v}");
     // Malformed matrices, each located: an unknown param, an empty list, a role that would
     // take several stages.
     let err = errors_of(

@@ -8,6 +8,7 @@
 
 mod stage;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -216,6 +217,20 @@ pub(crate) struct Shared {
     /// One permit: the stage running on the accelerator now
     /// ([`dflash_stage_api::StageKind::uses_accelerator`]).
     pub accelerator: tokio::sync::Semaphore,
+    /// One lock per key being worked on: stages of the same key (a sweep's variant equal to a
+    /// stage beside it) run one after the other, so the second finds the first's artifact.
+    pub working: std::sync::Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Shared {
+    /// The lock of stages computing `key`.
+    pub(crate) fn working_on(&self, key: Key) -> Arc<tokio::sync::Mutex<()>> {
+        let mut working = self
+            .working
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        working.entry(key).or_default().clone()
+    }
 }
 
 /// Run the pipeline; returns the run record (also stored) whatever the stages' outcomes.
@@ -264,6 +279,7 @@ pub async fn execute(
         cancel: Cancel::new(),
         events: tx,
         accelerator: tokio::sync::Semaphore::new(1),
+        working: std::sync::Mutex::default(),
     });
 
     let n = pipeline.stages.len();

@@ -22,6 +22,16 @@ fn failed(key: Option<Key>, e: StageError) -> Outcome {
     }
 }
 
+fn cached(key: Key, digest: Digest) -> Outcome {
+    Outcome {
+        status: Status::Cached,
+        key: Some(key),
+        digest: Some(digest),
+        error: None,
+        summary: None,
+    }
+}
+
 fn store_err(e: &StoreError) -> StageError {
     StageError::new(e.to_string())
 }
@@ -38,16 +48,11 @@ pub(crate) async fn run_stage(
         Err(e) => return failed(None, e),
     };
     let key = fp.key();
+    // A stage of the same key running now finishes first: then this one is cached.
+    let working = shared.working_on(key);
+    let _working = working.lock().await;
     match shared.store.manifest(&key).await {
-        Ok(Some(m)) => {
-            return Outcome {
-                status: Status::Cached,
-                key: Some(key),
-                digest: Some(m.digest),
-                error: None,
-                summary: None,
-            };
-        }
+        Ok(Some(m)) => return cached(key, m.digest),
         Ok(None) => {}
         Err(e) => return failed(Some(key), store_err(&e)),
     }
@@ -64,19 +69,6 @@ pub(crate) async fn run_stage(
     };
     if shared.cancel.is_cancelled() {
         return failed(Some(key), StageError::cancelled());
-    }
-    // Another stage of the same key (a matrix variant equal to a stage beside it) may have
-    // committed it while this one waited for the accelerator.
-    if _accelerator.is_some()
-        && let Ok(Some(m)) = shared.store.manifest(&key).await
-    {
-        return Outcome {
-            status: Status::Cached,
-            key: Some(key),
-            digest: Some(m.digest),
-            error: None,
-            summary: None,
-        };
     }
     let _ = shared.events.send(Event::Started { stage: i });
     let earlier = match shared.store.shards(&key).await {
