@@ -424,7 +424,14 @@ stages:
   v:
     kind: command
     matrix: {shards: [2, 3]}
+  w:
+    kind: command
+    matrix: {run: ["true", "true"]}
 "#,
+    );
+    assert!(
+        err.contains("`matrix.run` of `w` lists a value twice"),
+        "{err}"
     );
     // What every variant lacks alike is the declaring stage's, said once.
     assert_eq!(

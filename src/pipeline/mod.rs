@@ -213,7 +213,7 @@ pub fn parse(
         v.kind_checks(stages, registry, checks);
     }
     if !v.problems.is_empty() {
-        let mut problems = v.problems;
+        let problems = v.problems;
         // A matrix's variants share their text: what is wrong there is said once (the same
         // problem at the same place, told of another variant).
         let variants: Vec<(&str, &str)> = pipeline
@@ -225,24 +225,33 @@ pub fn parse(
                     .collect()
             })
             .unwrap_or_default();
-        let told = |p: &Problem| {
-            variants.iter().fold(p.message.clone(), |m, (id, base)| {
-                m.replace(&format!("`{id}`"), &format!("`{base}`"))
+        let keys: Vec<_> = problems
+            .iter()
+            .map(|p| {
+                let told = variants.iter().fold(p.message.clone(), |m, (id, base)| {
+                    m.replace(&format!("`{id}`"), &format!("`{base}`"))
+                });
+                (p.code, p.span.clone(), told)
             })
-        };
+            .collect();
         let mut times: std::collections::HashMap<_, usize> = std::collections::HashMap::new();
-        for p in &problems {
-            *times.entry((p.code, p.span.clone(), told(p))).or_default() += 1;
+        for k in &keys {
+            *times.entry(k).or_default() += 1;
         }
-        let mut seen = std::collections::HashSet::new();
-        problems.retain_mut(|p| {
-            let key = (p.code, p.span.clone(), told(p));
-            // Told of every variant alike: it is the declaring stage's, and named so.
-            if times[&key] > 1 {
-                p.message.clone_from(&key.2);
+        let mut kept = Vec::with_capacity(problems.len());
+        for (mut p, k) in problems.into_iter().zip(&keys) {
+            match times.get_mut(k) {
+                // Told of every variant alike: the declaring stage's, said once and named so.
+                Some(n) if *n > 1 => {
+                    p.message.clone_from(&k.2);
+                    *n = 0;
+                    kept.push(p);
+                }
+                Some(1) => kept.push(p),
+                _ => {}
             }
-            seen.insert(key)
-        });
+        }
+        let mut problems = kept;
         problems.sort_by_key(|p| p.span.start);
         return Err(fail(problems));
     }
@@ -629,14 +638,20 @@ impl Validator<'_> {
             map.get("expect"),
         );
         let schema = kind.params();
-        let variants = match map.get("matrix") {
-            None => vec![(id.to_owned(), None, map.get("params").cloned())],
-            Some(m) => self.matrix(id, &kind_name, &schema, m, map.get("params")),
+        let given = map.get("params");
+        let variants: Vec<(String, Option<std::borrow::Cow<'_, Value>>)> = match map.get("matrix") {
+            None => vec![(id.to_owned(), given.map(std::borrow::Cow::Borrowed))],
+            Some(m) => self
+                .matrix(id, &kind_name, &schema, m, given)
+                .into_iter()
+                .map(|(vid, params)| (vid, Some(std::borrow::Cow::Owned(params))))
+                .collect(),
         };
+        let matrix_of = map.contains_key("matrix").then(|| id.to_owned());
         let mut out = Vec::with_capacity(variants.len());
-        for (vid, set, given) in variants {
+        for (vid, given) in variants {
             let before = self.problems.len();
-            let params = self.section(&vid, &kind_name, "params", &schema, given.as_ref());
+            let params = self.section(&vid, &kind_name, "params", &schema, given.as_deref());
             // A missing param leaves the others worth checking; a wrong type or range does not.
             if self.problems[before..]
                 .iter()
@@ -650,17 +665,16 @@ impl Validator<'_> {
                 inputs: inputs.clone(),
                 params,
                 expect: expect.clone(),
-                matrix_of: set.map(|_| id.to_owned()),
+                matrix_of: matrix_of.clone(),
             });
         }
         out
     }
 
-    /// A stage's `matrix:` (params to lists of values): one `(id, set, params)` per combination,
-    /// the first param varying slowest, each id `ID@param=value,...` (a value that is not a
-    /// short scalar shows as its index), each variant's params the stage's with the matrix's
-    /// values set. Nothing where the matrix is malformed (the problems say why).
-    #[allow(clippy::type_complexity)]
+    /// A stage's `matrix:` (params to lists of values): one `(id, params)` per combination, the
+    /// first param varying slowest, each id `ID@param=value,...`, each variant's params the
+    /// stage's with the matrix's values set. Nothing where the matrix is malformed (the
+    /// problems say why).
     fn matrix(
         &mut self,
         id: &str,
@@ -668,16 +682,16 @@ impl Validator<'_> {
         schema: &[dflash_stage_api::Param],
         m: &Value,
         given: Option<&Value>,
-    ) -> Vec<(String, Option<Vec<(String, usize)>>, Option<Value>)> {
+    ) -> Vec<(String, Value)> {
         let names: Vec<&str> = schema.iter().map(|p| p.name).collect();
-        let malformed = |this: &mut Self, at: Vec<&str>, message: String, help: &str| {
-            let span = this.at(&at);
+        let malformed = |this: &mut Self, at: &[&str], message: String, help: &str| {
+            let span = this.at(at);
             this.push(Problem::new("dflash::pipeline::matrix", message, span, "here").help(help));
         };
         let Some(map) = m.as_object().filter(|m| !m.is_empty()) else {
             malformed(
                 self,
-                vec!["stages", id, "matrix"],
+                &["stages", id, "matrix"],
                 format!(
                     "`matrix` of `{id}` must map params to lists of values, found {}",
                     describe_value(m)
@@ -686,82 +700,79 @@ impl Validator<'_> {
             );
             return Vec::new();
         };
-        let mut axes: Vec<(&str, &Vec<Value>)> = Vec::new();
+        // Each param swept: its values and how they show in stage ids.
+        let mut axes: Vec<(&str, &Vec<Value>, Vec<String>)> = Vec::new();
         for (param, values) in map {
+            let at = ["stages", id, "matrix", param.as_str()];
             if !names.contains(&param.as_str()) {
-                let span = self.spans.key(&["stages", id, "matrix", param]);
                 let p = Problem::new(
                     "dflash::pipeline::unknown_param",
                     format!("`{kind}` has no param `{param}`"),
-                    span,
+                    self.spans.key(&at),
                     "unknown param",
                 );
                 self.push(match did_you_mean(param, names.iter().copied()) {
                     Some(s) => p.help(format!("did you mean `{s}`?")),
                     None => p.help(format!("`{kind}` params: {}", list(&names))),
                 });
-            } else if given.and_then(|g| g.get(param)).is_some() {
+                continue;
+            }
+            if given.and_then(|g| g.get(param)).is_some() {
                 malformed(
                     self,
-                    vec!["stages", id, "matrix", param],
+                    &at,
                     format!("param `{param}` of `{id}` is in both `params` and `matrix`"),
                     "keep it in one: the matrix's values would replace the param's",
                 );
-            } else {
-                match values {
-                    Value::Array(list) if !list.is_empty() => axes.push((param, list)),
-                    other => malformed(
+                continue;
+            }
+            let list = match values {
+                Value::Array(list) if !list.is_empty() => list,
+                other => {
+                    malformed(
                         self,
-                        vec!["stages", id, "matrix", param],
+                        &at,
                         format!(
                             "`matrix.{param}` of `{id}` must be a non-empty list of values, found {}",
                             describe_value(other)
                         ),
                         "e.g. `[6e-4, 2e-3]`",
-                    ),
+                    );
+                    continue;
                 }
+            };
+            if let Some(again) = (1..list.len()).find(|&i| list[..i].contains(&list[i])) {
+                let span = self.at(&["stages", id, "matrix", param, &again.to_string()]);
+                self.push(Problem::new(
+                    "dflash::pipeline::matrix",
+                    format!("`matrix.{param}` of `{id}` lists a value twice"),
+                    span,
+                    "again",
+                ));
+                continue;
             }
+            let labels = self.labels(&at, list);
+            axes.push((param, list, labels));
         }
         if axes.len() != map.len() {
             return Vec::new();
         }
-        let count = axes.iter().map(|(_, l)| l.len()).product::<usize>();
+        let count = axes.iter().map(|(_, l, _)| l.len()).product::<usize>();
         if count > MAX_VARIANTS {
             malformed(
                 self,
-                vec!["stages", id, "matrix"],
+                &["stages", id, "matrix"],
                 format!("`matrix` of `{id}` makes {count} stages, more than {MAX_VARIANTS}"),
                 "sweep fewer values at a time",
             );
             return Vec::new();
         }
-        // A number as written (`6e-4`, not `0.0006`), a string as it reads.
-        let label = |this: &Self, param: &str, v: &Value, i: usize| -> String {
-            let written = this
-                .text
-                .get(this.at(&["stages", id, "matrix", param, &i.to_string()]))
-                .unwrap_or_default();
-            let shown = match v {
-                Value::Number(_) if written.parse::<f64>().is_ok() => written.to_owned(),
-                Value::Number(n) => n.to_string(),
-                Value::String(s) => s.clone(),
-                Value::Bool(b) => b.to_string(),
-                _ => String::new(),
-            };
-            let short = !shown.is_empty()
-                && shown.len() <= 32
-                && shown
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "._+-".contains(c));
-            if short { shown } else { i.to_string() }
-        };
         let mut out = Vec::with_capacity(count);
-        let mut seen = std::collections::HashSet::new();
         for n in 0..count {
             // The n-th combination, the last axis varying fastest.
             let mut rest = n;
             let mut at = vec![0; axes.len()];
-            for (a, (_, list)) in axes.iter().enumerate().rev() {
+            for (a, (_, list, _)) in axes.iter().enumerate().rev() {
                 at[a] = rest % list.len();
                 rest /= list.len();
             }
@@ -771,31 +782,51 @@ impl Validator<'_> {
             };
             let mut parts = Vec::with_capacity(axes.len());
             let mut set = Vec::with_capacity(axes.len());
-            for ((param, list), &i) in axes.iter().zip(&at) {
+            for ((param, list, labels), &i) in axes.iter().zip(&at) {
                 params.insert((*param).to_owned(), list[i].clone());
-                parts.push(format!("{param}={}", label(self, param, &list[i], i)));
+                parts.push(format!("{param}={}", labels[i]));
                 set.push(((*param).to_owned(), i));
             }
             let vid = format!("{id}@{}", parts.join(","));
-            if !seen.insert(vid.clone()) {
-                let (param, i) = set
-                    .iter()
-                    .zip(&axes)
-                    .find(|((_, i), (_, list))| list[..*i].contains(&list[*i]))
-                    .map_or_else(|| set[0].clone(), |(s, _)| s.clone());
-                let span = self.at(&["stages", id, "matrix", &param, &i.to_string()]);
-                self.push(Problem::new(
-                    "dflash::pipeline::matrix",
-                    format!("`matrix.{param}` of `{id}` lists a value twice"),
-                    span,
-                    "again",
-                ));
-                continue;
-            }
-            self.spans.add_variant(&vid, id, set.clone());
-            out.push((vid, Some(set), Some(Value::Object(params))));
+            self.spans.add_variant(&vid, id, set);
+            out.push((vid, Value::Object(params)));
         }
         out
+    }
+
+    /// How a matrix's values (at `at` in the file) show in stage ids: a number as written
+    /// (`6e-4`, not `0.0006`), a string as it reads, the index in the list for a value that is
+    /// not a short scalar; every value by its index where two would show alike (`1` and `"1"`).
+    fn labels(&self, at: &[&str], list: &[Value]) -> Vec<String> {
+        let shown: Vec<String> = list
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let mut path = at.to_vec();
+                let index = i.to_string();
+                path.push(&index);
+                let written = self.text.get(self.at(&path)).unwrap_or_default();
+                let shown = match v {
+                    Value::Number(_) if written.parse::<f64>().is_ok() => written.to_owned(),
+                    Value::Number(n) => n.to_string(),
+                    Value::String(s) => s.clone(),
+                    Value::Bool(b) => b.to_string(),
+                    _ => String::new(),
+                };
+                let short = !shown.is_empty()
+                    && shown.len() <= 32
+                    && shown
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "._+-".contains(c));
+                if short { shown } else { index }
+            })
+            .collect();
+        let distinct = shown.iter().collect::<std::collections::HashSet<_>>().len() == shown.len();
+        if distinct {
+            shown
+        } else {
+            (0..list.len()).map(|i| i.to_string()).collect()
+        }
     }
 
     /// Inputs naming a stage that a `matrix:` expanded: a list's entry takes every variant, in
