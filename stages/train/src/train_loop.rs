@@ -325,8 +325,16 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             .and_then(|c| c.to_dtype(compute))
             .map_err(nn("target forward"))?;
         let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
-        objective::loss_packed(&drafter, &embed, &target.lm_head, &context, &packed, weight)
-            .map_err(nn("drafter forward"))
+        objective::loss_packed(
+            &drafter,
+            &embed,
+            &target.lm_head,
+            &context,
+            &packed,
+            weight,
+            objective::Head::on(context.device()),
+        )
+        .map_err(nn("drafter forward"))
     };
     // A sequence's blocks, drawn from the random stream `stream`.
     let sample = |s: &TokenRow, stream: u64| {

@@ -730,7 +730,7 @@ pub(crate) mod tests {
     /// gradient the whole logits give (what CPU runs), DFlash and DFlash 2 both.
     #[test]
     fn the_chunked_head_trains_as_the_whole_one() {
-        use crate::nn::objective::{Head, StepMetrics, loss_packed_by};
+        use crate::nn::objective::{Head, StepMetrics, loss_packed};
         for dflash2 in [
             None,
             Some(Dflash2Config {
@@ -749,7 +749,7 @@ pub(crate) mod tests {
             let batch = Batch::sample(&ids, &mask, 3, 4, 39, 2.0, 5).unwrap();
             let embed = |t: &Tensor| target.embed(t);
             let run = |head: Head| -> (f64, StepMetrics, Vec<Tensor>) {
-                let (l, m) = loss_packed_by(
+                let (l, m) = loss_packed(
                     &drafter,
                     &embed,
                     &target.lm_head,
@@ -842,6 +842,7 @@ pub(crate) mod tests {
             &context,
             &refs,
             norm,
+            crate::nn::objective::Head::Whole,
         )
         .unwrap();
         assert!((l.to_scalar::<f64>().unwrap() - sum).abs() < 1e-12);
@@ -876,7 +877,8 @@ pub(crate) mod tests {
                 &target.lm_head,
                 &context,
                 &short,
-                norm
+                norm,
+                crate::nn::objective::Head::Whole,
             )
             .is_err()
         );

@@ -201,30 +201,8 @@ pub fn loss(
     batch: &Batch,
     normalizer: f64,
 ) -> Result<(Tensor, StepMetrics)> {
-    loss_packed(drafter, embed, lm_head, context, &[batch], normalizer)
-}
-
-/// [`loss`] summed over sequences packed into one pass: `context` holds their tapped rows one
-/// sequence after another (`batches[i].context_len` rows each), so every projection, norm, MLP
-/// and the LM head run once for all of them; no block sees another sequence
-/// ([`Drafter::forward_packed`]). The sum of the sequences' losses, as separate passes would
-/// give it, up to the rounding of matmuls over more rows.
-pub fn loss_packed(
-    drafter: &Drafter,
-    embed: &dyn Fn(&Tensor) -> Result<Tensor>,
-    lm_head: &Tensor,
-    context: &Tensor,
-    batches: &[&Batch],
-    normalizer: f64,
-) -> Result<(Tensor, StepMetrics)> {
-    // On a GPU the LM head and its loss run in chunks of rows, the logits never whole; on CPU
-    // the step stays what it always was, bit for bit.
-    let head = if context.device().is_cuda() {
-        Head::Chunked
-    } else {
-        Head::Whole
-    };
-    loss_packed_by(drafter, embed, lm_head, context, batches, normalizer, head)
+    let head = Head::on(context.device());
+    loss_packed(drafter, embed, lm_head, context, &[batch], normalizer, head)
 }
 
 /// How [`loss_packed`] runs the LM head and its cross-entropy.
@@ -237,8 +215,25 @@ pub enum Head {
     Chunked,
 }
 
-/// [`loss_packed`] with the LM head run as `head` says.
-pub fn loss_packed_by(
+impl Head {
+    /// On a GPU the LM head and its loss run in chunks of rows, the logits never whole; on CPU
+    /// the step stays what it always was, bit for bit.
+    pub fn on(device: &candle_core::Device) -> Self {
+        if device.is_cuda() {
+            Self::Chunked
+        } else {
+            Self::Whole
+        }
+    }
+}
+
+/// [`loss`] summed over sequences packed into one pass: `context` holds their tapped rows one
+/// sequence after another (`batches[i].context_len` rows each), so every projection, norm, MLP
+/// and the LM head run once for all of them; no block sees another sequence
+/// ([`Drafter::forward_packed`]). The sum of the sequences' losses, as separate passes would
+/// give it, up to the rounding of matmuls over more rows. `head` says how the LM head runs
+/// ([`Head::on`] the device, as `train` does).
+pub fn loss_packed(
     drafter: &Drafter,
     embed: &dyn Fn(&Tensor) -> Result<Tensor>,
     lm_head: &Tensor,
