@@ -299,17 +299,9 @@ fn a_sweep_variant_equal_to_another_stage_trains_once() {
         &format!("{}{sweep}", PIPELINE.replace("epochs: 6", "epochs: 2")),
     );
     // Jobs enough for all three trainings to be ready, and to look for their keys, at once.
-    let o = env.dflash(&["run", "sweep.yaml", "--json", "-j", "4"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    let st: std::collections::BTreeMap<&str, &str> = v["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| (s["id"].as_str().unwrap(), s["status"].as_str().unwrap()))
-        .collect();
+    let (st, _) = env.run_with("sweep.yaml", &["-j", "4"], 0);
     let same = ["drafter", "sweep@lr=0.003"];
-    let mut statuses: Vec<&str> = same.iter().map(|id| st[*id]).collect();
+    let mut statuses: Vec<&str> = same.iter().map(|id| st[*id].as_str()).collect();
     statuses.sort_unstable();
     assert_eq!(statuses, ["cached", "ran"], "{st:?}");
     // A number names its stage as written: `1e-2`, not `0.01`.

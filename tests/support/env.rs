@@ -103,7 +103,19 @@ impl Env {
     }
 
     pub fn run(&self, pipeline: &str, code: i32) -> (BTreeMap<String, String>, Value) {
-        let out = self.dflash(&["run", pipeline, "--json"]);
+        self.run_with(pipeline, &[], code)
+    }
+
+    /// [`Self::run`] with more arguments (`-j 4`, `--only STAGE`).
+    pub fn run_with(
+        &self,
+        pipeline: &str,
+        args: &[&str],
+        code: i32,
+    ) -> (BTreeMap<String, String>, Value) {
+        let mut all = vec!["run", pipeline, "--json"];
+        all.extend_from_slice(args);
+        let out = self.dflash(&all);
         assert_eq!(
             out.status.code(),
             Some(code),
