@@ -69,12 +69,14 @@ def main():
         dtype = torch.bfloat16 if cuda else torch.float32
         model = Qwen3_5ForCausalLM.from_pretrained(d, torch_dtype=dtype).to(a.device).eval()
         x = torch.tensor([ids], device=a.device)
-        try:
-            import fla  # noqa: F401  transformers uses its kernels for Gated DeltaNet when present
+        # Which Gated DeltaNet transformers actually runs: the flash-linear-attention kernel
+        # where that package imports (and transformers accepts its version), else its own.
+        import transformers
 
-            delta = "flash-linear-attention"
-        except ImportError:
-            delta = "torch"
+        rule = next((getattr(m, "chunk_gated_delta_rule", None) for m in model.modules()
+                     if hasattr(m, "chunk_gated_delta_rule")), None)
+        where = getattr(rule, "__module__", "") or ""
+        delta = "flash-linear-attention" if where.startswith("fla") else f"torch ({where or 'unknown'})"
 
         def sync():
             if cuda:
@@ -113,7 +115,8 @@ def main():
         ours = probe["seconds"]
         result = {"layers": kinds, "tokens": a.tokens, "device": a.device,
                   "threads": os.cpu_count(), "dtype": str(dtype).replace("torch.", ""),
-                  "dflash_dtype": probe.get("dtype"), "transformers_delta": delta,
+                  "dflash_dtype": probe.get("dtype"), "transformers": transformers.__version__,
+                  "transformers_delta": delta,
                   "transformers_s": round(theirs, 4), "dflash_s": round(ours, 4),
                   "dflash_speed_vs_transformers": round(theirs / ours, 2)}
         if a.check:

@@ -215,9 +215,10 @@ hybrid)
     # There: a hybrid target's forward at Qwen3.5-27B's layer widths (LAYERS layers, TOKENS
     # tokens), dflash (bf16, `train_probe target`) against transformers (bf16) on the GPU, every
     # layer's output compared; twice: transformers with the flash-linear-attention kernels, and
-    # with its own PyTorch Gated DeltaNet. Needs `train_probe` in the pack (`a`).
+    # with its own PyTorch Gated DeltaNet (HYBRID_RUNS="1 0"; the default, "1", runs the
+    # peer's fastest form alone). Needs `train_probe` in the pack (`a`).
     cuda_env
-    for with_fla in 1 0; do
+    for with_fla in ${HYBRID_RUNS:-1}; do
         site=""; [ $with_fla = 1 ] && site=$STASH/site
         PYTHONPATH=$site python3 bench/hybrid_forward.py --device cuda --check --probe $STASH/train_probe \
             --layers "${1:-4}" --tokens "${2:-2048}" --repeats 5 | tee -a "$OUT/hybrid_forward.jsonl"
@@ -243,6 +244,22 @@ probe)
     cuda_env
     $STASH/train_probe "$@"
     ;;
+checks)
+    # There: the training kernels on this GPU (issue 22), before anything trains with them:
+    # every fused op against its CPU form, the flash kernels, the step against PyTorch in f32
+    # (through the chunked LM head), where the step's time goes (the chunked head beside the
+    # whole-logits one), and the step's speed beside the plain-PyTorch step, same call.
+    cuda_env
+    {
+        $STASH/train_probe fused
+        $STASH/train_probe flash
+        $STASH/train_probe parity /tmp/parity.safetensors &&
+            python3 bench/train_reference.py parity /tmp/parity.safetensors
+        $STASH/train_probe parts --anchors 512
+        $STASH/train_probe speed --anchors 512
+        python3 bench/train_reference.py speed --anchors 512
+    } 2>&1 | tee "$OUT/checks.txt"
+    ;;
 bring-back)
     # There: the store's files under 4 MB (manifests, run records, shard lists, metrics,
     # results, and the completions' shards: commit `store-small.tar.gz` to bench/results/ so a
@@ -265,7 +282,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac
