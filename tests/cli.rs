@@ -523,6 +523,7 @@ fn verify_reports_corrupt_objects_and_a_corrupt_input_fails_the_stage() {
     assert_eq!(out.status.code(), Some(1));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["corrupt"][0]["path"], "a.txt");
+    assert_eq!(v["corrupt"][0]["problem"], "corrupt");
     // A stage reading the corrupt input fails instead of feeding bad data downstream.
     env.write("p.yaml", &CHAIN.replace("MODE: one", "MODE: three"));
     let (st, v) = env.run("p.yaml", 1);
@@ -532,6 +533,42 @@ fn verify_reports_corrupt_objects_and_a_corrupt_input_fails_the_stage() {
             .as_str()
             .unwrap()
             .contains("is corrupt")
+    );
+}
+
+/// A partial copy of a store (a manifest whose blob did not come along) is named as missing,
+/// not as corrupt, and a stage that needs the file says which object is missing.
+#[test]
+fn verify_names_a_missing_blob_and_a_stage_needing_it_fails_saying_so() {
+    let env = Env::new();
+    env.write("p.yaml", CHAIN);
+    env.run("p.yaml", 0);
+    let show: Value =
+        serde_json::from_slice(&env.dflash(&["show", "a", "-p", "p.yaml"]).stdout).unwrap();
+    let digest = show["files"][0]["digest"].as_str().unwrap().to_owned();
+    std::fs::remove_file(
+        env.path()
+            .join("cache/blobs")
+            .join(&digest[..2])
+            .join(&digest),
+    )
+    .unwrap();
+    let out = env.dflash(&["verify", "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["corrupt"][0]["problem"], "missing");
+    assert_eq!(v["corrupt"][0]["path"], "a.txt");
+    let text = env.dflash(&["verify"]);
+    assert!(String::from_utf8_lossy(&text.stdout).starts_with("missing"));
+    assert!(String::from_utf8_lossy(&text.stderr).contains("0 corrupt, 1 missing"));
+    env.write("p.yaml", &CHAIN.replace("MODE: one", "MODE: three"));
+    let (st, v) = env.run("p.yaml", 1);
+    assert_eq!(st["b"], "failed");
+    assert!(
+        v["stages"][1]["error"]
+            .as_str()
+            .unwrap()
+            .contains("is missing")
     );
 }
 

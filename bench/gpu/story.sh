@@ -93,7 +93,7 @@ pack-inputs)
         if [ -f "$seed" ]; then
             cp "$seed" "$pack"/$part/store-seed.tar.gz
         else
-            (cd "$seed" && find . -type f -size -4M | sort | tar -czf - -T -) > "$pack"/$part/store-seed.tar.gz
+            python3 bench/gpu/store_subset.py "$seed" "$pack"/$part/store-seed.tar.gz
         fi
     fi
     du -sb "$pack"/a "$pack"/b "$pack"/c
@@ -261,8 +261,8 @@ checks)
     } 2>&1 | tee "$OUT/checks.txt"
     ;;
 bring-back)
-    # There: the store's files under 4 MB (manifests, run records, shard lists, metrics,
-    # results, and the completions' shards: commit `store-small.tar.gz` to bench/results/ so a
+    # There: the store's whole artifacts whose files are each under 4 MB (`store_subset.py`:
+    # manifests, run records, finished shards, metrics, results, the completions: commit `store-small.tar.gz` to bench/results/ so a
     # later session seeds its store with it, `pack-inputs ... SEED`, instead of generating
     # again), the drafters and the bench artifacts exported, the run's report, under $OUT in
     # 15 MiB pieces.
@@ -276,8 +276,7 @@ bring-back)
         find /tmp/back/$d -mindepth 1 -maxdepth 1 ! -name drafter ! -name '*.json*' -exec rm -rf {} + || true
     done
     $STASH/dflash report latest --store $STORE -o /tmp/back/report.html || true
-    (cd $STORE && find . -type f -size -4M | sort) > /tmp/small.txt
-    tar -czf /tmp/back/store-small.tar.gz -C $STORE -T /tmp/small.txt
+    python3 bench/gpu/store_subset.py $STORE /tmp/back/store-small.tar.gz
     tar -czf - -C /tmp back | split -b 15M -d - "$OUT/back.tar.gz."
     ls -la "$OUT"
     ;;

@@ -726,7 +726,14 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                     for f in &m.files {
                         checked += 1;
                         if let Err(e) = store.get_blob(&f.digest).await {
-                            bad.push(serde_json::json!({"key": k, "stage": m.lineage.stage_id, "path": f.path, "error": e.to_string()}));
+                            // What is wrong with it: bytes that hash to another digest, no
+                            // bytes at all (a partial copy of a store), or a failed read.
+                            let problem = match e {
+                                crate::store::StoreError::Corrupt { .. } => "corrupt",
+                                crate::store::StoreError::Missing { .. } => "missing",
+                                _ => "unreadable",
+                            };
+                            bad.push(serde_json::json!({"key": k, "stage": m.lineage.stage_id, "path": f.path, "problem": problem, "error": e.to_string()}));
                         }
                     }
                 }
@@ -737,13 +744,20 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             } else {
                 for b in &bad {
                     out(&format!(
-                        "corrupt  {}  {}  {}",
+                        "{:<10} {}  {}  {}",
+                        b["problem"].as_str().unwrap_or_default(),
                         b["key"].as_str().unwrap_or_default(),
                         b["stage"].as_str().unwrap_or_default(),
                         b["path"].as_str().unwrap_or_default()
                     ));
                 }
-                eprintln!("checked {checked} files: {} corrupt", bad.len());
+                let count = |p: &str| bad.iter().filter(|b| b["problem"] == p).count();
+                eprintln!(
+                    "checked {checked} files: {} corrupt, {} missing, {} unreadable",
+                    count("corrupt"),
+                    count("missing"),
+                    count("unreadable")
+                );
             }
             Ok(u8::from(!bad.is_empty()))
         }

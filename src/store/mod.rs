@@ -87,6 +87,20 @@ pub enum StoreError {
         /// The digest it has.
         actual: String,
     },
+    /// A manifest names a blob the store does not hold (a partial copy of a store, say).
+    #[error("store `{url}`: object `{path}` is missing")]
+    #[diagnostic(
+        code(dflash::store::missing),
+        help(
+            "the artifact's manifest names a blob the store does not hold; run `dflash verify` to list every such file"
+        )
+    )]
+    Missing {
+        /// The URL.
+        url: String,
+        /// The object.
+        path: String,
+    },
     /// A stored record could not be decoded.
     #[error("store `{url}`: `{path}` is not a valid record: {reason}")]
     #[diagnostic(code(dflash::store::decode))]
@@ -308,15 +322,9 @@ impl Store {
     /// Read a blob and check its bytes against its digest.
     pub async fn get_blob(&self, digest: &Digest) -> Result<Bytes, StoreError> {
         let rel = blob_path(digest);
-        let bytes = self.get(&rel).await?.ok_or_else(|| StoreError::Io {
+        let bytes = self.get(&rel).await?.ok_or_else(|| StoreError::Missing {
             url: self.url.clone(),
-            op: "read",
             path: rel.clone(),
-            reason: "missing".into(),
-            hint: Some(
-                "the artifact's manifest names a blob the store does not hold; run `dflash verify`"
-                    .into(),
-            ),
         })?;
         let actual = Digest::of(&bytes);
         if actual != *digest {
