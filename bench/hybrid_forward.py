@@ -13,7 +13,9 @@ one, then one of the other), a small vocabulary (the layers are what is measured
   `dflash-model` example; f32 on CPU, bf16 on a GPU, as `train` loads a target).
 Each is warmed up once and timed REPEATS times; prints the medians and their ratio. `--check`
 also compares every layer's output (transformers' from forward hooks, dflash's from `train_probe
-target --dump`): the largest difference relative to the layer's largest value, and the mean.
+target --dump`): the largest difference relative to the layer's largest value, and the mean;
+on a GPU it also measures both bf16 forwards against transformers in f32 (TF32 off, its
+PyTorch Gated DeltaNet, in a child process), so a difference between the two says whose it is.
 
     cargo build --release -p dflash-model --features nn --example train_probe
     python3 bench/hybrid_forward.py [--layers 2] [--tokens 256] [--repeats 3] [--device cuda] [--check]
@@ -34,7 +36,32 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
 import qwen3_5_reference as q  # noqa: E402
 
 
+def f32_dump(folder, tokens, out):
+    """Every layer's output from transformers in f32 on the GPU, TF32 off: the answer both bf16
+    forwards are measured against. Run in a child process whose PYTHONPATH leaves out
+    flash-linear-attention, so transformers takes its own PyTorch Gated DeltaNet."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda").eval()
+    ids = torch.tensor([[(i * 7919 + 13) % 1024 for i in range(tokens)]], device="cuda")
+    outs = []
+    hooks = [layer.register_forward_hook(
+        lambda m, i, r: outs.append((r[0] if isinstance(r, tuple) else r)[0].float().cpu()))
+        for layer in model.model.layers]
+    with torch.no_grad():
+        model.model(ids)
+    for h in hooks:
+        h.remove()
+    save_file({"layers": torch.cat(outs, dim=-1).contiguous()}, out)
+
+
 def main():
+    if len(sys.argv) == 5 and sys.argv[1] == "--f32-dump":
+        return f32_dump(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256)
@@ -132,6 +159,30 @@ def main():
                               "max_rel": round((got - ref).abs().max().item() / scale, 5),
                               "mean_rel": round((got - ref).abs().mean().item() / ref.abs().mean().item(), 5)})
             result["layer_diffs"] = diffs
+            if cuda:
+                # Which bf16 forward is nearer the f32 answer: each against transformers in f32.
+                f32 = os.path.join(d, "f32_layers.safetensors")
+                env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                child = subprocess.run([sys.executable, os.path.abspath(__file__), "--f32-dump", d,
+                                        str(a.tokens), f32], env=env, capture_output=True, text=True)
+                if child.returncode != 0:
+                    result["vs_f32"] = "failed: " + child.stderr.strip()[-400:]
+                else:
+                    exact = load_file(f32)["layers"]
+
+                    def rel(got, ref):
+                        return (round((got - ref).abs().max().item() / ref.abs().max().item(), 5),
+                                round((got - ref).abs().mean().item() / ref.abs().mean().item(), 5))
+
+                    vs = []
+                    for i, ref_bf16 in enumerate(layers):
+                        ref = exact[:, i * hidden:(i + 1) * hidden]
+                        ours_max, ours_mean = rel(mine[:, i * hidden:(i + 1) * hidden], ref)
+                        theirs_max, theirs_mean = rel(ref_bf16, ref)
+                        vs.append({"layer": i, "dflash_max_rel": ours_max, "dflash_mean_rel": ours_mean,
+                                   "transformers_max_rel": theirs_max,
+                                   "transformers_mean_rel": theirs_mean})
+                    result["vs_f32"] = vs
     print(json.dumps(result))
 
 
