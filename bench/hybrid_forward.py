@@ -119,6 +119,24 @@ def main():
 
         once()
         theirs = statistics.median(once() for _ in range(a.repeats))
+        # Each layer's time in transformers' forward (CUDA events around every layer, one more
+        # forward), beside dflash's per-layer split from the probe.
+        their_layers = []
+        if cuda:
+            marks = []
+            pre = [layer.register_forward_pre_hook(
+                lambda m, i: marks.append(torch.cuda.Event(enable_timing=True)) or marks[-1].record())
+                for layer in model.model.layers]
+            post = [layer.register_forward_hook(
+                lambda m, i, r: marks.append(torch.cuda.Event(enable_timing=True)) or marks[-1].record())
+                for layer in model.model.layers]
+            with torch.no_grad():
+                model.model(x)
+            sync()
+            for h in pre + post:
+                h.remove()
+            their_layers = [round(marks[2 * j].elapsed_time(marks[2 * j + 1]) / 1000, 5)
+                            for j in range(len(marks) // 2)]
         layers = []
         if a.check:
             outs = []
@@ -145,7 +163,9 @@ def main():
                   "dflash_dtype": probe.get("dtype"), "transformers": transformers.__version__,
                   "transformers_delta": delta,
                   "transformers_s": round(theirs, 4), "dflash_s": round(ours, 4),
-                  "dflash_speed_vs_transformers": round(theirs / ours, 2)}
+                  "dflash_speed_vs_transformers": round(theirs / ours, 2),
+                  "dflash_layer_s": [round(t, 5) for t in probe.get("layer_seconds", [])],
+                  "transformers_layer_s": their_layers}
         if a.check:
             from safetensors.torch import load_file
 

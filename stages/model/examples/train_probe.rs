@@ -788,6 +788,27 @@ fn target_forward(args: &[String]) -> Result<()> {
     run()?;
     let mut times: Vec<f64> = (0..repeats.max(1)).map(|_| run()).collect::<Result<_>>()?;
     times.sort_by(f64::total_cmp);
+    // Where the forward's time goes by layer: `tapped` runs the layers up to the last tap, so
+    // the median time up to layer i, less that up to i - 1, is layer i's (with the embedding
+    // in layer 0's). Each layer kind's cost, to set beside the reference's per-layer times.
+    let mut upto = Vec::with_capacity(all.len());
+    for i in 0..all.len() {
+        let once = || -> Result<f64> {
+            let t = Instant::now();
+            let out = target.tapped(&ids, &[i])?;
+            out.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        once()?;
+        let mut ts: Vec<f64> = (0..repeats.max(1)).map(|_| once()).collect::<Result<_>>()?;
+        ts.sort_by(f64::total_cmp);
+        upto.push(ts[ts.len() / 2]);
+    }
+    let layer_s: Vec<f64> = upto
+        .iter()
+        .enumerate()
+        .map(|(i, t)| if i == 0 { *t } else { t - upto[i - 1] })
+        .collect();
     if let Some(out) = dump {
         // Every layer's output, f32, for a reference to compare against.
         let tapped = target.tapped(&ids, &all)?.to_dtype(DType::F32)?;
@@ -799,7 +820,7 @@ fn target_forward(args: &[String]) -> Result<()> {
         serde_json::json!({"tokens": tokens, "layers": target.config.layers,
             "dtype": format!("{:?}", target.lm_head.dtype()),
             "device": if device.is_cuda() { "cuda" } else { "cpu" },
-            "seconds": times[times.len() / 2], "all": times})
+            "seconds": times[times.len() / 2], "all": times, "layer_seconds": layer_s})
     );
     Ok(())
 }
