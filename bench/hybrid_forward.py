@@ -36,6 +36,22 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
 import qwen3_5_reference as q  # noqa: E402
 
 
+def layer_outputs(model, ids):
+    """Every decoder layer's output over `ids` `[1, n]`, each `[n, hidden]` f32 on the host
+    (forward hooks, one forward under no_grad)."""
+    import torch
+
+    outs = []
+    hooks = [layer.register_forward_hook(
+        lambda m, i, r: outs.append((r[0] if isinstance(r, tuple) else r)[0].float().cpu()))
+        for layer in model.model.layers]
+    with torch.no_grad():
+        model.model(ids)
+    for h in hooks:
+        h.remove()
+    return outs
+
+
 def f32_dump(folder, tokens, out):
     """Every layer's output from transformers in f32 on the GPU, TF32 off: the answer both bf16
     forwards are measured against. Run in a child process whose PYTHONPATH leaves out
@@ -48,15 +64,7 @@ def f32_dump(folder, tokens, out):
     torch.backends.cudnn.allow_tf32 = False
     model = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda").eval()
     ids = torch.tensor([[(i * 7919 + 13) % 1024 for i in range(tokens)]], device="cuda")
-    outs = []
-    hooks = [layer.register_forward_hook(
-        lambda m, i, r: outs.append((r[0] if isinstance(r, tuple) else r)[0].float().cpu()))
-        for layer in model.model.layers]
-    with torch.no_grad():
-        model.model(ids)
-    for h in hooks:
-        h.remove()
-    save_file({"layers": torch.cat(outs, dim=-1).contiguous()}, out)
+    save_file({"layers": torch.cat(layer_outputs(model, ids), dim=-1).contiguous()}, out)
 
 
 def main():
@@ -139,15 +147,7 @@ def main():
                             for j in range(len(marks) // 2)]
         layers = []
         if a.check:
-            outs = []
-            hooks = [layer.register_forward_hook(
-                lambda m, i, r: outs.append((r[0] if isinstance(r, tuple) else r)[0].float().cpu()))
-                for layer in model.model.layers]
-            with torch.no_grad():
-                model.model(x)
-            for h in hooks:
-                h.remove()
-            layers = outs
+            layers = layer_outputs(model, x)
         del model
         if cuda:
             torch.cuda.empty_cache()  # the probe runs beside this process on the same GPU

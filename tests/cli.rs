@@ -499,40 +499,48 @@ fn syntax_duplicates_and_bombs_are_errors_not_panics() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read pipeline `missing.yaml`"));
 }
 
-#[test]
-fn verify_reports_corrupt_objects_and_a_corrupt_input_fails_the_stage() {
+/// Runs a two-stage chain, does `damage` to stage a's blob behind dflash's back, and checks that
+/// `verify` reports the file with `problem` and that stage b, reading it, fails saying so
+/// instead of feeding bad data downstream.
+fn damaged_blob_is_reported(damage: impl FnOnce(&std::path::Path), problem: &str) -> Env {
     let env = Env::new();
     env.write("p.yaml", CHAIN);
     env.run("p.yaml", 0);
     assert_eq!(env.dflash(&["verify"]).status.code(), Some(0));
-    // Damage a's blob behind dflash's back (as a disk or a careless user might).
     let show: Value =
         serde_json::from_slice(&env.dflash(&["show", "a", "-p", "p.yaml"]).stdout).unwrap();
     let digest = show["files"][0]["digest"].as_str().unwrap().to_owned();
-    let blob = env
-        .path()
-        .join("cache/blobs")
-        .join(&digest[..2])
-        .join(&digest);
-    let mut perms = std::fs::metadata(&blob).unwrap().permissions();
-    #[allow(clippy::permissions_set_readonly_false)]
-    perms.set_readonly(false);
-    std::fs::set_permissions(&blob, perms).unwrap();
-    std::fs::write(&blob, "tampered\n").unwrap();
+    damage(
+        &env.path()
+            .join("cache/blobs")
+            .join(&digest[..2])
+            .join(&digest),
+    );
     let out = env.dflash(&["verify", "--json"]);
     assert_eq!(out.status.code(), Some(1));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["corrupt"][0]["path"], "a.txt");
-    assert_eq!(v["corrupt"][0]["problem"], "corrupt");
-    // A stage reading the corrupt input fails instead of feeding bad data downstream.
+    assert_eq!(v["corrupt"][0]["problem"], problem);
     env.write("p.yaml", &CHAIN.replace("MODE: one", "MODE: three"));
     let (st, v) = env.run("p.yaml", 1);
     assert_eq!(st["b"], "failed");
-    assert!(
-        v["stages"][1]["error"]
-            .as_str()
-            .unwrap()
-            .contains("is corrupt")
+    let error = v["stages"][1]["error"].as_str().unwrap();
+    assert!(error.contains(&format!("is {problem}")), "{error}");
+    env
+}
+
+#[test]
+fn verify_reports_corrupt_objects_and_a_corrupt_input_fails_the_stage() {
+    // Bytes changed on disk (as a disk or a careless user might).
+    damaged_blob_is_reported(
+        |blob| {
+            let mut perms = std::fs::metadata(blob).unwrap().permissions();
+            #[allow(clippy::permissions_set_readonly_false)]
+            perms.set_readonly(false);
+            std::fs::set_permissions(blob, perms).unwrap();
+            std::fs::write(blob, "tampered\n").unwrap();
+        },
+        "corrupt",
     );
 }
 
@@ -540,36 +548,10 @@ fn verify_reports_corrupt_objects_and_a_corrupt_input_fails_the_stage() {
 /// not as corrupt, and a stage that needs the file says which object is missing.
 #[test]
 fn verify_names_a_missing_blob_and_a_stage_needing_it_fails_saying_so() {
-    let env = Env::new();
-    env.write("p.yaml", CHAIN);
-    env.run("p.yaml", 0);
-    let show: Value =
-        serde_json::from_slice(&env.dflash(&["show", "a", "-p", "p.yaml"]).stdout).unwrap();
-    let digest = show["files"][0]["digest"].as_str().unwrap().to_owned();
-    std::fs::remove_file(
-        env.path()
-            .join("cache/blobs")
-            .join(&digest[..2])
-            .join(&digest),
-    )
-    .unwrap();
-    let out = env.dflash(&["verify", "--json"]);
-    assert_eq!(out.status.code(), Some(1));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["corrupt"][0]["problem"], "missing");
-    assert_eq!(v["corrupt"][0]["path"], "a.txt");
+    let env = damaged_blob_is_reported(|blob| std::fs::remove_file(blob).unwrap(), "missing");
     let text = env.dflash(&["verify"]);
     assert!(String::from_utf8_lossy(&text.stdout).starts_with("missing"));
     assert!(String::from_utf8_lossy(&text.stderr).contains("0 corrupt, 1 missing"));
-    env.write("p.yaml", &CHAIN.replace("MODE: one", "MODE: three"));
-    let (st, v) = env.run("p.yaml", 1);
-    assert_eq!(st["b"], "failed");
-    assert!(
-        v["stages"][1]["error"]
-            .as_str()
-            .unwrap()
-            .contains("is missing")
-    );
 }
 
 #[test]
