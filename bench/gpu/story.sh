@@ -1,36 +1,36 @@
 #!/usr/bin/env bash
 # Runs pipelines/smollm2.yaml on the GPU machine (the `device` tool: no Rust, no network, 64 MiB
 # carried per call, everything forgotten once the machine goes idle). The data flow:
-#   - here, `bench/gpu/story.sh pack-inputs BIN PACK [INIT]` fills PACK/a, PACK/b and PACK/c
-#     (outside the clone): the SmolLM2 GGUF split in two (98 MB is over one call's 64 MiB), then
-#     the CUDA build of dflash (xz), ShareGPT (xz), the benchmark sets, the reference package's
-#     wheel and, given INIT (the last run's exported drafter/ folder, 24 MB), that drafter, which
-#     the run then starts from (train's `init:`); given SEED (a store folder here, e.g. the last
-#     session's completions brought back), its objects under 4 MB go to PACK/b as a tar and
-#     `setup` unpacks them into the run's store, so what an earlier session generated is cached;
-#   - each call carries one of them as .gpu/ (copy PACK/x to .gpu/x just before the call) and
-#     runs `stash`, which keeps it in /tmp; the calls follow each other while the machine is
-#     warm, the last one runs `setup` and can go on with the first stage;
+#   - here, `bench/gpu/story.sh pack-inputs BIN .gpu [INIT [SEED]]` fills .gpu/a, .gpu/b and
+#     .gpu/c (`.gpu/` is in .git/info/exclude): the SmolLM2 GGUF split in two (98 MB is over
+#     one call's 64 MiB), then the CUDA build of dflash and `train_probe` (xz), ShareGPT (xz),
+#     the benchmark sets, the wheels (the reference package, gguf, flash-linear-attention) and,
+#     given INIT (an exported drafter/ folder, 24 MB), that drafter, which the run then starts
+#     from (train's `init:`); given SEED (a store folder, or a `store-small.tar.gz` that
+#     `bring-back` brought and was committed: bench/results/smollm2-h100-sweep/ has the first
+#     batch's completions), its whole small artifacts go along and `setup` unpacks them into
+#     the run's store, so what an earlier session generated is cached;
+#   - each call carries one part (the device tool's `carry: [".gpu/a"]`, then ".gpu/b", then
+#     ".gpu/c") and runs `stash`, which keeps it in /tmp; the calls follow each other while
+#     the machine is warm (30 s), the last one runs `setup` and can go on with the work;
+#   - `checks` runs the training kernels' checks and the step against PyTorch (issue 22);
+#     `hybrid [LAYERS] [TOKENS]` a hybrid target's forward against transformers (issue 23);
 #   - `run SECONDS` runs the pipeline into a store under /tmp (kept while the machine is warm)
 #     and stops it with Ctrl-C (SIGINT) before the call's limit: generate, train and bench
 #     commit shards as they go, so the next call's `run` resumes where this one stopped;
 #   - `train-fit SECONDS` times a few training steps, sets `max_steps` to what fits in the
 #     seconds left, and trains (the value it chose goes to $OUT: commit it to the pipeline);
-#   - `bring-back` copies the store's results (manifests, metrics, bench results, the drafter,
-#     the run records, zstd) under $OUT, so they land on this machine.
-# A session's calls, one after another while the machine is warm (copy PACK/x to .gpu/x before
-# each of the first three): a `stash`; b `stash`; c `stash && setup && run SECONDS --only
-# tokens_more` (the expansion's answers: the first batch's come cached with SEED), then
-# `train-fit SECONDS` (the data, then `drafter`; it prints the `max_steps` it chose: set both
+#   - `bring-back` exports the drafters and the bench results and keeps the store's whole small
+#     artifacts (`store_subset.py`) under $OUT, so they land on this machine.
+# The last session's calls (README "The fourth run"): `stash`; `stash`; `stash && setup &&
+# checks && hybrid 4 2048 && run 578 --only sweep_lr --only sweep_layers --only sweep_block`;
+# `run 515 --only sweep_...; bring-back`; `run 440 --only bench; bring-back`; `reference 3`.
+# The next: seeded with the committed completions, `run SECONDS --only tokens_more` (the
+# expansion's answers), `train-fit SECONDS` (it prints the `max_steps` it chose: set both
 # `max_steps:` of the local pipeline to it before the next call, whose working tree replaces
 # the machine's), `run SECONDS --only bench; bring-back`, `reference 6`. DFlash 2 beside it:
 # `train-fit SECONDS drafter2` first (the slower head), then `--only drafter`, and
-# `--only bench_dflash2` too. A hybrid target's GPU figures (issue 23): `hybrid [LAYERS] [TOKENS]`
-# after `setup`. The sweep (issue 19): `run SECONDS --only sweep_lr --only sweep_layers --only
-# sweep_block` once `tokens` is there (6 trainings of 200 steps, ~10 min on an H100).
-# With neither INIT nor SEED (the third run's drafter and completions were lost with the
-# machine that kept them), the first batch's answers are generated again first:
-# `run 540 --only tokens` (~6 min).
+# `--only bench_dflash2` too.
 
 set -euo pipefail
 STASH=/tmp/dflash-story
