@@ -220,6 +220,88 @@ stages:
     }
 }
 
+/// `dflash copy`: whole artifacts and the finished shards of a stage in progress go to another
+/// store, create-only; what is too large stays behind whole; a run there is cached where the
+/// artifacts came and resumes the shards; a second copy writes nothing.
+#[test]
+fn copy_takes_whole_artifacts_and_finished_shards_and_a_run_there_resumes() {
+    let env = Env::new();
+    let p = r"
+stages:
+  small:
+    kind: command
+    params: {run: 'echo small > $DFLASH_OUT/s.txt'}
+  big:
+    kind: command
+    params: {run: 'head -c 4096 /dev/zero > $DFLASH_OUT/big.bin; echo ok > $DFLASH_OUT/ok.txt'}
+  gen:
+    kind: command
+    params:
+      shards: 3
+      run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = 2 ] && [ ! -f ok ]; then exit 1; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/part$DFLASH_SHARD.txt'
+";
+    env.write("p.yaml", p);
+    let (st, _) = env.run_with("p.yaml", &["-j", "1"], 1);
+    assert_eq!(
+        (st["small"].as_str(), st["big"].as_str(), st["gen"].as_str()),
+        ("ran", "ran", "failed")
+    );
+    let copy = |args: &[&str]| -> Value {
+        let mut all = vec!["copy", "--from", "cache", "--to", "other", "--json"];
+        all.extend(args);
+        let out = env.dflash(&all);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let first = copy(&["--max-file-bytes", "1K"]);
+    assert_eq!(first["copied"], serde_json::json!(["small"]));
+    assert_eq!(first["too_large"], serde_json::json!(["big"]));
+    assert_eq!(first["shards"], 2);
+    assert!(first["run_records"].as_u64().unwrap() >= 2);
+    let verify = env.dflash(&["verify", "--store", "other"]);
+    assert_eq!(verify.status.code(), Some(0));
+    // Copied again: everything is there already, nothing is written or replaced.
+    let again = copy(&["--max-file-bytes", "1K"]);
+    assert_eq!(again["copied"], serde_json::json!([]));
+    assert_eq!(
+        (again["already_there"].as_u64(), again["blobs"].as_u64()),
+        (Some(1), Some(0))
+    );
+    // A run on the copy: `small` cached, `big` (left behind) runs, `gen` resumes at shard 2.
+    env.write("ok", "");
+    let (st, _) = env.run_with("p.yaml", &["--store", "other", "-j", "1"], 0);
+    assert_eq!(
+        (st["small"].as_str(), st["big"].as_str(), st["gen"].as_str()),
+        ("cached", "ran", "resumed")
+    );
+    assert_eq!(
+        std::fs::read_to_string(env.path().join("runs.log")).unwrap(),
+        "0\n1\n2\n2\n"
+    );
+    // Only the stages asked for.
+    let out = env.dflash(&[
+        "copy", "--from", "other", "--to", "third", "--stage", "gen", "--json",
+    ]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["copied"], serde_json::json!(["gen"]));
+    // A size that is not one is an error that says how to write it.
+    let bad = env.dflash(&[
+        "copy",
+        "--from",
+        "cache",
+        "--to",
+        "x",
+        "--max-file-bytes",
+        "4Q",
+    ]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown unit `Q`"));
+}
+
 #[test]
 fn command_sees_inputs_by_role_and_files_enter_the_key() {
     let env = Env::new();

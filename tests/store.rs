@@ -172,6 +172,43 @@ fn s3_seaweedfs_conforms_and_runs_pipelines() {
     assert_eq!(run(), ["ran", "ran"]);
     assert_eq!(run(), ["cached", "cached"]);
 
+    // `dflash copy` from the bucket to a folder, and back into a fresh prefix of the bucket
+    // (a GPU box's local store pushed to S3): a run on each copy is all cached, and neither
+    // the output nor the copy records carry the secret.
+    let copy = |from: &str, to: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .args(["copy", "--from", from, "--to", to])
+            .envs(server.env())
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        assert!(!stderr.contains(support::SECRET_KEY), "a secret leaked");
+        assert!(stderr.contains("copied 2 artifacts"), "{stderr}");
+    };
+    let local = dir.path().join("local").to_string_lossy().into_owned();
+    copy(&run_url, &local);
+    let back_url = server.url();
+    copy(&local, &back_url);
+    for store in [&local, &back_url] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .args(["run", "p.yaml", "--json", "--store", store])
+            .envs(server.env())
+            .env("DFLASH_WORK", dir.path().join(".work-copy"))
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let st: Vec<_> = v["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["status"].clone())
+            .collect();
+        assert_eq!(st, ["cached", "cached"], "{store}");
+    }
+
     // Two runs racing on one bucket: both succeed and agree on every artifact.
     let race_url = server.url();
     std::fs::write(dir.path().join("r.yaml"), "stages:\n  a: {kind: command, params: {shards: 4, run: 'echo $DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD'}}\n  b: {kind: command, inputs: [a], params: {run: 'cat $DFLASH_IN_A/* > $DFLASH_OUT/b'}}\n").unwrap();

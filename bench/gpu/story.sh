@@ -21,7 +21,7 @@
 #   - `train-fit SECONDS` times a few training steps, sets `max_steps` to what fits in the
 #     seconds left, and trains (the value it chose goes to $OUT: commit it to the pipeline);
 #   - `bring-back` exports the drafters and the bench results and keeps the store's whole small
-#     artifacts (`store_subset.py`) under $OUT, so they land on this machine.
+#     artifacts (`dflash copy --max-file-bytes 4M`) under $OUT, so they land on this machine.
 # The last session's calls (README "The fourth run"): `stash`; `stash`; `stash && setup &&
 # checks && hybrid 4 2048 && run 578 --only sweep_lr --only sweep_layers --only sweep_block`;
 # `run 515 --only sweep_...; bring-back`; `run 440 --only bench; bring-back`; `reference 3`.
@@ -94,7 +94,10 @@ pack-inputs)
         if [ -f "$seed" ]; then
             cp "$seed" "$pack"/$part/store-seed.tar.gz
         else
-            python3 bench/gpu/store_subset.py "$seed" "$pack"/$part/store-seed.tar.gz
+            # Whole artifacts only (a manifest without its blobs would fail the run there).
+            rm -rf /tmp/seed-store
+            "${DFLASH:-target/release/dflash}" copy --from "$seed" --to /tmp/seed-store --max-file-bytes 4M
+            tar -czf "$pack"/$part/store-seed.tar.gz -C /tmp/seed-store .
         fi
     fi
     # Each part travels with the working tree (the tracked files: the committed results too).
@@ -266,7 +269,7 @@ checks)
     } 2>&1 | tee "$OUT/checks.txt"
     ;;
 bring-back)
-    # There: the store's whole artifacts whose files are each under 4 MB (`store_subset.py`:
+    # There: the store's whole artifacts whose files are each under 4 MB (`dflash copy`:
     # manifests, run records, finished shards, metrics, results, the completions: commit `store-small.tar.gz` to bench/results/ so a
     # later session seeds its store with it, `pack-inputs ... SEED`, instead of generating
     # again), the drafters and the bench artifacts exported, the run's report, under $OUT in
@@ -281,7 +284,9 @@ bring-back)
         find /tmp/back/$d -mindepth 1 -maxdepth 1 ! -name drafter ! -name '*.json*' -exec rm -rf {} + || true
     done
     $STASH/dflash report latest --store $STORE -o /tmp/back/report.html || true
-    python3 bench/gpu/store_subset.py $STORE /tmp/back/store-small.tar.gz
+    rm -rf /tmp/small-store
+    $STASH/dflash copy --from $STORE --to /tmp/small-store --max-file-bytes 4M
+    tar -czf /tmp/back/store-small.tar.gz -C /tmp/small-store .
     tar -czf - -C /tmp back | split -b 15M -d - "$OUT/back.tar.gz."
     ls -la "$OUT"
     ;;

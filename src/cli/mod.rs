@@ -183,6 +183,24 @@ enum Command {
         #[command(flatten)]
         store: StoreArg,
     },
+    /// Copy whole artifacts, finished shards and run records into another store, create-only
+    Copy {
+        /// The store to copy from: a folder or a URL
+        #[arg(long)]
+        from: String,
+        /// The store to copy into (created if a folder that does not exist)
+        #[arg(long)]
+        to: String,
+        /// Only the artifacts of this stage id (repeatable; default: every stage)
+        #[arg(long)]
+        stage: Vec<String>,
+        /// Leave out an artifact with any file of this size or more (e.g. 4M)
+        #[arg(long, value_parser = crate::store::copy::parse_bytes)]
+        max_file_bytes: Option<u64>,
+        /// Print JSON on stdout
+        #[arg(long)]
+        json: bool,
+    },
     /// List the stage kinds and their params
     Kinds,
 }
@@ -760,6 +778,44 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                 );
             }
             Ok(u8::from(!bad.is_empty()))
+        }
+        Command::Copy {
+            from,
+            to,
+            stage,
+            max_file_bytes,
+            json,
+        } => {
+            let (src, dst) = (Store::open(&from)?, Store::open(&to)?);
+            let filter = crate::store::copy::Filter {
+                stages: stage,
+                max_file_bytes,
+            };
+            let r = runtime()?.block_on(crate::store::copy::copy(&src, &dst, &filter))?;
+            if json {
+                out(&serde_json::to_string(&r).expect("serializable"));
+            } else {
+                let left_out = |what: &[String], why: &str| {
+                    if !what.is_empty() {
+                        eprintln!("left out ({why}): {}", what.join(", "));
+                    }
+                };
+                left_out(&r.too_large, "a file over --max-file-bytes");
+                left_out(
+                    &r.incomplete,
+                    "a blob missing in the source: `dflash verify` it",
+                );
+                eprintln!(
+                    "copied {} artifacts ({} already there), {} finished shards, {} run records: {} blobs, {} bytes",
+                    r.copied.len(),
+                    r.already_there,
+                    r.shards,
+                    r.run_records,
+                    r.blobs,
+                    r.bytes
+                );
+            }
+            Ok(0)
         }
         Command::Kinds => {
             for name in registry.names() {

@@ -4,11 +4,13 @@
 //! - `blobs/<hh>/<digest>`: file contents, content-addressed, so a retried upload is harmless;
 //! - `shards/<key>/<name>.json`: a finished shard of a partial artifact ([`ShardRecord`]);
 //! - `manifests/<key>.json`: the commit of an artifact ([`Manifest`]), written last;
-//! - `runs/<run-id>/begin.json` and `runs/<run-id>/end.json`: run records.
+//! - `runs/<run-id>/begin.json` and `runs/<run-id>/end.json`: run records;
+//! - `copies/<id>.json`: a record of each `dflash copy` into this store ([`copy`]).
 //!
 //! Every write is `PutMode::Create`; nothing is ever replaced or deleted. At start the store
 //! is probed: a second create of `begin.json` must be refused, or dflash will not run on it.
 
+pub mod copy;
 pub mod manifest;
 
 use std::sync::Arc;
@@ -269,6 +271,15 @@ impl Store {
             delay = (delay * 2).min(std::time::Duration::from_secs(5));
         }
         unreachable!("the loop returns on its last attempt")
+    }
+
+    /// Whether `rel` exists (a HEAD request: nothing is read).
+    pub async fn exists(&self, rel: &str) -> Result<bool, StoreError> {
+        match self.inner.head(&self.path(rel)).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(self.io("check", rel, &e)),
+        }
     }
 
     /// Read `rel`, or `None` when it does not exist.

@@ -1,0 +1,218 @@
+//! Copying artifacts between stores (`dflash copy`): from a GPU box's local store to S3 and
+//! back, or a small seed for a machine that can carry only so much.
+//!
+//! Only whole artifacts travel, and in an order that never leaves a half one: an artifact's
+//! blobs first (each read back against its digest), its manifest last, so the destination
+//! never holds a manifest whose files are missing. Finished shards of stages still in progress
+//! go the same way (blobs, then the record), so a run on the destination resumes them; run
+//! records go as they are. Every write is create-only: what the destination already holds is
+//! left as it is and counted, never replaced. A copy writes its own record under
+//! `copies/<id>.json`, and a second create of it must be refused (the destination's create-only
+//! probe, as a run makes on its store).
+
+use std::collections::{BTreeSet, HashMap};
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use super::{Put, ShardRecord, Store, StoreError, blob_path};
+use crate::key::Key;
+
+/// Which artifacts to copy.
+#[derive(Debug, Default, Clone)]
+pub struct Filter {
+    /// Only artifacts of these stage ids (every stage when empty).
+    pub stages: Vec<String>,
+    /// Leave out an artifact with any file of this many bytes or more.
+    pub max_file_bytes: Option<u64>,
+}
+
+/// What a copy did.
+#[derive(Debug, Default, Serialize)]
+pub struct CopyReport {
+    /// Artifacts written to the destination (their manifests created).
+    pub copied: Vec<String>,
+    /// Artifacts the destination held already.
+    pub already_there: usize,
+    /// Artifacts left out by `max_file_bytes`, by stage id.
+    pub too_large: Vec<String>,
+    /// Artifacts left out because the source lacks one of their blobs (`dflash verify` there).
+    pub incomplete: Vec<String>,
+    /// Finished shards of stages in progress, copied.
+    pub shards: usize,
+    /// Run records copied.
+    pub run_records: usize,
+    /// Blobs written (the rest were there already).
+    pub blobs: usize,
+    /// Bytes of the blobs written.
+    pub bytes: u64,
+}
+
+/// Copy what `filter` selects from `from` to `to`; see the module docs.
+pub async fn copy(from: &Store, to: &Store, filter: &Filter) -> Result<CopyReport, StoreError> {
+    probe(to, from).await?;
+    let mut report = CopyReport::default();
+    let wanted = |stage: &str| filter.stages.is_empty() || filter.stages.iter().any(|s| s == stage);
+    let fits = |size: u64| filter.max_file_bytes.is_none_or(|max| size < max);
+    for key in from.keys().await? {
+        let rel = format!("manifests/{key}.json");
+        let Some(raw) = from.get(&rel).await? else {
+            continue;
+        };
+        let Some(m) = from.manifest(&key).await? else {
+            continue;
+        };
+        if !wanted(&m.lineage.stage_id) {
+            continue;
+        }
+        if to.exists(&rel).await? {
+            report.already_there += 1;
+            continue;
+        }
+        if !m.files.iter().all(|f| fits(f.size)) {
+            report.too_large.push(m.lineage.stage_id.clone());
+            continue;
+        }
+        let digests: Vec<_> = m.files.iter().map(|f| f.digest).collect();
+        if !copy_blobs(from, to, &digests, &mut report).await? {
+            report.incomplete.push(m.lineage.stage_id.clone());
+            continue;
+        }
+        // Last: the manifest's own bytes, so the destination's commit is the source's.
+        to.put_create(&rel, raw).await?;
+        report.copied.push(m.lineage.stage_id.clone());
+    }
+    // Shards of keys not committed in the source, of the stages asked for (the run records
+    // say which stage a key was).
+    let stage_of: HashMap<Key, String> = from
+        .runs()
+        .await?
+        .into_iter()
+        .flat_map(|r| r.stages)
+        .filter_map(|s| Some((s.key?, s.id)))
+        .collect();
+    let committed: BTreeSet<Key> = from.keys().await?.into_iter().collect();
+    for rel in from.list("shards").await? {
+        let Some(key) = rel
+            .split('/')
+            .nth(1)
+            .and_then(|k| k.parse::<dflash_stage_api::Digest>().ok())
+            .map(Key)
+        else {
+            continue;
+        };
+        if committed.contains(&key)
+            || !stage_of.get(&key).is_some_and(|s| wanted(s))
+            || to.exists(&rel).await?
+        {
+            continue;
+        }
+        let Some(raw) = from.get(&rel).await? else {
+            continue;
+        };
+        let Ok(shard) = serde_json::from_slice::<ShardRecord>(&raw) else {
+            continue;
+        };
+        if !shard.files.iter().all(|f| fits(f.size)) {
+            continue;
+        }
+        let digests: Vec<_> = shard.files.iter().map(|f| f.digest).collect();
+        if copy_blobs(from, to, &digests, &mut report).await? {
+            to.put_create(&rel, raw).await?;
+            report.shards += 1;
+        }
+    }
+    for rel in from.list("runs").await? {
+        if to.exists(&rel).await? {
+            continue;
+        }
+        if let Some(raw) = from.get(&rel).await?
+            && to.put_create(&rel, raw).await? == Put::Created
+        {
+            report.run_records += 1;
+        }
+    }
+    Ok(report)
+}
+
+/// Copy the blobs the destination lacks, each checked against its digest on the way; false
+/// when the source lacks one (nothing that depends on them should then be written).
+async fn copy_blobs(
+    from: &Store,
+    to: &Store,
+    digests: &[dflash_stage_api::Digest],
+    report: &mut CopyReport,
+) -> Result<bool, StoreError> {
+    for d in digests {
+        if to.exists(&blob_path(d)).await? {
+            continue;
+        }
+        let bytes: Bytes = match from.get_blob(d).await {
+            Ok(b) => b,
+            Err(StoreError::Missing { .. }) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        report.bytes += bytes.len() as u64;
+        if to.put_blob(bytes).await?.digest == *d {
+            report.blobs += 1;
+        }
+    }
+    Ok(true)
+}
+
+/// The copy's record under `copies/`, created, then created again with other bytes: a store
+/// that lets the second replace the first would let a copy replace artifacts, so it is refused.
+async fn probe(to: &Store, from: &Store) -> Result<(), StoreError> {
+    let rel = format!("copies/{}.json", crate::run::new_run_id());
+    let record = serde_json::json!({"from": from.url()});
+    let bytes = Bytes::from(serde_json::to_vec_pretty(&record).expect("json"));
+    to.put_create(&rel, bytes).await?;
+    let probe = Bytes::from_static(b"{\"probe\": \"this must never replace the copy record\"}\n");
+    if to.put_create(&rel, probe).await? == Put::Created {
+        return Err(StoreError::Overwrites {
+            url: to.url().to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// A size as users write it: `4194304`, `4M`, `4MB`, `1.5G`, `512K` (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "K" | "KB" | "KIB" => 1 << 10,
+        "M" | "MB" | "MIB" => 1 << 20,
+        "G" | "GB" | "GIB" => 1 << 30,
+        "T" | "TB" | "TIB" => 1 << 40,
+        other => {
+            return Err(format!(
+                "unknown unit `{other}` in `{s}`: use B, K, M, G or T"
+            ));
+        }
+    };
+    let n: f64 = number.parse().map_err(|_| {
+        format!("`{s}` is not a size: write a number with an optional unit, e.g. 4M")
+    })?;
+    Ok((n * scale as f64).round() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_parse_as_written() {
+        assert_eq!(parse_bytes("4194304"), Ok(4_194_304));
+        assert_eq!(parse_bytes("4M"), Ok(4 << 20));
+        assert_eq!(parse_bytes("4MB"), Ok(4 << 20));
+        assert_eq!(parse_bytes("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_bytes("512 KiB"), Ok(512 << 10));
+        assert!(parse_bytes("4Q").unwrap_err().contains("unknown unit"));
+        assert!(parse_bytes("M").unwrap_err().contains("not a size"));
+    }
+}
