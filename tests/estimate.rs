@@ -409,3 +409,36 @@ fn a_sweep_variant_equal_to_a_stage_is_counted_once() {
         total(&alone)
     );
 }
+
+/// A small target's training step is sized by its launches and small ops, per layer pass and
+/// per block row: blocks of 8 cost less than 16, and each drafter layer adds to both.
+#[test]
+fn a_small_targets_step_counts_its_block_rows() {
+    let env = story();
+    std::os::unix::fs::symlink(
+        support::hub::assets().join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+        env.path().join("smollm2.gguf"),
+    )
+    .unwrap();
+    let sweep = "  sweep:\n    kind: train\n    inputs: [tokens]\n    params: {target: smollm2.gguf, anchors: 256, max_steps: 200, mask_token_id: 3}\n    matrix: {block_size: [8, 16], draft_layers: [1, 3]}\n";
+    let story = std::fs::read_to_string(env.path().join("story.yaml")).unwrap();
+    env.write("sweep.yaml", &format!("{story}{sweep}"));
+    let e = json(
+        &env,
+        &["sweep.yaml", "--gpus", "1xH100", PINNED[0], PINNED[1]],
+    );
+    let hours = |id: &str| stage(&e, id)["gpu_hours"].as_f64().unwrap();
+    let (b8, b16) = (
+        hours("sweep@block_size=8,draft_layers=3"),
+        hours("sweep@block_size=16,draft_layers=3"),
+    );
+    assert!(b8 > 0.0 && b8 < b16, "blocks of 8 {b8} h, 16 {b16} h");
+    let (l1, l3) = (
+        hours("sweep@block_size=16,draft_layers=1"),
+        hours("sweep@block_size=16,draft_layers=3"),
+    );
+    assert!(l1 < l3, "1 layer {l1} h, 3 layers {l3} h");
+    // 256 anchors x 8: the rows the note counts.
+    let notes = stage(&e, "sweep@block_size=8,draft_layers=3")["notes"].to_string();
+    assert!(notes.contains("over its 2.05 K block rows"), "{notes}");
+}

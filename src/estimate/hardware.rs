@@ -209,9 +209,21 @@ impl Assumptions {
             },
             Assumption {
                 name: "train_launch_s_per_layer",
-                value: 0.0006,
-                meaning: "seconds a training step spends per sequence and layer pass (target layers forward, drafter layers x3) on kernel launches and small ops; a step takes the longer of this and its FLOPs",
-                source: "measured: pipelines/smollm2.yaml on one H100, 0.38 s per step of 16 sequences (30 + 3x3 layer passes each; 0.26 s per 8 on an H200 before) (README)".into(),
+                value: 0.000_27,
+                meaning: "seconds a training step spends per sequence and layer pass (target layers forward, drafter layers x3) on kernel launches and small ops, besides its block rows' (below); a step takes the longer of these and its FLOPs",
+                source: "fitted: pipelines/smollm2.yaml's sweep on one H100, 6 trainings of 200 steps of 16 sequences (1 / 3 / 5 drafter layers, blocks of 8 and 16: 14.8-24.3 ms per sequence, each fitted within 0.3 ms) (README \"The fourth run\")".into(),
+            },
+            Assumption {
+                name: "train_head_s_per_row",
+                value: 0.000_001,
+                meaning: "seconds a training step spends per sequence and block row (anchors x block size) in the LM head, its loss and their small ops, when bound by launches and small ops",
+                source: "fitted: the same sweep (blocks of 8 trained in 0.77x the time of 16) (README \"The fourth run\")".into(),
+            },
+            Assumption {
+                name: "train_layer_s_per_row",
+                value: 0.000_000_4,
+                meaning: "seconds a training step spends per sequence, block row and drafter layer (forward and backward), when bound by launches and small ops",
+                source: "fitted: the same sweep (each drafter layer added ~2.4 ms per sequence at 256 anchors x 16) (README \"The fourth run\")".into(),
             },
             Assumption {
                 name: "train_dflash2_step_ratio",

@@ -696,11 +696,16 @@ impl Sizer<'_> {
         let mfu = self.assumptions.get("train_mfu");
         let prefill_mfu = self.assumptions.get("prefill_mfu");
         // A step is bound by its FLOPs or, for small models, by its kernel launches and small
-        // ops (per sequence and layer pass: the target's layers forward, the drafter's forward
-        // and backward), whichever is longer.
+        // ops, whichever is longer: per sequence and layer pass (the target's layers forward,
+        // the drafter's forward and backward) and per block row (the LM head and its loss, and
+        // each drafter layer: blocks of 8 train faster than 16 where the launches are the same).
         let flops_s = (f_target + f_drafter) / (peak * mfu);
+        let block_rows = anchors * p.block_size as f64;
+        let row_s = self.assumptions.get("train_head_s_per_row")
+            + p.draft_layers as f64 * self.assumptions.get("train_layer_s_per_row");
         let launch_s = self.assumptions.get("train_launch_s_per_layer")
-            * (target.layers + 3 * p.draft_layers) as f64;
+            * (target.layers + 3 * p.draft_layers) as f64
+            + block_rows * row_s;
         // DFlash 2's convolutions, top-k and selector: measured as a whole-step ratio, since
         // its extra cost is small ops and lookups rather than FLOPs.
         let head_ratio = if drafter.dflash2.is_some() {
@@ -711,8 +716,10 @@ impl Sizer<'_> {
         let gpu_s = sequences * flops_s.max(launch_s) * head_ratio;
         if launch_s > flops_s {
             s.notes.push(format!(
-                "launch-bound: {:.1} ms of kernel launches per sequence against {:.1} ms of FLOPs (a small target)",
+                "launch-bound: {:.1} ms of kernel launches and small ops per sequence ({:.1} ms of them over its {} block rows) against {:.1} ms of FLOPs (a small target)",
                 launch_s * 1e3,
+                block_rows * row_s * 1e3,
+                count(block_rows),
                 flops_s * 1e3
             ));
         }
