@@ -439,6 +439,44 @@ fn fused(_args: &[String]) -> Result<()> {
                 "device": format!("{device:?}"), "rows": want.len(), "rows_differing": differ})
         );
     }
+    // A Gated DeltaNet layer's causal convolution with its SiLU at Qwen3.5-27B's channels over
+    // 2,048 tokens: the device's against the CPU's, and its time against the composed taps it
+    // replaced (a cast to f32, a multiply and an add per tap, the SiLU).
+    let x = init.normal(&[2_051, 16_384], 1.0, DType::F32, &cpu)?;
+    let w = init.normal(&[16_384, 4], 0.5, DType::F32, &cpu)?;
+    for dtype in [DType::F32, DType::BF16] {
+        let xc = x.to_dtype(dtype)?;
+        let want = fused::causal_conv_silu(&xc, &w)?;
+        let (xd, wd) = (xc.to_device(&device)?, w.to_device(&device)?);
+        let timed = |f: &dyn Fn() -> Result<Tensor>| -> Result<(Tensor, f64)> {
+            f()?;
+            device.synchronize()?;
+            let t0 = Instant::now();
+            let y = f()?;
+            device.synchronize()?;
+            Ok((y, t0.elapsed().as_secs_f64() * 1e3))
+        };
+        let (got, ms) = timed(&|| Ok(fused::causal_conv_silu(&xd, &wd)?))?;
+        let (_, ms_composed) = timed(&|| {
+            let (xf, wf) = (xd.to_dtype(DType::F32)?, wd.to_dtype(DType::F32)?);
+            let n = xf.dim(0)? - 3;
+            let mut acc = xf
+                .narrow(0, 0, n)?
+                .broadcast_mul(&wf.narrow(1, 0, 1)?.t()?)?;
+            for j in 1..4 {
+                acc = (acc
+                    + xf.narrow(0, j, n)?
+                        .broadcast_mul(&wf.narrow(1, j, 1)?.t()?)?)?;
+            }
+            Ok(candle_nn::ops::silu(&acc)?)
+        })?;
+        println!(
+            "{}",
+            serde_json::json!({"phase": "fused", "check": "causal_conv_silu", "dtype": format!("{dtype:?}"),
+                "device": format!("{device:?}"), "max_abs_diff": worst(&got.to_device(&cpu)?, &want)?,
+                "ms": ms, "ms_composed": ms_composed})
+        );
+    }
     // Rows of a table by index (DFlash 2's codebooks: 200K lookups into 49,152 x 64): value and
     // gradient on the device against the CPU's, and the time of the lookup with its backward
     // against candle's `index_select` (whose backward is candle's `index_add`).

@@ -30,6 +30,7 @@
 use candle_core::{D, DType, Device, Tensor};
 
 use super::Result;
+use super::fused;
 use super::ops::Linear;
 
 /// Tokens per chunk of [`DeltaNet::forward`].
@@ -140,31 +141,23 @@ impl DeltaNet {
         let n = x.dim(0)?;
         let qkv = self.qkv.forward(x)?;
         let conv_inputs = Tensor::cat(&[&state.conv.to_dtype(qkv.dtype())?, &qkv], 0)?;
-        let w = self.conv.to_dtype(DType::F32)?;
-        let inputs = conv_inputs.to_dtype(DType::F32)?;
         let conv = match windows {
             // Depthwise and causal: output t is the sum over the kernel's taps j of
-            // w[:, j] * input[t + j] in the carried-then-new sequence.
-            None => {
-                let mut conv = inputs
-                    .narrow(0, 0, n)?
-                    .broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
-                for j in 1..s.kernel {
-                    conv = (conv
-                        + inputs
-                            .narrow(0, j, n)?
-                            .broadcast_mul(&w.narrow(1, j, 1)?.t()?)?)?;
-                }
-                conv
-            }
+            // w[:, j] * input[t + j] in the carried-then-new sequence, then SiLU; one fused
+            // pass in f32 (a cast, a multiply and an add per tap, and the SiLU composed).
+            None => fused::causal_conv_silu(&conv_inputs, &self.conv)?,
             // A node's taps read its own window: its ancestors, then the carried inputs.
-            Some(windows) => inputs
-                .index_select(&Tensor::new(windows, x.device())?, 0)?
-                .reshape((n, s.kernel, s.conv_dim()))?
-                .broadcast_mul(&w.t()?.unsqueeze(0)?)?
-                .sum(1)?,
+            Some(windows) => {
+                let w = self.conv.to_dtype(DType::F32)?;
+                let conv = conv_inputs
+                    .to_dtype(DType::F32)?
+                    .index_select(&Tensor::new(windows, x.device())?, 0)?
+                    .reshape((n, s.kernel, s.conv_dim()))?
+                    .broadcast_mul(&w.t()?.unsqueeze(0)?)?
+                    .sum(1)?;
+                candle_nn::ops::silu(&conv)?
+            }
         };
-        let conv = candle_nn::ops::silu(&conv)?;
         let kw = s.key_heads * s.key_dim;
         let repeat = s.value_heads / s.key_heads;
         // [n, key_heads, key_dim] -> [value_heads, n, key_dim], each key head repeated for the

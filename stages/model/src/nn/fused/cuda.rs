@@ -426,6 +426,27 @@ pub fn swiglu(g: Arg<'_>, u: Arg<'_>) -> Result<CudaStorage> {
     })
 }
 
+/// A Gated DeltaNet layer's causal convolution and SiLU (`conv.rs`), f32 out.
+pub fn causal_conv_silu(x: Arg<'_>, w: Arg<'_>, k: usize) -> Result<CudaStorage> {
+    by_type!(x.0.dtype(), "causal-conv-silu", |T| {
+        let dev = x.0.device();
+        let (m, c) = rows(x.1);
+        let n = (m - k + 1) * c;
+        let (xs, ws) = (view::<T>(x)?, view::<T>(w)?);
+        let out = fresh::<f32>(dev, n)?;
+        let (c32, k32) = (c as u32, k as u32);
+        // Reads m*c inputs (each k times, from cache) and c*k weights, writes n outputs.
+        launch!(
+            dev,
+            "causal_conv_silu",
+            T,
+            elementwise(n),
+            [&xs, &ws, &out, &n, &c32, &k32]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
 /// SwiGLU's gradient in its gate (`which` 0) or its up projection (1).
 pub fn swiglu_grad(g: Arg<'_>, u: Arg<'_>, dh: Arg<'_>, which: i32) -> Result<CudaStorage> {
     by_type!(g.0.dtype(), "swiglu-grad", |T| {

@@ -197,6 +197,19 @@ __device__ void swiglu(const T* g, const T* u, T* h, size_t n) {
     }
 }
 
+// y[t, c] = silu(sum_j w[c, j] * x[t + j, c]): a Gated DeltaNet layer's depthwise causal
+// convolution over the carried-then-new inputs x [rows + k - 1, channels] and its SiLU, in f32.
+// Consecutive threads take consecutive channels, so each tap's loads are coalesced.
+template <typename T>
+__device__ void causal_conv_silu(const T* x, const T* w, float* y, size_t n, uint32_t channels, uint32_t k) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t t = i / channels, c = i % channels;
+        float a = 0.0f;
+        for (uint32_t j = 0; j < k; ++j) a += load(w, c * k + j) * load(x, (t + j) * channels + c);
+        y[i] = a / (1.0f + __expf(-a));
+    }
+}
+
 // The gradient of swiglu's gate input (which == 0) or of its up input (which == 1) given dh.
 template <typename T>
 __device__ void swiglu_grad(const T* g, const T* u, const T* dh, T* out, size_t n, int which) {
@@ -355,6 +368,10 @@ __device__ void scatter_add_rows(const T* grad, const uint32_t* ids, T* table, s
     extern "C" __global__ void swiglu_grad_##NAME(const T* g, const T* u, const T* dh, T* out, size_t n, \
                                                   int which) {                                         \
         swiglu_grad(g, u, dh, out, n, which);                                                          \
+    }                                                                                                  \
+    extern "C" __global__ void causal_conv_silu_##NAME(const T* x, const T* w, float* y, size_t n,       \
+                                                       uint32_t channels, uint32_t k) {                \
+        causal_conv_silu(x, w, y, n, channels, k);                                                     \
     }                                                                                                  \
     extern "C" __global__ void rms_rstd_##NAME(const T* x, float* r, uint32_t n, float eps) {          \
         rms_rstd(x, r, n, eps);                                                                        \

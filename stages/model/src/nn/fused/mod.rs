@@ -24,6 +24,7 @@
 //! | `SumSquares`, `Moment`, `AdamStep` (`adamw.rs`) | gradient norm, AdamW in place | yes | `sum_squares`, `moment`, `adam_apply` | none |
 //! | `GatherRows` (`gather.rs`) | rows of a table by index (DFlash 2's codebooks) | yes | `gather_rows` | `ScatterAddRows` (atomic adds) |
 //! | `TopK` (`topk.rs`) | the `k` largest entries' indices per row (DFlash 2's candidates) | yes | `top_k` | none (indices) |
+//! | `CausalConvSilu` (`conv.rs`) | a Gated DeltaNet layer's causal depthwise convolution and SiLU, f32 out | yes | `causal_conv_silu` | none (the target is frozen) |
 //! | flash attention ([`flash`]) | causal and block attention | no (composed ops) | `flash.cu`, bf16 | its own kernels |
 //! | `AttentionNode`, `LinearNode` (`nodes.rs`) | untracked forward, written-out backward | yes | yes | written out |
 //!
@@ -246,6 +247,7 @@ macro_rules! fused_op {
 type CpuArg<'a> = (&'a CpuStorage, &'a Layout);
 
 mod adamw;
+mod conv;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 mod cuda;
@@ -262,6 +264,7 @@ mod tests;
 mod topk;
 
 pub use adamw::{AdamStep, adamw_update, sum_squares};
+pub use conv::causal_conv_silu;
 
 /// Set a device up for training and decoding before anything is allocated on it: on a GPU, the
 /// memory pool keeps freed memory for reuse and buffers are not tracked with events (one
