@@ -477,6 +477,56 @@ fn fused(_args: &[String]) -> Result<()> {
                 "ms": ms, "ms_composed": ms_composed})
         );
     }
+    // The chunked Gated DeltaNet's pass over its chunks at Qwen3.5-27B's widths over 2,048
+    // tokens (48 value heads of 128, 32 chunks of 64): the device's kernel against the CPU's
+    // form on the same packed operands, and its time against the matmuls per chunk it replaced.
+    let (chunks, heads, l, dk, dv) = (32usize, 48usize, 64usize, 128usize, 128usize);
+    let rows = init.normal(&[chunks, heads, l, dv + 2 * dk + l], 0.1, DType::F32, &cpu)?;
+    let tails = init.normal(&[chunks, heads, dk, l + 1], 0.1, DType::F32, &cpu)?;
+    let s0 = init.normal(&[heads, dk, dv], 0.1, DType::F32, &cpu)?;
+    let (want_o, want_s) = fused::delta_scan(&rows, &tails, &s0)?;
+    let (rd, td, sd) = (
+        rows.to_device(&device)?,
+        tails.to_device(&device)?,
+        s0.to_device(&device)?,
+    );
+    let scan = || -> Result<(Tensor, Tensor)> { Ok(fused::delta_scan(&rd, &td, &sd)?) };
+    scan()?;
+    device.synchronize()?;
+    let t0 = Instant::now();
+    let (got_o, got_s) = scan()?;
+    device.synchronize()?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let per_chunk = || -> Result<Tensor> {
+        let part = |from: usize, width: usize| rd.narrow(3, from, width)?.contiguous();
+        let (values, k_decayed) = (part(0, dv)?, part(dv, dk)?);
+        let (q_decayed, intra) = (part(dv + dk, dk)?, part(dv + 2 * dk, l)?);
+        let k_tail = td.narrow(3, 0, l)?.contiguous()?;
+        let decay = td.narrow(2, 0, 1)?.narrow(3, l, 1)?.contiguous()?;
+        let mut st = sd.clone();
+        let mut outs = Vec::with_capacity(chunks);
+        for c in 0..chunks {
+            let v_new = (values.get(c)? - k_decayed.get(c)?.matmul(&st)?)?;
+            outs.push((q_decayed.get(c)?.matmul(&st)? + intra.get(c)?.matmul(&v_new)?)?);
+            st = (st.broadcast_mul(&decay.get(c)?)? + k_tail.get(c)?.matmul(&v_new)?)?;
+        }
+        Ok(Tensor::cat(&outs, 1)?)
+    };
+    per_chunk()?;
+    device.synchronize()?;
+    let t0 = Instant::now();
+    let composed = per_chunk()?;
+    device.synchronize()?;
+    let ms_per_chunk = t0.elapsed().as_secs_f64() * 1e3;
+    println!(
+        "{}",
+        serde_json::json!({"phase": "fused", "check": "delta_scan", "dtype": "F32",
+            "device": format!("{device:?}"), "max_abs_diff": worst(&got_o.to_device(&cpu)?, &want_o)?,
+            "state_max_abs_diff": worst(&got_s.to_device(&cpu)?, &want_s)?,
+            "max_abs": worst(&want_o, &want_o.zeros_like()?)?,
+            "per_chunk_max_abs_diff": worst(&composed.to_device(&cpu)?, &want_o)?,
+            "ms": ms, "ms_matmuls_per_chunk": ms_per_chunk})
+    );
     // Rows of a table by index (DFlash 2's codebooks: 200K lookups into 49,152 x 64): value and
     // gradient on the device against the CPU's, and the time of the lookup with its backward
     // against candle's `index_select` (whose backward is candle's `index_add`).

@@ -237,8 +237,20 @@ impl DeltaNet {
     }
 
     /// The layer over `x` `[n, H]` after `state` (a fresh sequence: [`Self::empty_state`]), in
-    /// chunks (module docs); the output `[n, H]` and the state after the last token.
+    /// chunks (module docs); the output `[n, H]` and the state after the last token. On a GPU
+    /// one kernel walks the chunks ([`fused::delta_scan`]); on CPU the matmuls per chunk are
+    /// faster than its reference form.
     pub fn forward(&self, x: &Tensor, state: &DeltaState) -> Result<(Tensor, DeltaState)> {
+        self.chunked(x, state, x.device().is_cuda())
+    }
+
+    /// [`Self::forward`], the pass over the chunks fused or as matmuls per chunk.
+    fn chunked(
+        &self,
+        x: &Tensor,
+        state: &DeltaState,
+        fused_scan: bool,
+    ) -> Result<(Tensor, DeltaState)> {
         let s = &self.shape;
         let n = x.dim(0)?;
         let m = self.mix(x, state, None)?;
@@ -299,23 +311,37 @@ impl DeltaNet {
         let last = cum.narrow(2, CHUNK - 1, 1)?;
         let k_tail = k.broadcast_mul(&last.broadcast_sub(&cum)?.exp()?.unsqueeze(D::Minus1)?)?;
         let chunk_decay = last.exp()?.unsqueeze(D::Minus1)?;
-        // Chunk-major copies, made once: each chunk's slice is then contiguous as it is, where
-        // slicing the head-major tensors took a copy per operand and chunk (launches on a GPU).
+        // Chunk-major: each chunk's slice is then contiguous as it is.
         let by_chunk = |t: &Tensor| t.transpose(0, 1)?.contiguous();
-        let (values, k_decayed) = (by_chunk(&values)?, by_chunk(&k_decayed)?);
-        let (q_decayed, intra) = (by_chunk(&q_decayed)?, by_chunk(&intra)?);
-        let k_tail = by_chunk(&k_tail.transpose(D::Minus1, D::Minus2)?)?;
-        let chunk_decay = by_chunk(&chunk_decay)?;
-        let mut state_s = state.recurrent.clone();
-        let mut outs = Vec::with_capacity(chunks);
-        for c in 0..chunks {
-            let v_new = (values.get(c)? - k_decayed.get(c)?.matmul(&state_s)?)?;
-            let o = (q_decayed.get(c)?.matmul(&state_s)? + intra.get(c)?.matmul(&v_new)?)?;
-            outs.push(o);
-            state_s =
-                (state_s.broadcast_mul(&chunk_decay.get(c)?)? + k_tail.get(c)?.matmul(&v_new)?)?;
-        }
-        let o = Tensor::cat(&outs, 1)?.narrow(1, 0, n)?;
+        let k_tail = k_tail.transpose(D::Minus1, D::Minus2)?;
+        let (o, state_s) = if fused_scan {
+            // One kernel walks the chunks (`fused::delta_scan`), its operands packed.
+            let rows = by_chunk(&Tensor::cat(
+                &[&values, &k_decayed, &q_decayed, &intra],
+                D::Minus1,
+            )?)?;
+            let decays = chunk_decay.broadcast_as((heads, chunks, s.key_dim, 1))?;
+            let tails = by_chunk(&Tensor::cat(&[&k_tail, &decays], D::Minus1)?)?;
+            let (o, state_s) = fused::delta_scan(&rows, &tails, &state.recurrent)?;
+            (o, state_s.contiguous()?)
+        } else {
+            // A few launches per chunk on a GPU; copies made once, where slicing the
+            // head-major tensors took a copy per operand and chunk.
+            let (values, k_decayed) = (by_chunk(&values)?, by_chunk(&k_decayed)?);
+            let (q_decayed, intra) = (by_chunk(&q_decayed)?, by_chunk(&intra)?);
+            let (k_tail, chunk_decay) = (by_chunk(&k_tail)?, by_chunk(&chunk_decay)?);
+            let mut state_s = state.recurrent.clone();
+            let mut outs = Vec::with_capacity(chunks);
+            for c in 0..chunks {
+                let v_new = (values.get(c)? - k_decayed.get(c)?.matmul(&state_s)?)?;
+                let o = (q_decayed.get(c)?.matmul(&state_s)? + intra.get(c)?.matmul(&v_new)?)?;
+                outs.push(o);
+                state_s = (state_s.broadcast_mul(&chunk_decay.get(c)?)?
+                    + k_tail.get(c)?.matmul(&v_new)?)?;
+            }
+            (Tensor::cat(&outs, 1)?, state_s)
+        };
+        let o = o.narrow(1, 0, n)?;
         let out = self.finish(&o, &m.z, x.dtype())?;
         let next = DeltaState {
             conv: self.conv_after(&m, n)?,
@@ -511,6 +537,36 @@ mod tests {
         // The state after token t of a stepped call is where a call for the rest resumes.
         let (rest, _) = d.steps(&x.narrow(0, 3, 4).unwrap(), &states[2]).unwrap();
         assert!(max_diff(&rest, &stepped.narrow(0, 3, 4).unwrap()) < 1e-5);
+    }
+
+    /// The fused pass over the chunks (the reference form of the GPU's kernel, with the
+    /// operands packed as `forward` packs them on a GPU) gives the matmuls per chunk's outputs
+    /// and state: one chunk, a ragged end, several chunks, from a fresh and a carried state.
+    #[test]
+    fn the_fused_pass_over_chunks_is_the_matmuls_per_chunk() {
+        let d = layer(7);
+        let cpu = Device::Cpu;
+        let x = super::super::drafter::Init::new(11)
+            .normal(&[200, 16], 1.0, DType::F32, &cpu)
+            .unwrap();
+        let fresh = d.empty_state(DType::F32, &cpu).unwrap();
+        let (_, carried) = d.forward(&x.narrow(0, 150, 50).unwrap(), &fresh).unwrap();
+        for state in [&fresh, &carried] {
+            for n in [1, 64, 70, 150] {
+                let x = x.narrow(0, 0, n).unwrap();
+                let (want, want_state) = d.chunked(&x, state, false).unwrap();
+                let (got, got_state) = d.chunked(&x, state, true).unwrap();
+                assert_eq!(got.dims(), want.dims());
+                assert!(
+                    max_diff(&got, &want) < 1e-5,
+                    "{n}: {}",
+                    max_diff(&got, &want)
+                );
+                let diff = max_diff(&got_state.recurrent, &want_state.recurrent);
+                assert!(diff < 1e-5, "{n}: state {diff}");
+                assert!(max_diff(&got_state.conv, &want_state.conv) == 0.0);
+            }
+        }
     }
 
     /// A tree's every node gets what stepping its root-to-node path as a sequence gives: the

@@ -447,6 +447,43 @@ pub fn causal_conv_silu(x: Arg<'_>, w: Arg<'_>, k: usize) -> Result<CudaStorage>
     })
 }
 
+/// The chunked Gated DeltaNet's pass over its chunks (`scan.rs`): a block per head and tile of
+/// 32 value columns, 256 threads, the state's tile and the chunk's new values in shared memory.
+pub fn delta_scan(
+    rows: Arg<'_>,
+    tails: Arg<'_>,
+    state: Arg<'_>,
+    s: super::scan::ScanShape,
+) -> Result<CudaStorage> {
+    by_type!(rows.0.dtype(), "delta-scan", |T| {
+        let dev = rows.0.device();
+        let (rs, ts, ss) = (view::<T>(rows)?, view::<T>(tails)?, view::<T>(state)?);
+        let out = fresh::<T>(dev, s.heads * (s.chunks * s.chunk + s.dk) * s.dv)?;
+        let cfg = LaunchConfig {
+            grid_dim: (s.heads as u32, s.dv.div_ceil(32) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: ((s.dk + s.chunk) * 32 * 4) as u32,
+        };
+        let (c, h, l, dk, dv) = (
+            s.chunks as u32,
+            s.heads as u32,
+            s.chunk as u32,
+            s.dk as u32,
+            s.dv as u32,
+        );
+        // Reads the packed rows and tails once per tile and the state once; writes every
+        // chunk's rows and the final state: all of `out`.
+        launch!(
+            dev,
+            "delta_scan",
+            T,
+            cfg,
+            [&rs, &ts, &ss, &out, &c, &h, &l, &dk, &dv]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
 /// SwiGLU's gradient in its gate (`which` 0) or its up projection (1).
 pub fn swiglu_grad(g: Arg<'_>, u: Arg<'_>, dh: Arg<'_>, which: i32) -> Result<CudaStorage> {
     by_type!(g.0.dtype(), "swiglu-grad", |T| {

@@ -210,6 +210,53 @@ __device__ void causal_conv_silu(const T* x, const T* w, float* y, size_t n, uin
     }
 }
 
+// The chunked Gated DeltaNet's pass over its chunks (`scan.rs`). Block (h, tile): head h, value
+// columns [32 tile, 32 tile + 32). The state's tile S [dk, 32] and the chunk's v_new [L, 32] live
+// in shared memory; thread t takes column t % 32 and every 8th row from t / 32. Per chunk:
+// v_new = values - k_decayed @ S; out = q_decayed @ S + intra @ v_new; S = S * decay + k_tail @
+// v_new, a barrier between the phases (each reads what the one before wrote).
+// rows [chunks, heads, L, dv + 2 dk + L], tails [chunks, heads, dk, L + 1], s0 [heads, dk, dv],
+// out [heads, chunks L + dk, dv]: every chunk's rows, then the final state.
+template <typename T>
+__device__ void delta_scan(const T* rows, const T* tails, const T* s0, T* out, uint32_t chunks,
+                           uint32_t heads, uint32_t l, uint32_t dk, uint32_t dv) {
+    extern __shared__ float shared[];
+    float* st = shared;             // [dk][32]
+    float* vn = shared + dk * 32;   // [l][32]
+    const uint32_t h = blockIdx.x, jj = threadIdx.x % 32, r0 = threadIdx.x / 32, step = blockDim.x / 32;
+    const uint32_t j = blockIdx.y * 32 + jj;
+    const bool col = j < dv;
+    const size_t w = dv + 2 * dk + l, out_rows = (size_t)chunks * l + dk;
+    for (uint32_t d = r0; d < dk; d += step) st[d * 32 + jj] = col ? load(s0, ((size_t)h * dk + d) * dv + j) : 0.0f;
+    __syncthreads();
+    for (uint32_t c = 0; c < chunks; ++c) {
+        const size_t base = ((size_t)c * heads + h) * l * w;
+        for (uint32_t i = r0; i < l; i += step) {
+            float a = col ? load(rows, base + i * w + j) : 0.0f;
+            for (uint32_t d = 0; d < dk; ++d) a -= load(rows, base + i * w + dv + d) * st[d * 32 + jj];
+            vn[i * 32 + jj] = a;
+        }
+        __syncthreads();
+        for (uint32_t i = r0; i < l; i += step) {
+            float a = 0.0f;
+            for (uint32_t d = 0; d < dk; ++d) a += load(rows, base + i * w + dv + dk + d) * st[d * 32 + jj];
+            for (uint32_t m = 0; m < l; ++m) a += load(rows, base + i * w + dv + 2 * dk + m) * vn[m * 32 + jj];
+            if (col) store(out, ((size_t)h * out_rows + (size_t)c * l + i) * dv + j, a);
+        }
+        __syncthreads();
+        const size_t tb = ((size_t)c * heads + h) * dk * (l + 1);
+        const float decay = load(tails, tb + l);
+        for (uint32_t d = r0; d < dk; d += step) {
+            float a = st[d * 32 + jj] * decay;
+            for (uint32_t m = 0; m < l; ++m) a += load(tails, tb + (size_t)d * (l + 1) + m) * vn[m * 32 + jj];
+            st[d * 32 + jj] = a;
+        }
+        __syncthreads();
+    }
+    for (uint32_t d = r0; d < dk; d += step)
+        if (col) store(out, ((size_t)h * out_rows + (size_t)chunks * l + d) * dv + j, st[d * 32 + jj]);
+}
+
 // The gradient of swiglu's gate input (which == 0) or of its up input (which == 1) given dh.
 template <typename T>
 __device__ void swiglu_grad(const T* g, const T* u, const T* dh, T* out, size_t n, int which) {
@@ -372,6 +419,11 @@ __device__ void scatter_add_rows(const T* grad, const uint32_t* ids, T* table, s
     extern "C" __global__ void causal_conv_silu_##NAME(const T* x, const T* w, float* y, size_t n,       \
                                                        uint32_t channels, uint32_t k) {                \
         causal_conv_silu(x, w, y, n, channels, k);                                                     \
+    }                                                                                                  \
+    extern "C" __global__ void delta_scan_##NAME(const T* rows, const T* tails, const T* s0, T* out,    \
+                                                 uint32_t chunks, uint32_t heads, uint32_t l,          \
+                                                 uint32_t dk, uint32_t dv) {                           \
+        delta_scan(rows, tails, s0, out, chunks, heads, l, dk, dv);                                    \
     }                                                                                                  \
     extern "C" __global__ void rms_rstd_##NAME(const T* x, float* r, uint32_t n, float eps) {          \
         rms_rstd(x, r, n, eps);                                                                        \

@@ -25,6 +25,7 @@
 //! | `GatherRows` (`gather.rs`) | rows of a table by index (DFlash 2's codebooks) | yes | `gather_rows` | `ScatterAddRows` (atomic adds) |
 //! | `TopK` (`topk.rs`) | the `k` largest entries' indices per row (DFlash 2's candidates) | yes | `top_k` | none (indices) |
 //! | `CausalConvSilu` (`conv.rs`) | a Gated DeltaNet layer's causal depthwise convolution and SiLU, f32 out | yes | `causal_conv_silu` | none (the target is frozen) |
+//! | `DeltaScan` (`scan.rs`) | the chunked Gated DeltaNet's pass over its chunks (the state carried across) | yes (the reference) | `delta_scan` | none (the target is frozen) |
 //! | flash attention ([`flash`]) | causal and block attention | no (composed ops) | `flash.cu`, bf16 | its own kernels |
 //! | `AttentionNode`, `LinearNode` (`nodes.rs`) | untracked forward, written-out backward | yes | yes | written out |
 //!
@@ -257,6 +258,7 @@ mod head;
 mod loss;
 mod nodes;
 mod norm;
+mod scan;
 mod softmax;
 mod swiglu;
 #[cfg(test)]
@@ -265,6 +267,7 @@ mod topk;
 
 pub use adamw::{AdamStep, adamw_update, sum_squares};
 pub use conv::causal_conv_silu;
+pub use scan::delta_scan;
 
 /// Set a device up for training and decoding before anything is allocated on it: on a GPU, the
 /// memory pool keeps freed memory for reuse and buffers are not tracked with events (one
