@@ -185,19 +185,19 @@ fn a_failing_stage_fails_the_run_but_independent_stages_finish() {
     );
 }
 
-#[test]
-fn sharded_command_resumes_without_redoing_finished_shards() {
-    let env = Env::new();
-    // Shard 2 fails until the flag file exists; every shard execution is counted in runs.log.
-    let p = r"
-stages:
-  gen:
+/// A stage of 3 shards whose shard 2 fails until the file `ok` exists; every shard execution is
+/// counted in runs.log.
+const SHARDED_GEN: &str = r"  gen:
     kind: command
     params:
       shards: 3
       run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = 2 ] && [ ! -f ok ]; then exit 1; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/part$DFLASH_SHARD.txt'
 ";
-    env.write("p.yaml", p);
+
+#[test]
+fn sharded_command_resumes_without_redoing_finished_shards() {
+    let env = Env::new();
+    env.write("p.yaml", &format!("stages:\n{SHARDED_GEN}"));
     let (st, _) = env.run("p.yaml", 1);
     assert_eq!(st["gen"], "failed");
     let plan: Value =
@@ -234,13 +234,8 @@ stages:
   big:
     kind: command
     params: {run: 'head -c 4096 /dev/zero > $DFLASH_OUT/big.bin; echo ok > $DFLASH_OUT/ok.txt'}
-  gen:
-    kind: command
-    params:
-      shards: 3
-      run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = 2 ] && [ ! -f ok ]; then exit 1; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/part$DFLASH_SHARD.txt'
 ";
-    env.write("p.yaml", p);
+    env.write("p.yaml", &format!("{p}{SHARDED_GEN}"));
     let (st, _) = env.run_with("p.yaml", &["-j", "1"], 1);
     assert_eq!(
         (st["small"].as_str(), st["big"].as_str(), st["gen"].as_str()),

@@ -263,70 +263,50 @@ fn swiglu_and_its_gradients_match_the_composed_ops() {
 }
 
 /// k argmaxes, each pick masked before the next: what the fused top-k replaced.
+/// The composed taps the fused convolution replaced: `silu(sum_j w[:, j] * x[t + j])` in f64.
+fn composed_taps(x: &Tensor, w: &Tensor) -> Tensor {
+    let (x, w) = (
+        x.to_dtype(DType::F64).unwrap(),
+        w.to_dtype(DType::F64).unwrap(),
+    );
+    let k = w.dim(1).unwrap();
+    let n = x.dim(0).unwrap() - k + 1;
+    let tap = |j: usize| {
+        x.narrow(0, j, n)
+            .unwrap()
+            .broadcast_mul(&w.narrow(1, j, 1).unwrap().t().unwrap())
+            .unwrap()
+    };
+    let sum = (1..k).fold(tap(0), |acc, j| (acc + tap(j)).unwrap());
+    candle_nn::ops::silu(&sum).unwrap()
+}
+
 /// The causal convolution with its SiLU against the composed taps it replaced (f64 inputs, so
-/// the only difference is the f32 output's rounding), for kernels of 1 and 4 taps, and in bf16.
+/// the only difference is the f32 output's rounding), for kernels of 1 and 4 taps, and in bf16
+/// (the taps in f32 of the bf16 values, as the composed path cast them).
 #[test]
 fn causal_conv_silu_matches_the_composed_taps() {
     for (k, rows, channels) in [(4, 9, 6), (1, 3, 5), (4, 4, 3)] {
         let x = randn(&[rows, channels], 31 + k as u64);
         let w = randn(&[channels, k], 32 + k as u64);
-        let n = rows - k + 1;
-        let mut want = x
-            .narrow(0, 0, n)
-            .unwrap()
-            .broadcast_mul(&w.narrow(1, 0, 1).unwrap().t().unwrap())
-            .unwrap();
-        for j in 1..k {
-            let tap = x
-                .narrow(0, j, n)
-                .unwrap()
-                .broadcast_mul(&w.narrow(1, j, 1).unwrap().t().unwrap())
-                .unwrap();
-            want = (want + tap).unwrap();
-        }
-        let want = candle_nn::ops::silu(&want).unwrap();
         let got = causal_conv_silu(&x, &w).unwrap();
-        assert_eq!((got.dims(), got.dtype()), (&[n, channels][..], DType::F32));
-        let got = got.to_dtype(DType::F64).unwrap();
-        assert!(
-            max_diff(&got, &want) < 1e-6,
-            "k {k}: {}",
-            max_diff(&got, &want)
+        assert_eq!(
+            (got.dims(), got.dtype()),
+            (&[rows - k + 1, channels][..], DType::F32)
         );
-        // bf16 inputs: the taps in f32 of the bf16 values, as the composed path cast them.
+        let want = composed_taps(&x, &w);
+        let diff = max_diff(&got.to_dtype(DType::F64).unwrap(), &want);
+        assert!(diff < 1e-6, "k {k}: {diff}");
         let (xb, wb) = (
             x.to_dtype(DType::BF16).unwrap(),
             w.to_dtype(DType::BF16).unwrap(),
         );
-        let composed = {
-            let (xf, wf) = (
-                xb.to_dtype(DType::F64).unwrap(),
-                wb.to_dtype(DType::F64).unwrap(),
-            );
-            let mut acc = xf
-                .narrow(0, 0, n)
-                .unwrap()
-                .broadcast_mul(&wf.narrow(1, 0, 1).unwrap().t().unwrap())
-                .unwrap();
-            for j in 1..k {
-                let tap = xf
-                    .narrow(0, j, n)
-                    .unwrap()
-                    .broadcast_mul(&wf.narrow(1, j, 1).unwrap().t().unwrap())
-                    .unwrap();
-                acc = (acc + tap).unwrap();
-            }
-            candle_nn::ops::silu(&acc).unwrap()
-        };
         let got = causal_conv_silu(&xb, &w)
             .unwrap()
             .to_dtype(DType::F64)
             .unwrap();
-        assert!(
-            max_diff(&got, &composed) < 1e-6,
-            "bf16 k {k}: {}",
-            max_diff(&got, &composed)
-        );
+        let diff = max_diff(&got, &composed_taps(&xb, &wb));
+        assert!(diff < 1e-6, "bf16 k {k}: {diff}");
     }
     // Shapes that do not fit are refused, not read out of bounds.
     let x = randn(&[2, 3], 1);
