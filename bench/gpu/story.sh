@@ -15,6 +15,8 @@
 #     the machine is warm (30 s), the last one runs `setup` and can go on with the work;
 #   - `checks` runs the training kernels' checks and the step against PyTorch (issue 22);
 #     `hybrid [LAYERS] [TOKENS]` a hybrid target's forward against transformers (issue 23);
+#     `decode [BATCH] [PROMPT] [STEPS]` generate's batched decoding against transformers'
+#     (generation bounds the story's data: 4,813 tokens/s for a 135M model on an H100);
 #   - `run SECONDS` runs the pipeline into a store under /tmp (kept while the machine is warm)
 #     and stops it with Ctrl-C (SIGINT) before the call's limit: generate, train and bench
 #     commit shards as they go, so the next call's `run` resumes where this one stopped;
@@ -232,6 +234,18 @@ hybrid)
             --layers "${1:-4}" --tokens "${2:-2048}" --repeats 5 | tee -a "$OUT/hybrid_forward.jsonl"
     done
     ;;
+decode)
+    # There: generate's batched decoding (the candle backend) against transformers' `generate`
+    # on the same shapes (BATCH prompts of PROMPT tokens, STEPS steps), same call.
+    cuda_env
+    [ -d $STASH/hf ] || python3 tests/support/gguf_to_hf.py .assets/SmolLM2-135M-Instruct.Q4_1.gguf $STASH/hf
+    {
+        $STASH/train_probe decode .assets/SmolLM2-135M-Instruct.Q4_1.gguf --batch "${1:-512}" \
+            --prompt "${2:-300}" --steps "${3:-32}"
+        python3 bench/decode_reference.py $STASH/hf --batch "${1:-512}" --prompt "${2:-300}" \
+            --steps "${3:-32}"
+    } 2>&1 | grep -v Warning | tee -a "$OUT/decode.jsonl"
+    ;;
 reference)
     # There, after `bring-back`: the exported drafter in z-lab's reference implementation
     # (dflash==0.1.0) against the target as a transformers model, on the first N prompts of
@@ -291,7 +305,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | decode [BATCH] [PROMPT] [STEPS] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac

@@ -25,6 +25,13 @@
 //! after a warm-up; one JSON line with the median seconds (`bench/hybrid_forward.py` runs
 //! transformers beside it); `--dump` writes every layer's output (`layers`, f32) to compare.
 //!
+//! `train_probe decode MODEL [--batch 512] [--prompt 300] [--steps 32]`: generate's batched
+//! greedy decoding (`nn::batch::BatchDecoder`, as the candle backend runs it) of a GGUF file or
+//! a Hugging Face folder: `--batch` prompts of `--prompt` random ids prefilled, then `--steps`
+//! steps, each the forward and the argmax with the ids brought to the host; one JSON line with
+//! the prefill's seconds, the median step and tokens per second (`bench/decode_reference.py`
+//! runs transformers' batched `generate` on the same shapes beside it).
+//!
 //! `train_probe parity OUT.safetensors`: a small target and drafter (f32, weights drawn on CPU),
 //! one sequence, one loss; writes every weight, the batch, the loss, the taps and every
 //! gradient, for `bench/train_reference.py` to recompute in PyTorch and compare.
@@ -913,6 +920,56 @@ fn target_forward(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+fn decode(args: &[String]) -> Result<()> {
+    let model = args
+        .get(2)
+        .ok_or("train_probe decode MODEL [--batch 512] [--prompt 300] [--steps 32]")?;
+    let batch: usize = arg(args, "--batch", 512);
+    let prompt: usize = arg(args, "--prompt", 300);
+    let steps: usize = arg(args, "--steps", 32);
+    let device = dflash_model::nn::device::select("auto")?;
+    dflash_model::nn::fused::prepare_device(&device)?;
+    let target = Target::load(std::path::Path::new(model), &device)?;
+    let vocab = target.config.vocab as u32;
+    let prompts: Vec<Vec<u32>> = (0..batch as u32)
+        .map(|b| {
+            (0..prompt as u32)
+                .map(|i| (i * 7919 + b * 104_729 + 13) % vocab)
+                .collect()
+        })
+        .collect();
+    let slices: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let argmax = |logits: &Tensor| -> Result<Vec<u32>> {
+        Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
+    };
+    // A warm-up batch (kernel loading, the memory pool), then the timed one.
+    for timed in [false, true] {
+        let t0 = Instant::now();
+        let (mut decoder, logits) =
+            dflash_model::nn::batch::BatchDecoder::prefill(&target, &slices, steps + 1)?;
+        let mut next = argmax(&logits)?;
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let mut times = Vec::with_capacity(steps);
+        for _ in 0..if timed { steps } else { 2 } {
+            let t = Instant::now();
+            next = argmax(&decoder.step(&next)?)?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        if timed {
+            times.sort_by(f64::total_cmp);
+            let step = times[times.len() / 2];
+            println!(
+                "{}",
+                serde_json::json!({"phase": "decode", "device": if device.is_cuda() { "cuda" } else { "cpu" },
+                    "dtype": format!("{:?}", target.lm_head.dtype()), "batch": batch, "prompt": prompt,
+                    "steps": steps, "prefill_s": prefill_s, "step_s_median": step,
+                    "tokens_per_second": batch as f64 / step, "all": times})
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
@@ -922,8 +979,9 @@ fn main() -> Result<()> {
         Some("parts") => parts(&args),
         Some("flash") => flash(&args),
         Some("target") => target_forward(&args),
+        Some("decode") => decode(&args),
         _ => Err(
-            "usage: train_probe speed [...] | parts [...] | fused | flash | target FOLDER [...] | parity OUT.safetensors"
+            "usage: train_probe speed [...] | parts [...] | fused | flash | target FOLDER [...] | decode MODEL [...] | parity OUT.safetensors"
                 .into(),
         ),
     }
