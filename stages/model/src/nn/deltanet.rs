@@ -117,9 +117,13 @@ fn softplus(x: &Tensor) -> Result<Tensor> {
     relu + tail
 }
 
-fn l2_normalise(x: &Tensor) -> Result<Tensor> {
-    let inv = (x.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?.recip()?;
-    x.broadcast_mul(&inv)
+/// `x / sqrt(sum(x^2) + 1e-6)` over the last dimension, times `scale`: one fused RMSNorm pass
+/// (the sum is `d` times the mean, so this is RMSNorm with eps `1e-6 / d` and every weight
+/// `scale / sqrt(d)`), where composed it was five.
+fn l2_normalise(x: &Tensor, scale: f64) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let weight = Tensor::full((scale / (d as f64).sqrt()) as f32, d, x.device())?;
+    fused::rms_norm(x, &weight, 1e-6 / d as f64)
 }
 
 impl DeltaNet {
@@ -169,16 +173,18 @@ impl DeltaNet {
                 .transpose(0, 1)?
                 .contiguous()
         };
+        // Queries scaled by 1 / sqrt(key_dim) as they are normalised.
         let q = l2_normalise(
             &conv
                 .narrow(1, 0, kw)?
                 .reshape((n, s.key_heads, s.key_dim))?,
+            1.0 / (s.key_dim as f64).sqrt(),
         )?;
-        let q = (q * (1.0 / (s.key_dim as f64).sqrt()))?;
         let k = l2_normalise(
             &conv
                 .narrow(1, kw, kw)?
                 .reshape((n, s.key_heads, s.key_dim))?,
+            1.0,
         )?;
         let v = conv
             .narrow(1, 2 * kw, s.value_heads * s.value_dim)?
@@ -216,14 +222,11 @@ impl DeltaNet {
     fn finish(&self, o: &Tensor, z: &Tensor, dtype: DType) -> Result<Tensor> {
         let s = &self.shape;
         let n = o.dim(1)?;
+        // RMSNorm per head, then gated by silu(z): two fused passes (`silu(z) * normed` is
+        // SwiGLU's gate), where composed it was nine.
         let o = o.transpose(0, 1)?.contiguous()?;
-        let inv = (o.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
-            .sqrt()?
-            .recip()?;
-        let normed = o
-            .broadcast_mul(&inv)?
-            .broadcast_mul(&self.norm.to_dtype(DType::F32)?)?;
-        let gated = (normed * candle_nn::ops::silu(&z.to_dtype(DType::F32)?)?)?;
+        let normed = fused::rms_norm(&o, &self.norm.to_dtype(DType::F32)?, self.eps)?;
+        let gated = fused::swiglu(&z.to_dtype(DType::F32)?, &normed)?;
         self.out.forward(
             &gated
                 .reshape((n, s.value_heads * s.value_dim))?
