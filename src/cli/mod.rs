@@ -791,7 +791,13 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                 stages: stage,
                 max_file_bytes,
             };
-            let r = runtime()?.block_on(crate::store::copy::copy(&src, &dst, &filter))?;
+            // Each artifact as it lands (stderr; a long copy to S3 shows its progress).
+            let say = |stage: &str| {
+                if !json {
+                    eprintln!("copied   {stage}");
+                }
+            };
+            let r = runtime()?.block_on(crate::store::copy::copy(&src, &dst, &filter, &say))?;
             if json {
                 out(&serde_json::to_string(&r).expect("serializable"));
             } else {

@@ -48,8 +48,14 @@ pub struct CopyReport {
     pub bytes: u64,
 }
 
-/// Copy what `filter` selects from `from` to `to`; see the module docs.
-pub async fn copy(from: &Store, to: &Store, filter: &Filter) -> Result<CopyReport, StoreError> {
+/// Copy what `filter` selects from `from` to `to`; see the module docs. `copied` is told each
+/// artifact's stage id as its manifest lands.
+pub async fn copy(
+    from: &Store,
+    to: &Store,
+    filter: &Filter,
+    copied: &dyn Fn(&str),
+) -> Result<CopyReport, StoreError> {
     probe(to, from).await?;
     let mut report = CopyReport::default();
     let wanted = |stage: &str| filter.stages.is_empty() || filter.stages.iter().any(|s| s == stage);
@@ -80,6 +86,7 @@ pub async fn copy(from: &Store, to: &Store, filter: &Filter) -> Result<CopyRepor
         }
         // Last: the manifest's own bytes, so the destination's commit is the source's.
         to.put_create(&rel, raw).await?;
+        copied(&m.lineage.stage_id);
         report.copied.push(m.lineage.stage_id.clone());
     }
     // Shards of keys not committed in the source, of the stages asked for (the run records
@@ -135,29 +142,45 @@ pub async fn copy(from: &Store, to: &Store, filter: &Filter) -> Result<CopyRepor
     Ok(report)
 }
 
-/// Copy the blobs the destination lacks, each checked against its digest on the way; false
-/// when the source lacks one (nothing that depends on them should then be written).
+/// Blobs copied at once: a remote store's requests are bound by latency, not bandwidth.
+const IN_FLIGHT: usize = 16;
+
+/// Copy the blobs the destination lacks, each checked against its digest on the way,
+/// [`IN_FLIGHT`] at a time; false when the source lacks one (nothing that depends on them is
+/// then written; the blobs copied stay, unreferenced and harmless, as a retried upload's would).
 async fn copy_blobs(
     from: &Store,
     to: &Store,
     digests: &[dflash_stage_api::Digest],
     report: &mut CopyReport,
 ) -> Result<bool, StoreError> {
-    for d in digests {
-        if to.exists(&blob_path(d)).await? {
-            continue;
-        }
-        let bytes: Bytes = match from.get_blob(d).await {
-            Ok(b) => b,
-            Err(StoreError::Missing { .. }) => return Ok(false),
-            Err(e) => return Err(e),
-        };
-        report.bytes += bytes.len() as u64;
-        if to.put_blob(bytes).await?.digest == *d {
+    use futures::{StreamExt, TryStreamExt};
+    // Per blob: None when the source lacks it, else whether it was written and its bytes.
+    let done: Vec<Option<(bool, u64)>> = futures::stream::iter(digests)
+        .map(|d| async move {
+            if to.exists(&blob_path(d)).await? {
+                return Ok(Some((false, 0)));
+            }
+            match from.get_blob(d).await {
+                Ok(bytes) => {
+                    let n = bytes.len() as u64;
+                    to.put_blob(bytes).await?;
+                    Ok(Some((true, n)))
+                }
+                Err(StoreError::Missing { .. }) => Ok(None),
+                Err(e) => Err(e),
+            }
+        })
+        .buffer_unordered(IN_FLIGHT)
+        .try_collect()
+        .await?;
+    for (written, n) in done.iter().flatten() {
+        if *written {
             report.blobs += 1;
+            report.bytes += n;
         }
     }
-    Ok(true)
+    Ok(done.iter().all(Option::is_some))
 }
 
 /// The copy's record under `copies/`, created, then created again with other bytes: a store
