@@ -3,6 +3,7 @@
 //! 1 a stage failed, 2 invalid input or usage.
 
 mod report;
+mod units;
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -78,10 +79,10 @@ enum Command {
         #[arg(long)]
         price: Option<f64>,
         /// Warn when the plan would store more than this: `10TB`, `500GB`
-        #[arg(long, default_value = "10TB", value_parser = crate::estimate::parse_bytes)]
+        #[arg(long, default_value = "10TB", value_parser = units::parse_bytes)]
         max_storage: f64,
         /// Warn when a stage or the plan takes longer than this: `24h`, `3days`
-        #[arg(long, value_parser = crate::estimate::parse_hours)]
+        #[arg(long, value_parser = units::parse_hours)]
         budget: Option<f64>,
         /// Override an assumption, NAME=VALUE (repeatable; the table lists them)
         #[arg(long, value_name = "NAME=VALUE")]
@@ -195,8 +196,8 @@ enum Command {
         #[arg(long)]
         stage: Vec<String>,
         /// Leave out an artifact with any file of this size or more (e.g. 4M)
-        #[arg(long, value_parser = crate::store::copy::parse_bytes)]
-        max_file_bytes: Option<u64>,
+        #[arg(long, value_parser = units::parse_bytes)]
+        max_file_bytes: Option<f64>,
         /// Print JSON on stdout
         #[arg(long)]
         json: bool,
@@ -789,7 +790,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             let (src, dst) = (Store::open(&from)?, Store::open(&to)?);
             let filter = crate::store::copy::Filter {
                 stages: stage,
-                max_file_bytes,
+                max_file_bytes: max_file_bytes.map(|b| b.ceil() as u64),
             };
             // Each artifact as it lands (stderr; a long copy to S3 shows its progress).
             let say = |stage: &str| {
