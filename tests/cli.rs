@@ -842,6 +842,55 @@ fn killed_then_rerun(wait: &str, failpoint: bool) -> (Value, String) {
     )
 }
 
+/// A run that crashed before its end record (here right before the manifest) leaves finished
+/// shards no run record names: a copy of the whole store takes them, and a run on the copy
+/// redoes none of them.
+#[test]
+fn copy_takes_the_shards_of_a_run_that_crashed_before_its_record() {
+    let env = Env::new();
+    env.write("p.yaml", SHARDED);
+    env.write("ok", "");
+    let status = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["run", "p.yaml"])
+        .current_dir(env.path())
+        .env("WAIT", "none")
+        .env("DFLASH_WORK", env.path().join(".work"))
+        .env("DFLASH_FAILPOINT", "before-manifest")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!status.success());
+    let out = env.dflash(&["copy", "--from", "cache", "--to", "other", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["shards"], 3, "{v}");
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["run", "p.yaml", "--json", "--store", "other"])
+        .current_dir(env.path())
+        .env("WAIT", "none")
+        .env("DFLASH_WORK", env.path().join(".work-copy"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["stages"][0]["status"], "resumed");
+    let log = std::fs::read_to_string(env.path().join("runs.log")).unwrap();
+    assert_eq!(
+        (runs_of(&log, "0"), runs_of(&log, "1"), runs_of(&log, "2")),
+        (1, 1, 1),
+        "{log}"
+    );
+}
+
 fn runs_of(log: &str, shard: &str) -> usize {
     log.lines().filter(|l| *l == shard).count()
 }
@@ -943,6 +992,31 @@ fn a_store_that_overwrites_is_refused() {
     assert!(stderr.contains("--allow-overwriting-store"), "{stderr}");
     assert!(!stderr.contains("very-secret-value"));
     assert!(!env.path().join(".work/logs").exists(), "no stage ran");
+    // A copy into it is refused the same way, before any artifact goes.
+    env.run("p.yaml", 0);
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args([
+            "copy",
+            "--from",
+            "cache",
+            "--to",
+            "s3://bucket/prefix",
+            "--json",
+        ])
+        .current_dir(env.path())
+        .env("NO_COLOR", "1")
+        .env("AWS_ENDPOINT", format!("http://127.0.0.1:{port}"))
+        .env("AWS_ALLOW_HTTP", "true")
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", "AKIATESTKEY")
+        .env("AWS_SECRET_ACCESS_KEY", "very-secret-value")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("overwrote an existing object"), "{stderr}");
+    assert!(stderr.contains("--allow-overwriting-store"), "{stderr}");
+    assert!(out.stdout.is_empty(), "nothing was copied");
 }
 
 #[test]

@@ -201,6 +201,9 @@ enum Command {
         /// Print JSON on stdout
         #[arg(long)]
         json: bool,
+        /// Copy into a store that failed the create-only probe (it may replace objects in a race)
+        #[arg(long)]
+        allow_overwriting_store: bool,
     },
     /// List the stage kinds and their params
     Kinds,
@@ -786,6 +789,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             stage,
             max_file_bytes,
             json,
+            allow_overwriting_store,
         } => {
             let (src, dst) = (Store::open(&from)?, Store::open(&to)?);
             let filter = crate::store::copy::Filter {
@@ -798,7 +802,13 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                     eprintln!("copied   {stage}");
                 }
             };
-            let r = runtime()?.block_on(crate::store::copy::copy(&src, &dst, &filter, &say))?;
+            let r = runtime()?.block_on(crate::store::copy::copy(
+                &src,
+                &dst,
+                &filter,
+                allow_overwriting_store,
+                &say,
+            ))?;
             if json {
                 out(&serde_json::to_string(&r).expect("serializable"));
             } else {

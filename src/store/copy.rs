@@ -7,15 +7,14 @@
 //! go the same way (blobs, then the record), so a run on the destination resumes them; run
 //! records go as they are. Every write is create-only: what the destination already holds is
 //! left as it is and counted, never replaced. A copy writes its own record under
-//! `copies/<id>.json`, and a second create of it must be refused (the destination's create-only
-//! probe, as a run makes on its store).
+//! `copies/<id>.json` through [`Store::create_probed`], the destination's create-only probe,
+//! as a run's begin record is.
 
 use std::collections::{BTreeSet, HashMap};
 
-use bytes::Bytes;
 use serde::Serialize;
 
-use super::{Put, ShardRecord, Store, StoreError, blob_path};
+use super::{Manifest, Put, ShardRecord, Store, StoreError, blob_path};
 use crate::key::Key;
 
 /// Which artifacts to copy.
@@ -49,25 +48,36 @@ pub struct CopyReport {
 }
 
 /// Copy what `filter` selects from `from` to `to`; see the module docs. `copied` is told each
-/// artifact's stage id as its manifest lands.
+/// artifact's stage id as its manifest lands. `allow_overwrite` copies into a store that failed
+/// the create-only probe, as `run --allow-overwriting-store` runs on one.
 pub async fn copy(
     from: &Store,
     to: &Store,
     filter: &Filter,
+    allow_overwrite: bool,
     copied: &dyn Fn(&str),
 ) -> Result<CopyReport, StoreError> {
-    probe(to, from).await?;
+    let record = serde_json::json!({"from": from.url()});
+    to.create_probed(
+        &format!("copies/{}.json", crate::run::new_run_id()),
+        &record,
+        allow_overwrite,
+    )
+    .await?;
     let mut report = CopyReport::default();
     let wanted = |stage: &str| filter.stages.is_empty() || filter.stages.iter().any(|s| s == stage);
     let fits = |size: u64| filter.max_file_bytes.is_none_or(|max| size < max);
-    for key in from.keys().await? {
+    let keys: BTreeSet<Key> = from.keys().await?.into_iter().collect();
+    for key in &keys {
         let rel = format!("manifests/{key}.json");
         let Some(raw) = from.get(&rel).await? else {
             continue;
         };
-        let Some(m) = from.manifest(&key).await? else {
-            continue;
-        };
+        let m: Manifest = serde_json::from_slice(&raw).map_err(|e| StoreError::Decode {
+            url: from.url().to_owned(),
+            path: rel.clone(),
+            reason: e.to_string(),
+        })?;
         if !wanted(&m.lineage.stage_id) {
             continue;
         }
@@ -89,16 +99,19 @@ pub async fn copy(
         copied(&m.lineage.stage_id);
         report.copied.push(m.lineage.stage_id.clone());
     }
-    // Shards of keys not committed in the source, of the stages asked for (the run records
-    // say which stage a key was).
-    let stage_of: HashMap<Key, String> = from
-        .runs()
-        .await?
-        .into_iter()
-        .flat_map(|r| r.stages)
-        .filter_map(|s| Some((s.key?, s.id)))
-        .collect();
-    let committed: BTreeSet<Key> = from.keys().await?.into_iter().collect();
+    // Finished shards of keys not committed in the source. Every one when no stage is named
+    // (a run killed before its end record still left them); else those the run records say
+    // are of the stages named.
+    let stage_of: HashMap<Key, String> = if filter.stages.is_empty() {
+        HashMap::new()
+    } else {
+        from.runs()
+            .await?
+            .into_iter()
+            .flat_map(|r| r.stages)
+            .filter_map(|s| Some((s.key?, s.id)))
+            .collect()
+    };
     for rel in from.list("shards").await? {
         let Some(key) = rel
             .split('/')
@@ -108,10 +121,8 @@ pub async fn copy(
         else {
             continue;
         };
-        if committed.contains(&key)
-            || !stage_of.get(&key).is_some_and(|s| wanted(s))
-            || to.exists(&rel).await?
-        {
+        let asked = filter.stages.is_empty() || stage_of.get(&key).is_some_and(|s| wanted(s));
+        if keys.contains(&key) || !asked || to.exists(&rel).await? {
             continue;
         }
         let Some(raw) = from.get(&rel).await? else {
@@ -181,20 +192,4 @@ async fn copy_blobs(
         }
     }
     Ok(done.iter().all(Option::is_some))
-}
-
-/// The copy's record under `copies/`, created, then created again with other bytes: a store
-/// that lets the second replace the first would let a copy replace artifacts, so it is refused.
-async fn probe(to: &Store, from: &Store) -> Result<(), StoreError> {
-    let rel = format!("copies/{}.json", crate::run::new_run_id());
-    let record = serde_json::json!({"from": from.url()});
-    let bytes = Bytes::from(serde_json::to_vec_pretty(&record).expect("json"));
-    to.put_create(&rel, bytes).await?;
-    let probe = Bytes::from_static(b"{\"probe\": \"this must never replace the copy record\"}\n");
-    if to.put_create(&rel, probe).await? == Put::Created {
-        return Err(StoreError::Overwrites {
-            url: to.url().to_owned(),
-        });
-    }
-    Ok(())
 }

@@ -429,19 +429,34 @@ impl Store {
         record: &serde_json::Value,
         allow_overwrite: bool,
     ) -> Result<(), StoreError> {
-        let rel = format!("runs/{run_id}/begin.json");
-        if self.put_json(&rel, record).await? == Put::Existed {
+        self.create_probed(
+            &format!("runs/{run_id}/begin.json"),
+            record,
+            allow_overwrite,
+        )
+        .await
+    }
+
+    /// Create the record `rel` (an error if it exists), then prove the store refuses a second
+    /// create of it: a store that lets the probe replace the record would let a run or a copy
+    /// replace artifacts, so it is refused unless `allow_overwrite`.
+    pub async fn create_probed(
+        &self,
+        rel: &str,
+        record: &serde_json::Value,
+        allow_overwrite: bool,
+    ) -> Result<(), StoreError> {
+        if self.put_json(rel, record).await? == Put::Existed {
             return Err(StoreError::Io {
                 url: self.url.clone(),
                 op: "create",
-                path: rel,
-                reason: "run id already used".into(),
+                path: rel.to_owned(),
+                reason: "the record exists already (its id is taken)".into(),
                 hint: None,
             });
         }
-        let probe =
-            Bytes::from_static(b"{\"probe\": \"this must never replace the begin record\"}\n");
-        if self.put_create(&rel, probe).await? == Put::Created && !allow_overwrite {
+        let probe = Bytes::from_static(b"{\"probe\": \"this must never replace the record\"}\n");
+        if self.put_create(rel, probe).await? == Put::Created && !allow_overwrite {
             return Err(StoreError::Overwrites {
                 url: self.url.clone(),
             });
