@@ -455,16 +455,8 @@ fn fused(_args: &[String]) -> Result<()> {
         let xc = x.to_dtype(dtype)?;
         let want = fused::causal_conv_silu(&xc, &w)?;
         let (xd, wd) = (xc.to_device(&device)?, w.to_device(&device)?);
-        let timed = |f: &dyn Fn() -> Result<Tensor>| -> Result<(Tensor, f64)> {
-            f()?;
-            device.synchronize()?;
-            let t0 = Instant::now();
-            let y = f()?;
-            device.synchronize()?;
-            Ok((y, t0.elapsed().as_secs_f64() * 1e3))
-        };
-        let (got, ms) = timed(&|| Ok(fused::causal_conv_silu(&xd, &wd)?))?;
-        let (_, ms_composed) = timed(&|| {
+        let (got, ms) = once_timed(&device, || Ok(fused::causal_conv_silu(&xd, &wd)?))?;
+        let (_, ms_composed) = once_timed(&device, || {
             let (xf, wf) = (xd.to_dtype(DType::F32)?, wd.to_dtype(DType::F32)?);
             let n = xf.dim(0)? - 3;
             let mut acc = xf
@@ -497,34 +489,9 @@ fn fused(_args: &[String]) -> Result<()> {
         tails.to_device(&device)?,
         s0.to_device(&device)?,
     );
-    let scan = || -> Result<(Tensor, Tensor)> { Ok(fused::delta_scan(&rd, &td, &sd)?) };
-    scan()?;
-    device.synchronize()?;
-    let t0 = Instant::now();
-    let (got_o, got_s) = scan()?;
-    device.synchronize()?;
-    let ms = t0.elapsed().as_secs_f64() * 1e3;
-    let per_chunk = || -> Result<Tensor> {
-        let part = |from: usize, width: usize| rd.narrow(3, from, width)?.contiguous();
-        let (values, k_decayed) = (part(0, dv)?, part(dv, dk)?);
-        let (q_decayed, intra) = (part(dv + dk, dk)?, part(dv + 2 * dk, l)?);
-        let k_tail = td.narrow(3, 0, l)?.contiguous()?;
-        let decay = td.narrow(2, 0, 1)?.narrow(3, l, 1)?.contiguous()?;
-        let mut st = sd.clone();
-        let mut outs = Vec::with_capacity(chunks);
-        for c in 0..chunks {
-            let v_new = (values.get(c)? - k_decayed.get(c)?.matmul(&st)?)?;
-            outs.push((q_decayed.get(c)?.matmul(&st)? + intra.get(c)?.matmul(&v_new)?)?);
-            st = (st.broadcast_mul(&decay.get(c)?)? + k_tail.get(c)?.matmul(&v_new)?)?;
-        }
-        Ok(Tensor::cat(&outs, 1)?)
-    };
-    per_chunk()?;
-    device.synchronize()?;
-    let t0 = Instant::now();
-    let composed = per_chunk()?;
-    device.synchronize()?;
-    let ms_per_chunk = t0.elapsed().as_secs_f64() * 1e3;
+    let ((got_o, got_s), ms) = once_timed(&device, || Ok(fused::delta_scan(&rd, &td, &sd)?))?;
+    let ((composed, _), ms_per_chunk) =
+        once_timed(&device, || Ok(fused::delta_scan_matmuls(&rd, &td, &sd)?))?;
     println!(
         "{}",
         serde_json::json!({"phase": "fused", "check": "delta_scan", "dtype": "F32",
@@ -654,6 +621,17 @@ fn flash(_args: &[String]) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `f`'s result and its milliseconds, run once to warm up (kernel loading, the memory pool) and
+/// once timed, the device synchronised around it.
+fn once_timed<T>(device: &Device, f: impl Fn() -> Result<T>) -> Result<(T, f64)> {
+    f()?;
+    device.synchronize()?;
+    let t = Instant::now();
+    let out = f()?;
+    device.synchronize()?;
+    Ok((out, t.elapsed().as_secs_f64() * 1e3))
 }
 
 /// Mean milliseconds of `f` over 3 runs after one warm-up, the device synchronised around each.

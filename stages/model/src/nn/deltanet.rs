@@ -314,36 +314,22 @@ impl DeltaNet {
         let last = cum.narrow(2, CHUNK - 1, 1)?;
         let k_tail = k.broadcast_mul(&last.broadcast_sub(&cum)?.exp()?.unsqueeze(D::Minus1)?)?;
         let chunk_decay = last.exp()?.unsqueeze(D::Minus1)?;
-        // Chunk-major: each chunk's slice is then contiguous as it is.
+        // The pass over the chunks from its operands packed chunk-major (`fused::delta_scan`'s
+        // layout): one kernel on a GPU, matmuls per chunk on CPU.
         let by_chunk = |t: &Tensor| t.transpose(0, 1)?.contiguous();
+        let rows = by_chunk(&Tensor::cat(
+            &[&values, &k_decayed, &q_decayed, &intra],
+            D::Minus1,
+        )?)?;
         let k_tail = k_tail.transpose(D::Minus1, D::Minus2)?;
+        let decays = chunk_decay.broadcast_as((heads, chunks, s.key_dim, 1))?;
+        let tails = by_chunk(&Tensor::cat(&[&k_tail, &decays], D::Minus1)?)?;
         let (o, state_s) = if fused_scan {
-            // One kernel walks the chunks (`fused::delta_scan`), its operands packed.
-            let rows = by_chunk(&Tensor::cat(
-                &[&values, &k_decayed, &q_decayed, &intra],
-                D::Minus1,
-            )?)?;
-            let decays = chunk_decay.broadcast_as((heads, chunks, s.key_dim, 1))?;
-            let tails = by_chunk(&Tensor::cat(&[&k_tail, &decays], D::Minus1)?)?;
-            let (o, state_s) = fused::delta_scan(&rows, &tails, &state.recurrent)?;
-            (o, state_s.contiguous()?)
+            fused::delta_scan(&rows, &tails, &state.recurrent)?
         } else {
-            // A few launches per chunk on a GPU; copies made once, where slicing the
-            // head-major tensors took a copy per operand and chunk.
-            let (values, k_decayed) = (by_chunk(&values)?, by_chunk(&k_decayed)?);
-            let (q_decayed, intra) = (by_chunk(&q_decayed)?, by_chunk(&intra)?);
-            let (k_tail, chunk_decay) = (by_chunk(&k_tail)?, by_chunk(&chunk_decay)?);
-            let mut state_s = state.recurrent.clone();
-            let mut outs = Vec::with_capacity(chunks);
-            for c in 0..chunks {
-                let v_new = (values.get(c)? - k_decayed.get(c)?.matmul(&state_s)?)?;
-                let o = (q_decayed.get(c)?.matmul(&state_s)? + intra.get(c)?.matmul(&v_new)?)?;
-                outs.push(o);
-                state_s = (state_s.broadcast_mul(&chunk_decay.get(c)?)?
-                    + k_tail.get(c)?.matmul(&v_new)?)?;
-            }
-            (Tensor::cat(&outs, 1)?, state_s)
+            fused::delta_scan_matmuls(&rows, &tails, &state.recurrent)?
         };
+        let state_s = state_s.contiguous()?;
         let o = o.narrow(1, 0, n)?;
         let out = self.finish(&o, &m.z, x.dtype())?;
         let next = DeltaState {

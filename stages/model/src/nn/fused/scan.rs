@@ -31,21 +31,58 @@ pub struct ScanShape {
 /// The pass over the chunks (module docs): the chunks' outputs `[heads, chunks L, dv]` and the
 /// state after the last chunk `[heads, dk, dv]`, f32.
 pub fn delta_scan(rows: &Tensor, tails: &Tensor, state: &Tensor) -> Result<(Tensor, Tensor)> {
-    let (chunks, heads, chunk, width) = rows.dims4()?;
-    let (heads_s, dk, dv) = state.dims3()?;
-    let shape = ScanShape {
+    let shape = checked(rows, tails, state)?;
+    let out = rows.contiguous()?.apply_op3_no_bwd(
+        &tails.contiguous()?,
+        &state.contiguous()?,
+        &DeltaScan { shape },
+    )?;
+    let rows_out = shape.chunks * shape.chunk;
+    Ok((
+        out.narrow(1, 0, rows_out)?,
+        out.narrow(1, rows_out, shape.dk)?,
+    ))
+}
+
+/// The same pass from the same operands as candle matmuls, a few per chunk: what CPU runs (its
+/// matmuls beat the reference form's loops there), and what the kernel is timed against.
+pub fn delta_scan_matmuls(
+    rows: &Tensor,
+    tails: &Tensor,
+    state: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let ScanShape {
         chunks,
-        heads,
-        chunk,
+        chunk: l,
         dk,
         dv,
+        ..
+    } = checked(rows, tails, state)?;
+    let part = |t: &Tensor, dim: usize, from: usize, width: usize| {
+        t.narrow(dim, from, width)?.contiguous()
     };
+    let (values, k_decayed) = (part(rows, 3, 0, dv)?, part(rows, 3, dv, dk)?);
+    let (q_decayed, intra) = (part(rows, 3, dv + dk, dk)?, part(rows, 3, dv + 2 * dk, l)?);
+    let k_tail = part(tails, 3, 0, l)?;
+    let decay = part(&tails.narrow(2, 0, 1)?, 3, l, 1)?;
+    let mut st = state.clone();
+    let mut outs = Vec::with_capacity(chunks);
+    for c in 0..chunks {
+        let v_new = (values.get(c)? - k_decayed.get(c)?.matmul(&st)?)?;
+        outs.push((q_decayed.get(c)?.matmul(&st)? + intra.get(c)?.matmul(&v_new)?)?);
+        st = (st.broadcast_mul(&decay.get(c)?)? + k_tail.get(c)?.matmul(&v_new)?)?;
+    }
+    Ok((Tensor::cat(&outs, 1)?, st))
+}
+
+/// The pass's sizes, once the operands are seen to fit each other (f32).
+fn checked(rows: &Tensor, tails: &Tensor, state: &Tensor) -> Result<ScanShape> {
+    let (chunks, heads, chunk, width) = rows.dims4()?;
+    let (heads_s, dk, dv) = state.dims3()?;
     if heads_s != heads
         || width != dv + 2 * dk + chunk
         || tails.dims() != [chunks, heads, dk, chunk + 1]
-        || rows.dtype() != DType::F32
-        || tails.dtype() != DType::F32
-        || state.dtype() != DType::F32
+        || [rows.dtype(), tails.dtype(), state.dtype()] != [DType::F32; 3]
     {
         bail!(
             "delta_scan: rows {:?}, tails {:?}, state {:?} (f32) do not fit",
@@ -54,15 +91,13 @@ pub fn delta_scan(rows: &Tensor, tails: &Tensor, state: &Tensor) -> Result<(Tens
             state.dims()
         );
     }
-    let out = rows.contiguous()?.apply_op3_no_bwd(
-        &tails.contiguous()?,
-        &state.contiguous()?,
-        &DeltaScan { shape },
-    )?;
-    Ok((
-        out.narrow(1, 0, chunks * chunk)?,
-        out.narrow(1, chunks * chunk, dk)?,
-    ))
+    Ok(ScanShape {
+        chunks,
+        heads,
+        chunk,
+        dk,
+        dv,
+    })
 }
 
 fused_op! {
