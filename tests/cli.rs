@@ -259,6 +259,15 @@ stages:
     assert!(first["run_records"].as_u64().unwrap() >= 2);
     let verify = env.dflash(&["verify", "--store", "other"]);
     assert_eq!(verify.status.code(), Some(0));
+    // A stage named: its finished shards, which the run record says are `gen`'s, and nothing else.
+    let out = env.dflash(&[
+        "copy", "--from", "cache", "--to", "only-gen", "--stage", "gen", "--json",
+    ]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (v["copied"].clone(), v["shards"].clone()),
+        (serde_json::json!([]), serde_json::json!(2))
+    );
     // Copied again: everything is there already, nothing is written or replaced.
     let again = copy(&["--max-file-bytes", "1K"]);
     assert_eq!(again["copied"], serde_json::json!([]));

@@ -94,8 +94,12 @@ pub async fn copy(
             report.incomplete.push(m.lineage.stage_id.clone());
             continue;
         }
-        // Last: the manifest's own bytes, so the destination's commit is the source's.
-        to.put_create(&rel, raw).await?;
+        // Last: the manifest's own bytes, so the destination's commit is the source's (a
+        // copy or run that committed the key meanwhile keeps its own).
+        if to.put_create(&rel, raw).await? == Put::Existed {
+            report.already_there += 1;
+            continue;
+        }
         copied(&m.lineage.stage_id);
         report.copied.push(m.lineage.stage_id.clone());
     }
