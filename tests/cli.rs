@@ -980,18 +980,22 @@ fn a_store_that_overwrites_is_refused() {
     let env = Env::new();
     env.write("p.yaml", CHAIN);
     let port = overwriting_s3();
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .args(["run", "p.yaml", "--store", "s3://bucket/prefix"])
-        .current_dir(env.path())
-        .env("NO_COLOR", "1")
-        .env("DFLASH_WORK", env.path().join(".work"))
-        .env("AWS_ENDPOINT", format!("http://127.0.0.1:{port}"))
-        .env("AWS_ALLOW_HTTP", "true")
-        .env("AWS_REGION", "us-east-1")
-        .env("AWS_ACCESS_KEY_ID", "AKIATESTKEY")
-        .env("AWS_SECRET_ACCESS_KEY", "very-secret-value")
-        .output()
-        .unwrap();
+    // dflash with `args` against the overwriting server, its credentials in the environment.
+    let against = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .args(args)
+            .current_dir(env.path())
+            .env("NO_COLOR", "1")
+            .env("DFLASH_WORK", env.path().join(".work"))
+            .env("AWS_ENDPOINT", format!("http://127.0.0.1:{port}"))
+            .env("AWS_ALLOW_HTTP", "true")
+            .env("AWS_REGION", "us-east-1")
+            .env("AWS_ACCESS_KEY_ID", "AKIATESTKEY")
+            .env("AWS_SECRET_ACCESS_KEY", "very-secret-value")
+            .output()
+            .unwrap()
+    };
+    let out = against(&["run", "p.yaml", "--store", "s3://bucket/prefix"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
@@ -1003,24 +1007,14 @@ fn a_store_that_overwrites_is_refused() {
     assert!(!env.path().join(".work/logs").exists(), "no stage ran");
     // A copy into it is refused the same way, before any artifact goes.
     env.run("p.yaml", 0);
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .args([
-            "copy",
-            "--from",
-            "cache",
-            "--to",
-            "s3://bucket/prefix",
-            "--json",
-        ])
-        .current_dir(env.path())
-        .env("NO_COLOR", "1")
-        .env("AWS_ENDPOINT", format!("http://127.0.0.1:{port}"))
-        .env("AWS_ALLOW_HTTP", "true")
-        .env("AWS_REGION", "us-east-1")
-        .env("AWS_ACCESS_KEY_ID", "AKIATESTKEY")
-        .env("AWS_SECRET_ACCESS_KEY", "very-secret-value")
-        .output()
-        .unwrap();
+    let out = against(&[
+        "copy",
+        "--from",
+        "cache",
+        "--to",
+        "s3://bucket/prefix",
+        "--json",
+    ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("overwrote an existing object"), "{stderr}");
