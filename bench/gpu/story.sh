@@ -4,15 +4,15 @@
 #   - here, `bench/gpu/story.sh pack-inputs BIN .gpu [INIT [SEED]]` fills .gpu/a, .gpu/b and
 #     .gpu/c (`.gpu/` is in .git/info/exclude): the SmolLM2 GGUF split in two (98 MB is over
 #     one call's 64 MiB), then the CUDA build of dflash and `train_probe` (xz), ShareGPT (xz),
-#     the benchmark sets, the wheels (the reference package, gguf, flash-linear-attention) and,
+#     the benchmark sets, the wheels (the reference package, gguf, flash-linear-attention);
 #     given INIT (an exported drafter/ folder, 24 MB), that drafter, which the run then starts
-#     from (train's `init:`); given SEED (a store folder, or a `store-small.tar.gz` that
-#     `bring-back` brought and was committed: bench/results/smollm2-h100-sweep/ has the first
-#     batch's completions), its whole small artifacts go along and `setup` unpacks them into
-#     the run's store, so what an earlier session generated is cached;
-#   - each call carries one part (the device tool's `carry: [".gpu/a"]`, then ".gpu/b", then
-#     ".gpu/c") and runs `stash`, which keeps it in /tmp; the calls follow each other while
-#     the machine is warm (30 s), the last one runs `setup` and can go on with the work;
+#     from (train's `init:`), and given SEED (a store folder, or a `store-small.tar.gz` that
+#     `bring-back` brought and was committed: bench/results/smollm2-h100-expansion/ has both
+#     batches' completions), its whole small artifacts, both in .gpu/d; `setup` unpacks the
+#     seed into the run's store, so what an earlier session generated is cached;
+#   - each call carries one part (the device tool's `carry: [".gpu/a"]`, then ".gpu/b", ".gpu/d"
+#     when packed, then ".gpu/c") and runs `stash`, which keeps it in /tmp; the calls follow
+#     each other while the machine is warm (30 s), the last one runs `setup` and can go on;
 #   - `checks` runs the training kernels' checks and the step against PyTorch (issue 22);
 #     `hybrid [LAYERS] [TOKENS]` a hybrid target's forward against transformers (issue 23);
 #     `decode [BATCH] [PROMPT] [STEPS]` generate's batched decoding against transformers'
@@ -24,15 +24,15 @@
 #     seconds left, and trains (the value it chose goes to $OUT: commit it to the pipeline);
 #   - `bring-back` exports the drafters and the bench results and keeps the store's whole small
 #     artifacts (`dflash copy --max-file-bytes 4M`) under $OUT, so they land on this machine.
-# The last session's calls (README "The fourth run"): `stash`; `stash`; `stash && setup &&
-# checks && hybrid 4 2048 && run 578 --only sweep_lr --only sweep_layers --only sweep_block`;
-# `run 515 --only sweep_...; bring-back`; `run 440 --only bench; bring-back`; `reference 3`.
-# The next: seeded with the committed completions, `run SECONDS --only tokens_more` (the
-# expansion's answers), `train-fit SECONDS` (it prints the `max_steps` it chose: set both
-# `max_steps:` of the local pipeline to it before the next call, whose working tree replaces
-# the machine's), `run SECONDS --only bench; bring-back`, `reference 6`. DFlash 2 beside it:
-# `train-fit SECONDS drafter2` first (the slower head), then `--only drafter`, and
-# `--only bench_dflash2` too.
+# The last session's calls (README "The fifth run"): `stash`; `stash`; `stash; setup; run 495
+# --only bench; bring-back` (the expansion generated, training cut by the call's limit); `run 555
+# --only bench; bring-back` (training from the start again: the first try stopped before its first checkpoint; then the
+# bench); `reference 4`.
+# The next: `pack-inputs BIN .gpu DRAFTER bench/results/smollm2-h100-expansion/store-small.tar.gz`
+# (DRAFTER: the fifth run's exported drafter, kept outside the repository) so generation is
+# cached and training starts from that drafter; then `run SECONDS --only bench; bring-back`
+# after setting `max_steps:` to what the minutes allow (0.245 s a step on an H100), `reference 6`.
+# DFlash 2 beside it: `--only drafter2`, then `--only bench_dflash2`.
 
 set -euo pipefail
 STASH=/tmp/dflash-story
@@ -86,13 +86,15 @@ pack-inputs)
         pip download -q --no-deps -d .whl dflash==0.1.0 gguf==0.19.0 flash-linear-attention==0.6.0 \
             fla-core==0.6.0 einops==0.8.1
     cp .whl/*.whl "$pack"/c/
+    # INIT and SEED travel in a fourth part, `d` (the binaries fill most of `c`): one more
+    # `stash` call before the one that runs `setup`.
     if [ -n "$init" ]; then
-        mkdir -p "$pack"/c/init && cp "$init"/config.json "$init"/model.safetensors "$pack"/c/init/
+        mkdir -p "$pack"/d/init && cp "$init"/config.json "$init"/model.safetensors "$pack"/d/init/
     fi
     if [ -n "$seed" ]; then
-        # A store folder, or a `store-small.tar.gz` that `bring-back` brought (and was
-        # committed); in `c` when no INIT takes its room there, else in `b`.
-        part=b; [ -z "$init" ] && part=c
+        # A store folder, or a `seed.tar.gz` / `store-small.tar.gz` that `bring-back` brought
+        # (and was committed).
+        part=d && mkdir -p "$pack"/d
         if [ -f "$seed" ]; then
             cp "$seed" "$pack"/$part/store-seed.tar.gz
         else
@@ -104,8 +106,9 @@ pack-inputs)
     fi
     # Each part travels with the working tree (the tracked files: the committed results too).
     tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s+=$1} END {print s}')
-    du -sb "$pack"/a "$pack"/b "$pack"/c
-    for p in a b c; do
+    du -sb "$pack"/*/
+    for p in a b c d; do
+        [ -d "$pack"/$p ] || continue
         total=$(( $(du -sb "$pack"/$p | cut -f1) + tree ))
         [ $total -lt $((63 * 1024 * 1024)) ] ||
             echo "warning: $pack/$p and the working tree ($tree bytes) are $total bytes, over what one call carries (64 MiB)" >&2
@@ -238,7 +241,9 @@ decode)
     # There: generate's batched decoding (the candle backend) against transformers' `generate`
     # on the same shapes (BATCH prompts of PROMPT tokens, STEPS steps), same call.
     cuda_env
-    [ -d $STASH/hf ] || python3 tests/support/gguf_to_hf.py .assets/SmolLM2-135M-Instruct.Q4_1.gguf $STASH/hf
+    # gguf (the conversion's reader) is in the stash's site folder, as for `reference`.
+    [ -d $STASH/hf ] || PYTHONPATH=$STASH/site python3 tests/support/gguf_to_hf.py \
+        .assets/SmolLM2-135M-Instruct.Q4_1.gguf $STASH/hf
     {
         $STASH/train_probe decode .assets/SmolLM2-135M-Instruct.Q4_1.gguf --batch "${1:-512}" \
             --prompt "${2:-300}" --steps "${3:-32}"
@@ -301,6 +306,13 @@ bring-back)
     rm -rf /tmp/small-store
     $STASH/dflash copy --from $STORE --to /tmp/small-store --max-file-bytes 4M
     tar -czf /tmp/back/store-small.tar.gz -C /tmp/small-store .
+    # What is worth committing as a later session's SEED: the completions (GPU minutes to make
+    # again) and the bench artifacts; the tokens remake from them in seconds.
+    rm -rf /tmp/seed-store
+    for s in completions completions_more bench bench_dflash2; do
+        $STASH/dflash copy --from $STORE --to /tmp/seed-store --stage $s --max-file-bytes 4M >/dev/null || true
+    done
+    tar -czf /tmp/back/seed.tar.gz -C /tmp/seed-store .
     tar -czf - -C /tmp back | split -b 15M -d - "$OUT/back.tar.gz."
     ls -la "$OUT"
     ;;
