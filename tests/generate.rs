@@ -581,7 +581,7 @@ fn the_candle_backend_generates_in_process_and_tokenize_reads_it() {
     .unwrap();
     env.write(
         "prompts.jsonl",
-        "{\"id\": \"two\", \"conversations\": [{\"from\": \"human\", \"value\": \"Hi!\"}, {\"from\": \"gpt\", \"value\": \"old\"}, {\"from\": \"human\", \"value\": \"Name a colour.\"}]}\n{\"id\": \"fr\", \"prompt\": \"What is the capital of France?\"}\n{\"id\": \"de\", \"prompt\": \"What is the capital of Germany?\"}\n",
+        "{\"id\": \"two\", \"conversations\": [{\"from\": \"human\", \"value\": \"Hi! Just say hi back.\"}, {\"from\": \"gpt\", \"value\": \"old\"}, {\"from\": \"human\", \"value\": \"Name a colour.\"}]}\n{\"id\": \"fr\", \"prompt\": \"What is the capital of France?\"}\n{\"id\": \"de\", \"prompt\": \"Germany's capital?\"}\n",
     );
     env.write(
         "gen.yaml",
@@ -607,10 +607,19 @@ fn the_candle_backend_generates_in_process_and_tokenize_reads_it() {
     let s = stats(&env);
     assert!(s["completion_tokens"].as_u64().unwrap() > 5, "{s}");
     assert_eq!(s["throughput"]["device"], "cpu", "{s}");
-    // Waves of two: `two`'s first turn with `fr`, then its second turn with `de`, which took
-    // `fr`'s place (batches decoded one after another would take three waves).
+    // Waves of two, the longest contexts first: `fr` with `two`'s first turn (`de`'s prompt is
+    // the shortest), then `two`'s second turn with `de`, which took `fr`'s place (batches
+    // decoded one after another would take three waves).
     assert_eq!(s["waves"]["count"], 2, "{s}");
     assert_eq!(s["waves"]["replies"], 4, "{s}");
+    // What the waves cost is counted: every prefill position, the padding among them, the time.
+    let (prompt, padded) = (
+        s["waves"]["prompt_tokens"].as_u64().unwrap(),
+        s["waves"]["padded_tokens"].as_u64().unwrap(),
+    );
+    assert!(prompt > 0 && padded >= prompt, "{s}");
+    assert!(s["waves"]["steps"].as_u64().unwrap() >= 11, "{s}");
+    assert!(s["waves"]["prefill_s"].as_f64().unwrap() > 0.0, "{s}");
     // The model file is pinned by content, and its path stays out of the key.
     let o = env.dflash(&["show", "answers", "-p", "gen.yaml"]);
     let m: Value = serde_json::from_slice(&o.stdout).unwrap();

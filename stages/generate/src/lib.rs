@@ -341,10 +341,15 @@ impl StageKind for GenerateKind {
                 generate_locally(&mut local, &todo, &p, ctx, tx, &progress, &mut waves)
             })?;
             log.line(&format!(
-                "{} waves of {:.1} replies on average (batch_size {})",
+                "{} waves of {:.1} replies on average (batch_size {}); {:.0}% of the prefills' \
+                 positions padding; {:.1} s prefilling, {:.1} s in {} steps",
                 waves.waves,
                 waves.mean(),
-                p.batch_size
+                p.batch_size,
+                100.0 * waves.padding_share(),
+                waves.prefill_s,
+                waves.decode_s,
+                waves.steps
             ));
             (reports, Vec::new())
         } else {
@@ -423,10 +428,7 @@ impl StageKind for GenerateKind {
                    "tokens": tokens.load(Ordering::Relaxed), "seconds": secs}),
         );
         if waves.waves > 0 {
-            stats.insert(
-                "waves".into(),
-                json!({"count": waves.waves, "replies": waves.replies, "batch_size": p.batch_size}),
-            );
+            stats.insert("waves".into(), waves.stats(p.batch_size));
         }
         let summary = format!(
             "{rows} rows, {completion_tokens} tokens generated; finish: {}",
@@ -637,24 +639,90 @@ fn with_writer(
     Ok(reports)
 }
 
-/// What the in-process backend's waves decoded.
+/// What the in-process backend's waves decoded, and where their time went.
 #[derive(Default)]
 struct Waves {
     waves: u64,
     replies: u64,
+    prompt_tokens: u64,
+    padded_tokens: u64,
+    steps: u64,
+    prefill_s: f64,
+    decode_s: f64,
 }
 
 impl Waves {
     fn mean(&self) -> f64 {
         self.replies as f64 / self.waves.max(1) as f64
     }
+
+    fn add(&mut self, replies: usize, w: &local::WaveShape) {
+        self.waves += 1;
+        self.replies += replies as u64;
+        self.prompt_tokens += w.prompt_tokens as u64;
+        self.padded_tokens += w.padded_tokens as u64;
+        self.steps += w.steps as u64;
+        self.prefill_s += w.prefill_s;
+        self.decode_s += w.decode_s;
+    }
+
+    /// The share of the prefills' positions that were padding.
+    fn padding_share(&self) -> f64 {
+        1.0 - self.prompt_tokens as f64 / self.padded_tokens.max(1) as f64
+    }
+
+    fn stats(&self, batch_size: i64) -> Json {
+        let r = |x: f64| (x * 1000.0).round() / 1000.0;
+        json!({"count": self.waves, "replies": self.replies, "batch_size": batch_size,
+               "prompt_tokens": self.prompt_tokens, "padded_tokens": self.padded_tokens,
+               "padding_share": r(self.padding_share()), "steps": self.steps,
+               "prefill_s": r(self.prefill_s), "decode_s": r(self.decode_s)})
+    }
+}
+
+/// How many waves' worth of conversations the in-process backend looks at to form a wave.
+const LOOKAHEAD_WAVES: usize = 4;
+
+/// A wave's members out of `pool`: the `size` with the largest keys (ties: the one that joined
+/// first), the rest kept in their order. A wave's prompts are left-padded to its longest, and
+/// every row computes every column of the prefill and attends over every column in each step,
+/// so prompts of like length should decode together: the key is the context's length, longest
+/// first. A later turn's context holds the turns before it, so conversations that go on are
+/// among the longest and go early. (Putting every conversation with replies still to come
+/// first, whatever its length, took 82.0 s where this took 46.4 and FIFO 110.8: 128 ShareGPT
+/// rows, 16 tokens a reply, waves of 32, on a 2-core CPU; padding 72% and 51% of the prefills'
+/// positions.)
+fn pick_wave<K: Ord + Copy, T>(pool: &mut Vec<(K, T)>, size: usize) -> Vec<(K, T)> {
+    if pool.len() <= size {
+        return std::mem::take(pool);
+    }
+    let mut order: Vec<usize> = (0..pool.len()).collect();
+    // Longest first; among equals, the one that joined the pool first.
+    order.sort_by_key(|&i| std::cmp::Reverse(pool[i].0));
+    let mut chosen = vec![false; pool.len()];
+    for &i in &order[..size] {
+        chosen[i] = true;
+    }
+    let (mut wave, mut rest) = (
+        Vec::with_capacity(size),
+        Vec::with_capacity(pool.len() - size),
+    );
+    for (item, keep) in std::mem::take(pool).into_iter().zip(chosen) {
+        if keep {
+            wave.push(item);
+        } else {
+            rest.push(item);
+        }
+    }
+    *pool = rest;
+    wave
 }
 
 /// Generate every task in-process, in waves of at most `batch_size` replies decoded together.
-/// A wave takes the next reply of every conversation still going, and new conversations fill
-/// the places of those that finished, so waves stay full while tasks remain: multi-turn rows
-/// would otherwise leave a batch's later waves nearly empty, each costing a full wave's steps.
-/// Rows are sent as their conversations finish.
+/// A wave takes conversations still going (their next reply) and new ones, so waves stay full
+/// while tasks remain: multi-turn rows would otherwise leave a batch's later waves nearly
+/// empty, each costing a full wave's steps. Out of the next `LOOKAHEAD_WAVES` waves' worth it
+/// takes those of like length ([`pick_wave`]). Rows are sent as their conversations finish.
 fn generate_locally(
     local: &mut Local,
     todo: &[&Task],
@@ -672,32 +740,19 @@ fn generate_locally(
     };
     let size = p.batch_size.max(1) as usize;
     let mut tasks = todo.iter();
-    // Conversations with a reply in and more to come; never more than a wave.
-    let mut going: Vec<Regeneration<'_>> = Vec::new();
+    // Conversations waiting for their next reply, each with its key for `pick_wave`.
+    let mut pool: Vec<(usize, Regeneration<'_>)> = Vec::new();
     // `false` once the writer has stopped (on an error of its own, which it reports).
     let send = |a: Answered| {
         c.add(&a);
         tx.send(a).is_ok()
     };
     loop {
-        let mut members = Vec::with_capacity(size);
-        let mut convos: Vec<Vec<Message>> = Vec::with_capacity(size);
-        let mut seeds = Vec::with_capacity(size);
-        let mut waiting = std::mem::take(&mut going).into_iter();
-        while members.len() < size {
-            let mut r = match waiting.next() {
-                Some(r) => r,
-                None => match tasks.next() {
-                    Some(t) => Regeneration::new(t, p),
-                    None => break,
-                },
-            };
-            match r.context() {
-                Some((convo, _)) => {
-                    convos.push(convo.to_vec());
-                    seeds.push(r.seed.unwrap_or(0));
-                    members.push(r);
-                }
+        while pool.len() < size * LOOKAHEAD_WAVES {
+            let Some(t) = tasks.next() else { break };
+            let mut r = Regeneration::new(t, p);
+            match wave_key(&mut r) {
+                Some(key) => pool.push((key, r)),
                 None => {
                     if !send(r.done()) {
                         return Ok(());
@@ -705,21 +760,29 @@ fn generate_locally(
                 }
             }
         }
+        let members = pick_wave(&mut pool, size);
         if members.is_empty() {
             return Ok(());
         }
-        let refs: Vec<&[Message]> = convos.iter().map(Vec::as_slice).collect();
-        let replies = local.reply_batch(&refs, &sampling, &seeds, ctx.cancel)?;
-        waves.waves += 1;
-        waves.replies += refs.len() as u64;
-        for (mut r, reply) in members.into_iter().zip(replies) {
+        let convos: Vec<&[Message]> = members.iter().map(|(_, r)| r.convo.as_slice()).collect();
+        let seeds: Vec<u64> = members.iter().map(|(_, r)| r.seed.unwrap_or(0)).collect();
+        let (replies, shape) = local.reply_batch(&convos, &sampling, &seeds, ctx.cancel)?;
+        waves.add(convos.len(), &shape);
+        drop(convos);
+        for ((_, mut r), reply) in members.into_iter().zip(replies) {
             let finished = match reply {
                 Ok(reply) => {
                     if r.reply(reply) {
-                        going.push(r);
-                        continue;
+                        match wave_key(&mut r) {
+                            Some(key) => {
+                                pool.push((key, r));
+                                continue;
+                            }
+                            None => r.done(),
+                        }
+                    } else {
+                        r.done()
                     }
-                    r.done()
                 }
                 Err(why) => r.refused(&why),
             };
@@ -729,6 +792,13 @@ fn generate_locally(
         }
         c.report(ctx, "");
     }
+}
+
+/// Move `r` to its next reply and give its key for [`pick_wave`]: the characters of its
+/// context (how long its prompt is, near enough to group prompts of like length without
+/// rendering the template); `None` when every reply is in.
+fn wave_key(r: &mut Regeneration<'_>) -> Option<usize> {
+    Some(r.context()?.0.iter().map(|m| m.content.len()).sum())
 }
 
 /// The messages sent for the conversation so far.
@@ -891,5 +961,25 @@ fn out_id(t: &Task, p: &Params) -> String {
         format!("{}-s{}", t.row.id, t.sample)
     } else {
         t.row.id.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pick_wave;
+
+    #[test]
+    fn a_wave_takes_the_longest_contexts_and_leaves_the_rest_in_order() {
+        let mut pool: Vec<(usize, char)> =
+            vec![(5, 'a'), (90, 'b'), (7, 'c'), (90, 'd'), (60, 'e')];
+        let wave = pick_wave(&mut pool, 3);
+        // The three longest, in the order they joined (a tie keeps that order too).
+        assert_eq!(wave, vec![(90, 'b'), (90, 'd'), (60, 'e')]);
+        assert_eq!(pool, vec![(5, 'a'), (7, 'c')]);
+        // A pool no larger than a wave goes whole.
+        let wave = pick_wave(&mut pool, 3);
+        assert_eq!(wave, vec![(5, 'a'), (7, 'c')]);
+        assert!(pool.is_empty());
+        assert!(pick_wave(&mut pool, 3).is_empty());
     }
 }

@@ -44,6 +44,22 @@ fn err(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
     move |e| StageError::new(format!("{what}: {e}"))
 }
 
+/// What one wave cost: its prefill's shape (real prompt tokens against the padded columns every
+/// row computes) and where its time went. On a GPU the prefill's time ends at the first step's
+/// token picks, which wait for the device.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WaveShape {
+    /// Prompt tokens of the rows prefilled.
+    pub prompt_tokens: usize,
+    /// Rows x the longest prompt: the positions the left-padded prefill computes.
+    pub padded_tokens: usize,
+    /// Decoding steps after the prefill.
+    pub steps: usize,
+    /// Seconds to the first tokens (the prefill), and in the steps after it.
+    pub prefill_s: f64,
+    pub decode_s: f64,
+}
+
 /// One conversation being decoded.
 struct Decoding {
     sampler: LogitsProcessor,
@@ -76,15 +92,18 @@ impl Local {
         })
     }
 
-    /// Generate the reply to each of `convos` (with `seeds[i]`), decoded together. A reply that
-    /// cannot be generated (a prompt past the context) is an `Err` with the reason.
+    /// Generate the reply to each of `convos` (with `seeds[i]`), decoded together, and what the
+    /// wave cost. A reply that cannot be generated (a prompt past the context) is an `Err` with
+    /// the reason.
     pub fn reply_batch(
         &mut self,
         convos: &[&[Message]],
         s: &Sampling<'_>,
         seeds: &[u64],
         cancel: &Cancel,
-    ) -> Result<Vec<Result<Reply, String>>, StageError> {
+    ) -> Result<(Vec<Result<Reply, String>>, WaveShape), StageError> {
+        let started = std::time::Instant::now();
+        let mut shape = WaveShape::default();
         let temperature = (s.temperature > 0.0).then_some(s.temperature);
         let top_p = (s.top_p < 1.0).then_some(s.top_p);
         let mut seqs = Vec::with_capacity(convos.len());
@@ -109,19 +128,26 @@ impl Local {
             seqs.push(d);
         }
         if prompts.is_empty() {
-            return Ok(finished(seqs));
+            return Ok((finished(seqs), shape));
         }
         // The sequences that fit decode together; `rows[j]` is the sequence at batch row j.
         let rows: Vec<usize> = prompts.iter().map(|(i, _)| *i).collect();
         let extra = rows.iter().map(|&i| seqs[i].budget).max().unwrap_or(0) + 1;
         let slices: Vec<&[u32]> = prompts.iter().map(|(_, p)| p.as_slice()).collect();
+        shape.prompt_tokens = slices.iter().map(|p| p.len()).sum();
+        shape.padded_tokens = slices.len() * slices.iter().map(|p| p.len()).max().unwrap_or(0);
         let (mut batch, mut logits) =
             BatchDecoder::prefill(&self.target, &slices, extra).map_err(err("prefill"))?;
+        let mut decoding = None;
         loop {
             if cancel.is_cancelled() {
                 return Err(StageError::cancelled());
             }
             let picked = pick(&logits, temperature.is_none(), &rows, &mut seqs)?;
+            if decoding.is_none() {
+                shape.prefill_s = started.elapsed().as_secs_f64();
+                decoding = Some(std::time::Instant::now());
+            }
             // Sample each live sequence's next token; finish those that end here.
             let mut next = vec![0u32; rows.len()];
             let mut live = false;
@@ -163,8 +189,10 @@ impl Local {
                 break;
             }
             logits = batch.step(&next).map_err(err("decode"))?;
+            shape.steps += 1;
         }
-        Ok(finished(seqs))
+        shape.decode_s = decoding.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        Ok((finished(seqs), shape))
     }
 
     fn finish(&self, out: &[u32], reason: &str) -> Result<Reply, StageError> {
