@@ -251,6 +251,15 @@ decode)
             --steps "${3:-32}"
     } 2>&1 | grep -v Warning | tee -a "$OUT/decode.jsonl"
     ;;
+verify)
+    # There: a speculative round's verification pass against a one-token step on this GPU
+    # (`train_probe verify`: the target over 1-32 tokens after a CONTEXT-token cache, with and
+    # without taps, as a tree, and one projection's matmul over the same rows in f32 and bf16):
+    # the ratio that sets a drafter's break-even tau on a small target.
+    cuda_env
+    $STASH/train_probe verify .assets/SmolLM2-135M-Instruct.Q4_1.gguf --context "${1:-300}" 2>&1 |
+        tee -a "$OUT/verify.jsonl"
+    ;;
 reference)
     # There, after `bring-back`: the exported drafter in z-lab's reference implementation
     # (dflash==0.1.0) against the target as a transformers model, on the first N prompts of
@@ -317,7 +326,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | decode [BATCH] [PROMPT] [STEPS] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac

@@ -32,6 +32,15 @@
 //! the prefill's seconds, the median step and tokens per second (`bench/decode_reference.py`
 //! runs transformers' batched `generate` on the same shapes beside it).
 //!
+//! `train_probe verify MODEL [--context 300] [--repeats 20]`: what a speculative round's
+//! verification pass costs against a one-token step, the ratio that decides whether a drafter
+//! pays off on a small target: the target's pass (`Target::extend`, as `bench` runs it, the
+//! argmax brought to the host) over n = 1, 2, 4, 8, 16, 32 tokens after a `--context`-token
+//! cache, without taps and with five (a drafter's), and as a tree (`extend_tree`, a chain of n
+//! nodes); then one projection's matmul at the target's widths (hidden -> MLP width) for the
+//! same n, in f32 and bf16, to show how the pass's matmuls scale with n. Medians of
+//! `--repeats`, one JSON line each.
+//!
 //! `train_probe parity OUT.safetensors`: a small target and drafter (f32, weights drawn on CPU),
 //! one sequence, one loss; writes every weight, the batch, the loss, the taps and every
 //! gradient, for `bench/train_reference.py` to recompute in PyTorch and compare.
@@ -948,6 +957,96 @@ fn decode(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+fn verify(args: &[String]) -> Result<()> {
+    let model = args
+        .get(2)
+        .ok_or("train_probe verify MODEL [--context 300] [--repeats 20]")?;
+    let context: usize = arg(args, "--context", 300);
+    let repeats: usize = arg(args, "--repeats", 20).max(1);
+    let device = dflash_model::nn::device::select("auto")?;
+    dflash_model::nn::fused::prepare_device(&device)?;
+    let target = Target::load(std::path::Path::new(model), &device)?;
+    let (vocab, layers) = (target.config.vocab as u32, target.config.layers);
+    let ids: Vec<u32> = (0..(context + 32) as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
+    let mut base = dflash_model::nn::target::KvCache::default();
+    target.extend(&ids[..context], &mut base, &[])?;
+    // Five taps spread over the layers, as a drafter's.
+    let five: Vec<usize> = (0..5).map(|i| 1 + i * (layers - 4) / 4).collect();
+    let on = if device.is_cuda() { "cuda" } else { "cpu" };
+    let median = |mut t: Vec<f64>| -> f64 {
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let argmax = |logits: &Tensor| -> Result<Vec<u32>> {
+        Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
+    };
+    for n in [1usize, 2, 4, 8, 16, 32] {
+        let tokens = &ids[context..context + n];
+        let chain: Vec<usize> = (0..n).map(|i| i.saturating_sub(1)).collect();
+        let mut row = serde_json::Map::new();
+        for (name, taps, tree) in [
+            ("extend_ms", &[][..], false),
+            ("extend_taps_ms", &five[..], false),
+            ("tree_taps_ms", &five[..], true),
+        ] {
+            let mut times = Vec::with_capacity(repeats);
+            // One warm-up, then the timed passes, each after a copy of the same cache.
+            for r in 0..=repeats {
+                let mut cache = base.clone();
+                let t = Instant::now();
+                let (logits, tapped) = if tree {
+                    target.extend_tree(tokens, &chain, &mut cache, taps)?
+                } else {
+                    target.extend(tokens, &mut cache, taps)?
+                };
+                argmax(&logits)?;
+                if let Some(t) = tapped {
+                    t.device().synchronize()?;
+                }
+                if r > 0 {
+                    times.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            row.insert(name.into(), median(times).into());
+        }
+        println!(
+            "{}",
+            serde_json::json!({"phase": "verify", "device": on, "context": context, "n": n,
+                "dtype": format!("{:?}", target.lm_head.dtype()), "ms": row})
+        );
+    }
+    // One projection's matmul, hidden -> MLP width, as the pass runs it (`Linear::forward`).
+    let (hidden, width) = (target.config.hidden, target.config.ffn);
+    for dtype in [DType::F32, DType::BF16] {
+        let w = Tensor::randn(0f32, 0.02, (width, hidden), &device)?.to_dtype(dtype)?;
+        let w = dflash_model::nn::ops::Linear::Dense(w);
+        for n in [1usize, 2, 4, 8, 16, 32] {
+            let x = Tensor::randn(0f32, 1.0, (n, hidden), &device)?.to_dtype(dtype)?;
+            let mut times = Vec::with_capacity(repeats);
+            for r in 0..=repeats {
+                device.synchronize()?;
+                let t = Instant::now();
+                // Ten in a row, so the launch and the kernel are timed, not the synchronisation.
+                for _ in 0..10 {
+                    w.forward(&x)?;
+                }
+                device.synchronize()?;
+                if r > 0 {
+                    times.push(t.elapsed().as_secs_f64() * 1e3 / 10.0);
+                }
+            }
+            println!(
+                "{}",
+                serde_json::json!({"phase": "verify_matmul", "device": on, "dtype": format!("{dtype:?}"),
+                    "n": n, "in": hidden, "out": width, "ms": median(times)})
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
@@ -958,8 +1057,9 @@ fn main() -> Result<()> {
         Some("flash") => flash(&args),
         Some("target") => target_forward(&args),
         Some("decode") => decode(&args),
+        Some("verify") => verify(&args),
         _ => Err(
-            "usage: train_probe speed [...] | parts [...] | fused | flash | target FOLDER [...] | decode MODEL [...] | parity OUT.safetensors"
+            "usage: train_probe speed [...] | parts [...] | fused | flash | target FOLDER [...] | decode MODEL [...] | verify MODEL [...] | parity OUT.safetensors"
                 .into(),
         ),
     }
