@@ -51,7 +51,7 @@ fn err(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
 pub struct WaveShape {
     /// Prompt tokens of the rows prefilled.
     pub prompt_tokens: usize,
-    /// Rows x the longest prompt: the positions the left-padded prefill computes.
+    /// The positions the left-padded prefill computed (runs of like length apart).
     pub padded_tokens: usize,
     /// Decoding steps after the prefill.
     pub steps: usize,
@@ -130,14 +130,17 @@ impl Local {
         if prompts.is_empty() {
             return Ok((finished(seqs), shape));
         }
-        // The sequences that fit decode together; `rows[j]` is the sequence at batch row j.
+        // The sequences that fit decode together; `rows[j]` is the sequence at batch row j,
+        // longest prompt first, so the prefill's runs of like length are few
+        // (`BatchDecoder::prefill`).
+        prompts.sort_by_key(|(_, p)| std::cmp::Reverse(p.len()));
         let rows: Vec<usize> = prompts.iter().map(|(i, _)| *i).collect();
         let extra = rows.iter().map(|&i| seqs[i].budget).max().unwrap_or(0) + 1;
         let slices: Vec<&[u32]> = prompts.iter().map(|(_, p)| p.as_slice()).collect();
         shape.prompt_tokens = slices.iter().map(|p| p.len()).sum();
-        shape.padded_tokens = slices.len() * slices.iter().map(|p| p.len()).max().unwrap_or(0);
         let (mut batch, mut logits) =
             BatchDecoder::prefill(&self.target, &slices, extra).map_err(err("prefill"))?;
+        shape.padded_tokens = batch.prefilled();
         let mut decoding = None;
         loop {
             if cancel.is_cancelled() {

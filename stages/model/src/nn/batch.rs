@@ -42,6 +42,8 @@ pub struct BatchDecoder<'t> {
     /// A hybrid target's sequences, each with its own cache (their Gated DeltaNet states are
     /// per sequence; the shared columns above are for attention only), stepped together.
     alone: Option<Vec<super::target::KvCache>>,
+    /// Positions the prefill computed, padding included.
+    prefilled: usize,
 }
 
 impl<'t> BatchDecoder<'t> {
@@ -80,6 +82,7 @@ impl<'t> BatchDecoder<'t> {
                 capacity: usize::MAX,
                 lm_head,
                 alone: Some(caches),
+                prefilled: prompts.iter().map(|p| p.len()).sum(),
             };
             let logits = if logits.len() == 1 {
                 logits.pop().expect("one")
@@ -102,22 +105,41 @@ impl<'t> BatchDecoder<'t> {
             capacity,
             lm_head: Linear::Dense(target.lm_head.to_dtype(DType::F32)?),
             alone: None,
+            prefilled: 0,
         };
-        // Padding takes token 0: its rows are masked out of every real row's attention.
-        let mut ids = Vec::with_capacity(batch * longest);
-        for p in prompts {
-            ids.extend(std::iter::repeat_n(0u32, longest - p.len()));
-            ids.extend_from_slice(p);
+        // Groups of neighbouring rows of like length are prefilled apart, each from the first
+        // column any of its rows uses: a short prompt beside a long one would otherwise compute
+        // (and attend over) every padding column up to the long one's length.
+        let mut logits = Vec::new();
+        for rows in like_lengths(prompts) {
+            let group = &prompts[rows.clone()];
+            let skip = longest - group.iter().map(|p| p.len()).max().unwrap_or(0);
+            // Padding takes token 0: its rows are masked out of every real row's attention.
+            let width = longest - skip;
+            let mut ids = Vec::with_capacity(group.len() * width);
+            for p in group {
+                ids.extend(std::iter::repeat_n(0u32, width - p.len()));
+                ids.extend_from_slice(p);
+            }
+            let ids = Tensor::from_vec(ids, (group.len(), width), device)?;
+            decoder.prefilled += group.len() * width;
+            // In chunks of columns: the scores of one chunk are `[rows, heads, chunk, width]`,
+            // where the whole prompt at once would be `width` wide in both.
+            let mut last = None;
+            for from in (0..width).step_by(PREFILL_CHUNK) {
+                let n = PREFILL_CHUNK.min(width - from);
+                let chunk = ids.narrow(1, from, n)?.contiguous()?;
+                last = Some(decoder.forward_rows(&chunk, rows.start, skip + from, skip)?);
+            }
+            logits.push(last.expect("a non-empty prompt"));
         }
-        let ids = Tensor::from_vec(ids, (batch, longest), device)?;
-        // In chunks of columns: the scores of one chunk are `[batch, heads, chunk, width]`,
-        // where the whole prompt at once would be `width` wide in both.
-        let mut logits = None;
-        for from in (0..longest).step_by(PREFILL_CHUNK) {
-            let n = PREFILL_CHUNK.min(longest - from);
-            logits = Some(decoder.forward(&ids.narrow(1, from, n)?.contiguous()?)?);
-        }
-        Ok((decoder, logits.expect("a non-empty prompt")))
+        decoder.width = longest;
+        let logits = if logits.len() == 1 {
+            logits.pop().expect("one")
+        } else {
+            Tensor::cat(&logits, 0)?
+        };
+        Ok((decoder, logits))
     }
 
     /// Feed one token per sequence (a finished sequence can be fed anything: its row is then
@@ -136,7 +158,9 @@ impl<'t> BatchDecoder<'t> {
             candle_core::bail!("the batch's cache is full ({} columns)", self.capacity);
         }
         let ids = Tensor::from_slice(next, (next.len(), 1), self.target.embed.device())?;
-        self.forward(&ids)
+        let logits = self.forward_rows(&ids, 0, self.width, 0)?;
+        self.width += 1;
+        Ok(logits)
     }
 
     /// Columns written so far (the longest prompt plus the steps taken).
@@ -144,17 +168,30 @@ impl<'t> BatchDecoder<'t> {
         self.width
     }
 
-    /// Run `ids` `[batch, n]` as the next `n` columns; the logits at the last one.
-    fn forward(&mut self, ids: &Tensor) -> Result<Tensor> {
+    /// Positions the prefill computed, padding included (the prompts' tokens when none).
+    pub fn prefilled(&self) -> usize {
+        self.prefilled
+    }
+
+    /// Run `ids` `[rows, n]` as columns `from..from + n` of the batch's rows `first..first +
+    /// rows`, attending over columns `skip..` (those before are padding for all of them); the
+    /// logits at the last column. The caller moves `width`.
+    fn forward_rows(
+        &mut self,
+        ids: &Tensor,
+        first: usize,
+        from: usize,
+        skip: usize,
+    ) -> Result<Tensor> {
         let t = self.target;
         let c = &t.config;
         let device = t.embed.device();
         let (batch, n) = ids.dims2()?;
-        let (from, to) = (self.width, self.width + n);
+        let to = from + n;
         let groups = c.heads / c.kv_heads;
+        let starts = &self.start[first..first + batch];
         // Each row's rotary position counts from its own first token.
-        let positions: Vec<u32> = self
-            .start
+        let positions: Vec<u32> = starts
             .iter()
             .flat_map(|&s| (from..to).map(move |col| (col as u32).saturating_sub(s)))
             .collect();
@@ -165,7 +202,8 @@ impl<'t> BatchDecoder<'t> {
             cos.reshape((batch, n, half))?,
             sin.reshape((batch, n, half))?,
         );
-        let mask = self.mask(n, device)?;
+        let mask = mask(starts, from, n, skip, device)?;
+        let seen = to - skip;
         let scale = 1.0 / (c.head_dim as f64).sqrt();
         let rope = if t.rope_interleaved {
             candle_nn::rotary_emb::rope_i
@@ -190,19 +228,23 @@ impl<'t> BatchDecoder<'t> {
                 k = super::target::fused_norm(&k, kn, c.eps)?;
             }
             let (q, k) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
-            self.keys[i].slice_set(&k, 2, from)?;
-            self.values[i].slice_set(&v, 2, from)?;
-            let keys = self.keys[i].narrow(2, 0, to)?;
-            let values = self.values[i].narrow(2, 0, to)?;
+            let (cache_k, cache_v) = (
+                self.keys[i].narrow(0, first, batch)?,
+                self.values[i].narrow(0, first, batch)?,
+            );
+            cache_k.slice_set(&k, 2, from)?;
+            cache_v.slice_set(&v, 2, from)?;
+            let keys = cache_k.narrow(2, skip, seen)?;
+            let values = cache_v.narrow(2, skip, seen)?;
             // The query heads of one key/value head, stacked: [batch, kv_heads, groups * n, d].
             let q = q.reshape((batch, c.kv_heads, groups * n, c.head_dim))?;
             let scores = (q.matmul(&keys.t()?)? * scale)?
                 .to_dtype(DType::F32)?
-                .reshape((batch, c.kv_heads, groups, n, to))?
+                .reshape((batch, c.kv_heads, groups, n, seen))?
                 .broadcast_add(&mask)?;
             let probs = candle_nn::ops::softmax_last_dim(&scores)?
                 .to_dtype(t.dtype)?
-                .reshape((batch, c.kv_heads, groups * n, to))?;
+                .reshape((batch, c.kv_heads, groups * n, seen))?;
             let a = probs
                 .matmul(&values)?
                 .reshape((batch, c.heads, n, c.head_dim))?
@@ -212,7 +254,6 @@ impl<'t> BatchDecoder<'t> {
             let h = super::target::fused_norm(&x, &layer.ffn_norm, c.eps)?;
             x = (&x + layer.mlp(&h)?)?;
         }
-        self.width = to;
         let last = x
             .reshape((batch, n, c.hidden))?
             .narrow(1, n - 1, 1)?
@@ -220,25 +261,46 @@ impl<'t> BatchDecoder<'t> {
         let h = super::target::fused_norm(&last, &t.norm, c.eps)?;
         self.lm_head.forward(&h.to_dtype(DType::F32)?)
     }
+}
 
-    /// The additive mask `[batch, 1, 1, n, width + n]` (f32) for the next `n` columns: a row
-    /// sees its sequence's columns up to itself, never the padding; a padding row sees itself
-    /// (so its softmax has something to normalise; nothing reads it).
-    fn mask(&self, n: usize, device: &Device) -> Result<Tensor> {
-        let (from, to) = (self.width as u32, (self.width + n) as u32);
-        let batch = self.start.len();
-        let cols = Tensor::arange(0u32, to, device)?.reshape((1, 1, to as usize))?;
-        let rows = Tensor::arange(from, to, device)?.reshape((1, n, 1))?;
-        let start = Tensor::new(self.start.as_slice(), device)?.reshape((batch, 1, 1))?;
-        let causal = cols.broadcast_le(&rows)?;
-        let own = cols.broadcast_ge(&start)?;
-        let itself = cols.broadcast_eq(&rows)?;
-        let open = causal.broadcast_mul(&own)?.broadcast_maximum(&itself)?;
-        let zeros = Tensor::zeros(open.shape(), DType::F32, device)?;
-        let closed = Tensor::full(f32::NEG_INFINITY, open.shape(), device)?;
-        open.where_cond(&zeros, &closed)?
-            .reshape((batch, 1, 1, n, to as usize))
+/// The additive mask `[rows, 1, 1, n, from + n - skip]` (f32) for columns `from..from + n` of
+/// rows starting at `starts`, over columns `skip..from + n`: a row sees its sequence's columns
+/// up to itself, never the padding; a padding row sees itself (so its softmax has something to
+/// normalise; nothing reads it).
+fn mask(starts: &[u32], from: usize, n: usize, skip: usize, device: &Device) -> Result<Tensor> {
+    let (from, to, skip) = (from as u32, (from + n) as u32, skip as u32);
+    let batch = starts.len();
+    let seen = (to - skip) as usize;
+    let cols = Tensor::arange(skip, to, device)?.reshape((1, 1, seen))?;
+    let rows = Tensor::arange(from, to, device)?.reshape((1, n, 1))?;
+    let start = Tensor::new(starts, device)?.reshape((batch, 1, 1))?;
+    let causal = cols.broadcast_le(&rows)?;
+    let own = cols.broadcast_ge(&start)?;
+    let itself = cols.broadcast_eq(&rows)?;
+    let open = causal.broadcast_mul(&own)?.broadcast_maximum(&itself)?;
+    let zeros = Tensor::zeros(open.shape(), DType::F32, device)?;
+    let closed = Tensor::full(f32::NEG_INFINITY, open.shape(), device)?;
+    open.where_cond(&zeros, &closed)?
+        .reshape((batch, 1, 1, n, seen))
+}
+
+/// Runs of neighbouring prompts to prefill together: a run grows while its rows padded to its
+/// longest stay within a quarter more positions than its tokens (the caller orders prompts by
+/// length, longest first, so a wave's runs are few).
+fn like_lengths(prompts: &[&[u32]]) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let (mut start, mut longest, mut tokens) = (0, 0, 0);
+    for (i, p) in prompts.iter().enumerate() {
+        let (l, t) = (longest.max(p.len()), tokens + p.len());
+        if i > start && 4 * (i + 1 - start) * l > 5 * t {
+            runs.push(start..i);
+            (start, longest, tokens) = (i, p.len(), p.len());
+        } else {
+            (longest, tokens) = (l, t);
+        }
     }
+    runs.push(start..prompts.len());
+    runs
 }
 
 #[cfg(test)]
@@ -268,14 +330,25 @@ mod tests {
     use crate::nn::testing::max_diff;
 
     /// Each sequence of a padded batch gets the logits it gets decoded alone, at the prefill
-    /// and at every step after it, prompts of different lengths together.
+    /// and at every step after it, prompts of different lengths together: in the order given
+    /// (each prefilled apart) and longest first (three prefilled together, then the short one
+    /// from the column where it starts).
     #[test]
     fn a_batch_decodes_each_sequence_as_it_decodes_alone() {
-        for (family, qk_norm) in [("llama", false), ("qwen3", true)] {
+        let given: [&[u32]; 3] = [&[5, 9, 2, 7, 1], &[3], &[8, 8, 4]];
+        let sorted: [&[u32]; 4] = [&[5, 9, 2, 7, 1], &[6, 1, 8, 3, 3], &[8, 8, 4, 2], &[7]];
+        assert_eq!(like_lengths(&given), vec![0..1, 1..2, 2..3]);
+        assert_eq!(like_lengths(&sorted), vec![0..3, 3..4]);
+        for (family, qk_norm, prompts) in [
+            ("llama", false, &given[..]),
+            ("qwen3", true, &given[..]),
+            ("llama", false, &sorted[..]),
+            ("qwen3", true, &sorted[..]),
+        ] {
             let target = tiny(family, qk_norm);
-            let prompts: [&[u32]; 3] = [&[5, 9, 2, 7, 1], &[3], &[8, 8, 4]];
+            let rows = prompts.len();
             let (mut batch, mut logits) =
-                BatchDecoder::prefill(&target, &prompts, 6).expect("prefill");
+                BatchDecoder::prefill(&target, prompts, 6).expect("prefill");
             let mut alone: Vec<(KvCache, Tensor)> = prompts
                 .iter()
                 .map(|p| {
@@ -289,14 +362,16 @@ mod tests {
                     let diff = max_diff(&logits.narrow(0, row, 1).expect("row"), l);
                     assert!(diff < 1e-4, "{family}, step {step}, row {row}: {diff}");
                 }
-                let next: Vec<u32> = (0..3).map(|r| (step * 7 + r * 11) % 50).collect();
+                let next: Vec<u32> = (0..rows as u32).map(|r| (step * 7 + r * 11) % 50).collect();
                 logits = batch.step(&next).expect("step");
                 for ((cache, l), &t) in alone.iter_mut().zip(&next) {
                     *l = target.extend(&[t], cache, &[]).expect("extend").0;
                 }
             }
             assert_eq!(batch.width(), 5 + 6);
-            assert!(batch.step(&[1, 2, 3]).is_err(), "past the capacity");
+            // Each run padded to its own longest: 5 + 1 + 3, and 3 x 5 + 1.
+            assert_eq!(batch.prefilled(), if rows == 3 { 9 } else { 16 });
+            assert!(batch.step(&vec![1; rows]).is_err(), "past the capacity");
         }
     }
 
