@@ -152,11 +152,16 @@ def main():
         if cuda:
             torch.cuda.empty_cache()  # the probe runs beside this process on the same GPU
         dump = os.path.join(d, "dflash_layers.safetensors")
-        cmd = [a.probe, "target", d, "--tokens", str(a.tokens), "--repeats", str(a.repeats)]
+        cmd = [a.probe, "target", d, "--tokens", str(a.tokens), "--repeats", str(a.repeats),
+               "--phases"]
         if a.check:
             cmd += ["--dump", dump]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        probe = json.loads(out.stdout.strip().splitlines()[-1])
+        lines = [json.loads(l) for l in out.stdout.strip().splitlines() if l.startswith("{")]
+        probe = next(l for l in lines if "seconds" in l)
+        # Each Gated DeltaNet layer's milliseconds by phase (mixing, the chunks' operands, the
+        # pass over them, the output), to aim a kernel at the largest.
+        phases = {l["layer"]: l["ms"] for l in lines if l.get("phase") == "delta_phases"}
         ours = probe["seconds"]
         result = {"layers": kinds, "tokens": a.tokens, "device": a.device,
                   "threads": os.cpu_count(), "dtype": str(dtype).replace("torch.", ""),
@@ -165,6 +170,8 @@ def main():
                   "transformers_s": round(theirs, 4), "dflash_s": round(ours, 4),
                   "dflash_speed_vs_transformers": round(theirs / ours, 2),
                   "dflash_layer_s": [round(t, 5) for t in probe.get("layer_seconds", [])],
+                  "dflash_delta_phases_ms": {str(k): {p: round(v, 3) for p, v in ms.items()}
+                                             for k, ms in phases.items()},
                   "transformers_layer_s": their_layers}
         if a.check:
             from safetensors.torch import load_file

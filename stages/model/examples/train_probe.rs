@@ -19,11 +19,13 @@
 //! value and the gradients of its five inputs, the target's causal attention after a cache) in
 //! bf16 on the device against the composed path in f64 on CPU, one JSON line per tensor.
 //!
-//! `train_probe target FOLDER [--tokens 512] [--repeats 3] [--dump OUT.safetensors]`: a Hugging
+//! `train_probe target FOLDER [--tokens 512] [--repeats 3] [--dump OUT.safetensors] [--phases]`: a Hugging
 //! Face target folder's forward over one sequence of `--tokens` random ids (every layer, no KV
 //! cache: what `train` runs per sequence; f32 on CPU, bf16 on a GPU), timed `--repeats` times
 //! after a warm-up; one JSON line with the median seconds (`bench/hybrid_forward.py` runs
-//! transformers beside it); `--dump` writes every layer's output (`layers`, f32) to compare.
+//! transformers beside it); `--dump` writes every layer's output (`layers`, f32) to compare;
+//! `--phases` then times each Gated DeltaNet layer by phase (mixing, the chunks' operands, the
+//! pass over them, the output), one JSON line per layer.
 //!
 //! `train_probe decode MODEL [--batch 512] [--prompt 300] [--steps 32]`: generate's batched
 //! greedy decoding (`nn::batch::BatchDecoder`, as the candle backend runs it) of a GGUF file or
@@ -904,6 +906,21 @@ fn target_forward(args: &[String]) -> Result<()> {
             "device": if device.is_cuda() { "cuda" } else { "cpu" },
             "seconds": times[times.len() / 2], "all": times, "layer_seconds": layer_s})
     );
+    if args.iter().any(|a| a == "--phases") {
+        // Each Gated DeltaNet layer's time by phase, over an input of the layer's shape.
+        let x = Tensor::randn(0f32, 1.0, (tokens, target.config.hidden), &device)?
+            .to_dtype(target.lm_head.dtype())?;
+        for (layer, phases) in target.delta_phases(&x, repeats)? {
+            let ms: serde_json::Map<String, serde_json::Value> = phases
+                .into_iter()
+                .map(|(p, s)| (p.to_string(), (s * 1e3).into()))
+                .collect();
+            println!(
+                "{}",
+                serde_json::json!({"phase": "delta_phases", "layer": layer, "tokens": tokens, "ms": ms})
+            );
+        }
+    }
     Ok(())
 }
 

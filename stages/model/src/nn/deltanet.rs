@@ -256,13 +256,63 @@ impl DeltaNet {
         state: &DeltaState,
         fused_scan: bool,
     ) -> Result<(Tensor, DeltaState)> {
-        let s = &self.shape;
         let n = x.dim(0)?;
         let m = self.mix(x, state, None)?;
+        let (rows, tails) = self.prepare(&m, n)?;
+        let (o, state_s) = if fused_scan {
+            fused::delta_scan(&rows, &tails, &state.recurrent)?
+        } else {
+            fused::delta_scan_matmuls(&rows, &tails, &state.recurrent)?
+        };
+        let state_s = state_s.contiguous()?;
+        let o = o.narrow(1, 0, n)?;
+        let out = self.finish(&o, &m.z, x.dtype())?;
+        let next = DeltaState {
+            conv: self.conv_after(&m, n)?,
+            recurrent: state_s,
+        };
+        Ok((out, next))
+    }
+
+    /// [`Self::forward`]'s phases over `x` from `state`, each timed with the device
+    /// synchronised after it: mixing (the projections, convolution and norms), preparing the
+    /// chunks' operands, the pass over the chunks, and the gated norm with the output
+    /// projection; seconds each (`train_probe target --phases`, to aim a kernel).
+    pub fn forward_phases(
+        &self,
+        x: &Tensor,
+        state: &DeltaState,
+    ) -> Result<Vec<(&'static str, f64)>> {
+        let n = x.dim(0)?;
+        let device = x.device();
+        let mut times = Vec::with_capacity(4);
+        device.synchronize()?;
+        let mut clock = std::time::Instant::now();
+        let mut lap = |name: &'static str, times: &mut Vec<(&'static str, f64)>| -> Result<()> {
+            device.synchronize()?;
+            times.push((name, clock.elapsed().as_secs_f64()));
+            clock = std::time::Instant::now();
+            Ok(())
+        };
+        let m = self.mix(x, state, None)?;
+        lap("mix", &mut times)?;
+        let (rows, tails) = self.prepare(&m, n)?;
+        lap("prepare", &mut times)?;
+        let (o, _) = fused::delta_scan_matmuls(&rows, &tails, &state.recurrent)?;
+        lap("scan", &mut times)?;
+        self.finish(&o.narrow(1, 0, n)?, &m.z, x.dtype())?;
+        lap("finish", &mut times)?;
+        Ok(times)
+    }
+
+    /// The pass over the chunks' operands, packed chunk-major (`fused::delta_scan`'s layout):
+    /// each chunk's `values | k_decayed | q_decayed | intra` rows and its `k_tail | decay`.
+    fn prepare(&self, m: &Mixed, n: usize) -> Result<(Tensor, Tensor)> {
+        let s = &self.shape;
+        let device = m.q.device();
         let chunks = n.div_ceil(CHUNK);
         let padded = chunks * CHUNK;
         let heads = s.value_heads;
-        let device = x.device();
         // Zero padding at the end: beta 0 writes nothing, g 0 decays nothing, and the padded
         // rows' outputs are dropped.
         let pad = |t: &Tensor| -> Result<Tensor> {
@@ -326,19 +376,7 @@ impl DeltaNet {
         let k_tail = k_tail.transpose(D::Minus1, D::Minus2)?;
         let decays = chunk_decay.broadcast_as((heads, chunks, s.key_dim, 1))?;
         let tails = by_chunk(&Tensor::cat(&[&k_tail, &decays], D::Minus1)?)?;
-        let (o, state_s) = if fused_scan {
-            fused::delta_scan(&rows, &tails, &state.recurrent)?
-        } else {
-            fused::delta_scan_matmuls(&rows, &tails, &state.recurrent)?
-        };
-        let state_s = state_s.contiguous()?;
-        let o = o.narrow(1, 0, n)?;
-        let out = self.finish(&o, &m.z, x.dtype())?;
-        let next = DeltaState {
-            conv: self.conv_after(&m, n)?,
-            recurrent: state_s,
-        };
-        Ok((out, next))
+        Ok((rows, tails))
     }
 
     /// The layer over `x` `[n, H]` after `state`, token by token; the output `[n, H]` and the

@@ -809,6 +809,36 @@ impl Target {
         tapped.ok_or_else(|| candle_core::Error::Msg("no taps asked for".into()))
     }
 
+    /// Each Gated DeltaNet layer's chunked forward over `x` `[n, H]` from a fresh state, in its
+    /// phases ([`DeltaNet::forward_phases`]): per such layer, its index and each phase's
+    /// seconds, the median of `repeats` after a warm-up (`train_probe target --phases`).
+    pub fn delta_phases(
+        &self,
+        x: &Tensor,
+        repeats: usize,
+    ) -> Result<Vec<(usize, Vec<(&'static str, f64)>)>> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let Mixer::Delta(d) = &layer.mixer else {
+                continue;
+            };
+            let state = d.empty_state(x.dtype(), x.device())?;
+            d.forward_phases(x, &state)?;
+            let runs: Vec<Vec<(&'static str, f64)>> = (0..repeats.max(1))
+                .map(|_| d.forward_phases(x, &state))
+                .collect::<Result<_>>()?;
+            let phases = (0..runs[0].len())
+                .map(|p| {
+                    let mut t: Vec<f64> = runs.iter().map(|r| r[p].1).collect();
+                    t.sort_by(f64::total_cmp);
+                    (runs[0][p].0, t[t.len() / 2])
+                })
+                .collect();
+            out.push((i, phases));
+        }
+        Ok(out)
+    }
+
     /// Extend `cache` by `ids` (at the positions after what it holds) and return the next-token
     /// logits at every new position, `[n, vocab]` (f32), and the taps' outputs there when
     /// `taps` is not empty. The caller crops the cache to what it keeps ([`KvCache::truncate`]).
