@@ -30,9 +30,13 @@
 # bench); `reference 4`.
 # The next: `pack-inputs BIN .gpu DRAFTER bench/results/smollm2-h100-expansion/store-small.tar.gz`
 # (DRAFTER: the fifth run's exported drafter, kept outside the repository) so generation is
-# cached and training starts from that drafter; then `run SECONDS --only bench; bring-back`
-# after setting `max_steps:` to what the minutes allow (0.245 s a step on an H100), `reference 6`.
-# DFlash 2 beside it: `--only drafter2`, then `--only bench_dflash2`.
+# cached and training starts from that drafter; `stash` for a, b, d, then c with `setup`, the
+# three measurements the last notes ask for (a minute or two: `verify` — a verification pass
+# against a step; `hybrid 4 2048` — the Gated DeltaNet layers by phase; `decode 512 300 24` with
+# transformers beside it), then `run SECONDS --only bench; bring-back` after setting
+# `max_steps:` to what the minutes allow (0.245 s a step on an H100), `reference 6`. The
+# generate stage's manifest now says where a wave's time goes (`waves`: prefill and step
+# seconds, padding). DFlash 2 beside it: `--only drafter2`, then `--only bench_dflash2`.
 
 set -euo pipefail
 STASH=/tmp/dflash-story
