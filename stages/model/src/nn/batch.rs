@@ -339,6 +339,14 @@ mod tests {
         let sorted: [&[u32]; 4] = [&[5, 9, 2, 7, 1], &[6, 1, 8, 3, 3], &[8, 8, 4, 2], &[7]];
         assert_eq!(like_lengths(&given), vec![0..1, 1..2, 2..3]);
         assert_eq!(like_lengths(&sorted), vec![0..3, 3..4]);
+        // One prompt, and prompts of one length, are one run; a run may grow past a shorter
+        // row while the padding stays within a quarter.
+        assert_eq!(like_lengths(&[&[1, 2][..]]), vec![0..1]);
+        assert_eq!(like_lengths(&[&[1, 2][..], &[3, 4], &[5, 6]]), vec![0..3]);
+        assert_eq!(
+            like_lengths(&[&[1; 8][..], &[2; 7], &[3; 2]]),
+            vec![0..2, 2..3]
+        );
         for (family, qk_norm, prompts) in [
             ("llama", false, &given[..]),
             ("qwen3", true, &given[..]),
