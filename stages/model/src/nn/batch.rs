@@ -4,7 +4,10 @@
 //! in the same cache column and is written in place (`slice_set`) into one preallocated
 //! `[batch, kv_heads, capacity, head_dim]` key and value tensor per layer; a mask hides each
 //! sequence's padding, and each row's rotary position counts from its own first token, so a
-//! sequence's logits are the ones it would get decoded alone.
+//! sequence's logits are the ones it would get decoded alone. The prefill goes in runs of
+//! neighbouring prompts of like length (the caller orders them longest first), each run from
+//! the first column one of its rows uses, so a short prompt does not compute and attend over a
+//! long one's padding.
 //!
 //! Grouped-query heads are multiplied without repeating the keys: the query heads that share a
 //! key/value head are stacked as rows of one matrix against it.
