@@ -177,10 +177,12 @@ async fn copy_blobs(
                 return Ok(Some((false, 0)));
             }
             match from.get_blob(d).await {
+                // `get_blob` checked the bytes against `d`: written under it as they are, not
+                // hashed again (another writer may have created it meanwhile).
                 Ok(bytes) => {
                     let n = bytes.len() as u64;
-                    to.put_blob(bytes).await?;
-                    Ok(Some((true, n)))
+                    let written = to.put_create(&blob_path(d), bytes).await? == Put::Created;
+                    Ok(Some((written, n)))
                 }
                 Err(StoreError::Missing { .. }) => Ok(None),
                 Err(e) => Err(e),

@@ -55,7 +55,8 @@ pub struct WaveShape {
     pub padded_tokens: usize,
     /// Decoding steps after the prefill.
     pub steps: usize,
-    /// Seconds to the first tokens (the prefill), and in the steps after it.
+    /// Seconds to the first tokens (rendering and tokenizing the prompts, then the prefill),
+    /// and in the steps after it.
     pub prefill_s: f64,
     pub decode_s: f64,
 }

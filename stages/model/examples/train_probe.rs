@@ -634,6 +634,15 @@ fn flash(_args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The median of `repeats` measurements by `f` (each returns the time it measured), after one
+/// call to warm up (kernel loading, the memory pool).
+fn median_after_warmup(repeats: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
+    f()?;
+    let mut times: Vec<f64> = (0..repeats.max(1)).map(|_| f()).collect::<Result<_>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
 /// `f`'s result and its milliseconds, run once to warm up (kernel loading, the memory pool) and
 /// once timed, the device synchronised around it.
 fn once_timed<T>(device: &Device, f: impl Fn() -> Result<T>) -> Result<(T, f64)> {
@@ -875,19 +884,16 @@ fn target_forward(args: &[String]) -> Result<()> {
     // Where the forward's time goes by layer: `tapped` runs the layers up to the last tap, so
     // the median time up to layer i, less that up to i - 1, is layer i's (with the embedding
     // in layer 0's). Each layer kind's cost, to set beside the reference's per-layer times.
-    let mut upto = Vec::with_capacity(all.len());
-    for i in 0..all.len() {
-        let once = || -> Result<f64> {
-            let t = Instant::now();
-            let out = target.tapped(&ids, &[i])?;
-            out.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-            Ok(t.elapsed().as_secs_f64())
-        };
-        once()?;
-        let mut ts: Vec<f64> = (0..repeats.max(1)).map(|_| once()).collect::<Result<_>>()?;
-        ts.sort_by(f64::total_cmp);
-        upto.push(ts[ts.len() / 2]);
-    }
+    let upto: Vec<f64> = (0..all.len())
+        .map(|i| {
+            median_after_warmup(repeats, || {
+                let t = Instant::now();
+                let out = target.tapped(&ids, &[i])?;
+                out.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+                Ok(t.elapsed().as_secs_f64())
+            })
+        })
+        .collect::<Result<_>>()?;
     let layer_s: Vec<f64> = upto
         .iter()
         .enumerate()
@@ -992,10 +998,6 @@ fn verify(args: &[String]) -> Result<()> {
     // Five taps spread over the layers, as a drafter's.
     let five: Vec<usize> = (0..5).map(|i| 1 + i * (layers - 4) / 4).collect();
     let on = if device.is_cuda() { "cuda" } else { "cpu" };
-    let median = |mut t: Vec<f64>| -> f64 {
-        t.sort_by(f64::total_cmp);
-        t[t.len() / 2]
-    };
     let argmax = |logits: &Tensor| -> Result<Vec<u32>> {
         Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
     };
@@ -1008,9 +1010,8 @@ fn verify(args: &[String]) -> Result<()> {
             ("extend_taps_ms", &five[..], false),
             ("tree_taps_ms", &five[..], true),
         ] {
-            let mut times = Vec::with_capacity(repeats);
-            // One warm-up, then the timed passes, each after a copy of the same cache.
-            for r in 0..=repeats {
+            // Each pass after a copy of the same cache.
+            let ms = median_after_warmup(repeats, || {
                 let mut cache = base.clone();
                 let t = Instant::now();
                 let (logits, tapped) = if tree {
@@ -1022,11 +1023,9 @@ fn verify(args: &[String]) -> Result<()> {
                 if let Some(t) = tapped {
                     t.device().synchronize()?;
                 }
-                if r > 0 {
-                    times.push(t.elapsed().as_secs_f64() * 1e3);
-                }
-            }
-            row.insert(name.into(), median(times).into());
+                Ok(t.elapsed().as_secs_f64() * 1e3)
+            })?;
+            row.insert(name.into(), ms.into());
         }
         println!(
             "{}",
@@ -1041,8 +1040,7 @@ fn verify(args: &[String]) -> Result<()> {
         let w = dflash_model::nn::ops::Linear::Dense(w);
         for n in [1usize, 2, 4, 8, 16, 32] {
             let x = Tensor::randn(0f32, 1.0, (n, hidden), &device)?.to_dtype(dtype)?;
-            let mut times = Vec::with_capacity(repeats);
-            for r in 0..=repeats {
+            let ms = median_after_warmup(repeats, || {
                 device.synchronize()?;
                 let t = Instant::now();
                 // Ten in a row, so the launch and the kernel are timed, not the synchronisation.
@@ -1050,14 +1048,12 @@ fn verify(args: &[String]) -> Result<()> {
                     w.forward(&x)?;
                 }
                 device.synchronize()?;
-                if r > 0 {
-                    times.push(t.elapsed().as_secs_f64() * 1e3 / 10.0);
-                }
-            }
+                Ok(t.elapsed().as_secs_f64() * 1e3 / 10.0)
+            })?;
             println!(
                 "{}",
                 serde_json::json!({"phase": "verify_matmul", "device": on, "dtype": format!("{dtype:?}"),
-                    "n": n, "in": hidden, "out": width, "ms": median(times)})
+                    "n": n, "in": hidden, "out": width, "ms": ms})
             );
         }
     }

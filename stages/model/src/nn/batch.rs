@@ -110,7 +110,7 @@ impl<'t> BatchDecoder<'t> {
             alone: None,
             prefilled: 0,
         };
-        // Groups of neighbouring rows of like length are prefilled apart, each from the first
+        // Runs of neighbouring rows of like length are prefilled apart, each from the first
         // column any of its rows uses: a short prompt beside a long one would otherwise compute
         // (and attend over) every padding column up to the long one's length.
         let mut logits = Vec::new();

@@ -246,27 +246,34 @@ impl DeltaNet {
     /// ([`fused::delta_scan`], one block per head and 32 value columns) took 4.7
     /// (`train_probe fused`), so the kernel stays a checked alternative, not the path.
     pub fn forward(&self, x: &Tensor, state: &DeltaState) -> Result<(Tensor, DeltaState)> {
-        self.chunked(x, state, false)
+        self.chunked(x, state, false, &mut |_| Ok(()))
     }
 
-    /// [`Self::forward`], the pass over the chunks fused or as matmuls per chunk.
+    /// [`Self::forward`], the pass over the chunks fused or as matmuls per chunk; `lap` is told
+    /// as each phase ends (mixing, preparing the chunks' operands, the pass over them, the gated
+    /// norm with the output projection).
     fn chunked(
         &self,
         x: &Tensor,
         state: &DeltaState,
         fused_scan: bool,
+        lap: &mut dyn FnMut(&'static str) -> Result<()>,
     ) -> Result<(Tensor, DeltaState)> {
         let n = x.dim(0)?;
         let m = self.mix(x, state, None)?;
+        lap("mix")?;
         let (rows, tails) = self.prepare(&m, n)?;
+        lap("prepare")?;
         let (o, state_s) = if fused_scan {
             fused::delta_scan(&rows, &tails, &state.recurrent)?
         } else {
             fused::delta_scan_matmuls(&rows, &tails, &state.recurrent)?
         };
+        lap("scan")?;
         let state_s = state_s.contiguous()?;
         let o = o.narrow(1, 0, n)?;
         let out = self.finish(&o, &m.z, x.dtype())?;
+        lap("finish")?;
         let next = DeltaState {
             conv: self.conv_after(&m, n)?,
             recurrent: state_s,
@@ -283,25 +290,16 @@ impl DeltaNet {
         x: &Tensor,
         state: &DeltaState,
     ) -> Result<Vec<(&'static str, f64)>> {
-        let n = x.dim(0)?;
         let device = x.device();
         let mut times = Vec::with_capacity(4);
         device.synchronize()?;
         let mut clock = std::time::Instant::now();
-        let mut lap = |name: &'static str, times: &mut Vec<(&'static str, f64)>| -> Result<()> {
+        self.chunked(x, state, false, &mut |phase| {
             device.synchronize()?;
-            times.push((name, clock.elapsed().as_secs_f64()));
+            times.push((phase, clock.elapsed().as_secs_f64()));
             clock = std::time::Instant::now();
             Ok(())
-        };
-        let m = self.mix(x, state, None)?;
-        lap("mix", &mut times)?;
-        let (rows, tails) = self.prepare(&m, n)?;
-        lap("prepare", &mut times)?;
-        let (o, _) = fused::delta_scan_matmuls(&rows, &tails, &state.recurrent)?;
-        lap("scan", &mut times)?;
-        self.finish(&o.narrow(1, 0, n)?, &m.z, x.dtype())?;
-        lap("finish", &mut times)?;
+        })?;
         Ok(times)
     }
 
@@ -366,8 +364,8 @@ impl DeltaNet {
         let last = cum.narrow(2, CHUNK - 1, 1)?;
         let k_tail = k.broadcast_mul(&last.broadcast_sub(&cum)?.exp()?.unsqueeze(D::Minus1)?)?;
         let chunk_decay = last.exp()?.unsqueeze(D::Minus1)?;
-        // The pass over the chunks from its operands packed chunk-major (`fused::delta_scan`'s
-        // layout): one kernel on a GPU, matmuls per chunk on CPU.
+        // Packed chunk-major, so each chunk's operands are one contiguous slice for the matmuls
+        // per chunk (and the layout `fused::delta_scan` reads).
         let by_chunk = |t: &Tensor| t.transpose(0, 1)?.contiguous();
         let rows = by_chunk(&Tensor::cat(
             &[&values, &k_decayed, &q_decayed, &intra],
@@ -583,8 +581,8 @@ mod tests {
         for state in [&fresh, &carried] {
             for n in [1, 64, 70, 150] {
                 let x = x.narrow(0, 0, n).unwrap();
-                let (want, want_state) = d.chunked(&x, state, false).unwrap();
-                let (got, got_state) = d.chunked(&x, state, true).unwrap();
+                let (want, want_state) = d.chunked(&x, state, false, &mut |_| Ok(())).unwrap();
+                let (got, got_state) = d.chunked(&x, state, true, &mut |_| Ok(())).unwrap();
                 assert_eq!(got.dims(), want.dims());
                 assert!(
                     max_diff(&got, &want) < 1e-5,
