@@ -26,7 +26,7 @@
 #     artifacts (`dflash copy --max-file-bytes 4M`) under $OUT, so they land on this machine.
 # The last session's calls (README "The fifth run"): `stash`; `stash`; `stash; setup; run 495
 # --only bench; bring-back` (the expansion generated, training cut by the call's limit); `run 555
-# --only bench; bring-back` (training from the start again: the first try stopped before its first checkpoint; then the
+# --only bench; bring-back` (training from the start again: by its 39.6 s the first try stopped before its first checkpoint; then the
 # bench); `reference 4`.
 # The next: `pack-inputs BIN .gpu DRAFTER bench/results/smollm2-h100-expansion/store-small.tar.gz`
 # (DRAFTER: the fifth run's exported drafter, kept outside the repository) so generation is
