@@ -47,6 +47,11 @@ shift || true
 # starting from the last run's drafter (`init:`) when `pack-inputs` was given one. Written next to the stash (paths in it are
 # relative to the repository root, where every command runs); its path is printed.
 story_pipeline() {
+    # PIPE=pipelines/smollm2-bench.yaml: bench the stash's drafter (INIT) alone.
+    if [ -n "${PIPE:-}" ]; then
+        echo "$PIPE"
+        return
+    fi
     if [ -f $STASH/assets/smollm2-drafter/config.json ]; then
         sed -e "s|      draft_layers: 3|      init: .assets/smollm2-drafter\n      draft_layers: 3|" \
             -e "s|head: dflash2, draft_layers: 3|head: dflash2, init: .assets/smollm2-drafter, draft_layers: 3|" \

@@ -437,10 +437,16 @@ impl Linear {
     /// `x @ W^T` over the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            // A few rows (a decoding step): `W @ x^T` streams the weights once, where `x @ W^T`
-            // has the matmul pack all of the transposed weights first.
+            // A few rows on the CPU (a decoding step): `W @ x^T` streams the weights once, where
+            // `x @ W^T` has the matmul pack all of the transposed weights first. cuBLAS reads a
+            // transposed operand as it is, and there the product's transpose back would cost a
+            // strided copy per projection (15 us each on an H100 in a verification pass, more
+            // than the matmul): one row needs none (its transpose is already contiguous).
             Self::Dense(w) => match x.dims() {
-                [n, _] if *n <= FEW_ROWS => w.matmul(&x.t()?)?.t()?.contiguous(),
+                [1, _] => w.matmul(&x.t()?)?.t()?.contiguous(),
+                [n, _] if *n <= FEW_ROWS && !x.device().is_cuda() => {
+                    w.matmul(&x.t()?)?.t()?.contiguous()
+                }
                 [_, _] => super::fused::linear(x, w),
                 _ => x.broadcast_matmul(&w.t()?),
             },

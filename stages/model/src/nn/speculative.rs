@@ -36,7 +36,7 @@ pub enum Proposer<'a> {
     DrafterTree {
         /// The drafter.
         drafter: &'a Drafter,
-        /// Candidates per position.
+        /// Candidates per position (at most [`super::fused::TOP_K_MAX`]; more are not used).
         width: usize,
         /// Nodes per tree, the root (the round's first token) included.
         budget: usize,
@@ -374,19 +374,22 @@ fn propose_top(
     width: usize,
 ) -> Result<Vec<Vec<(u32, f32)>>> {
     let (_, logits) = block_logits(target, d, ctx, anchor, at)?;
-    let logits = logits.narrow(0, 0, room.min(logits.dim(0)?))?;
-    let probs: Vec<Vec<f32>> =
-        candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?.to_vec2()?;
-    Ok(probs
-        .iter()
-        .map(|p| {
-            let mut order: Vec<u32> = (0..p.len() as u32).collect();
-            let w = width.clamp(1, p.len());
-            order.select_nth_unstable_by(w - 1, |&a, &b| p[b as usize].total_cmp(&p[a as usize]));
-            order.truncate(w);
-            order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]));
-            order.into_iter().map(|t| (t, p[t as usize])).collect()
-        })
+    let logits = logits
+        .narrow(0, 0, room.min(logits.dim(0)?))?
+        .to_dtype(DType::F32)?;
+    let probs = candle_nn::ops::softmax_last_dim(&logits)?;
+    // The candidates picked where the logits are, in one top-k pass: only `rows x w` numbers
+    // cross to the host. Copying `rows x vocab` probabilities and selecting on the host made a
+    // tree round's proposing 4.3 ms on an H100 where the chain's, whose argmax runs on the
+    // device, took 2.3.
+    let w = width.clamp(1, logits.dim(1)?.min(super::fused::TOP_K_MAX));
+    let picked_on_device = super::fused::top_k(&logits, w)?;
+    let picked: Vec<Vec<u32>> = picked_on_device.to_vec2()?;
+    let p: Vec<Vec<f32>> = probs.gather(&picked_on_device, 1)?.to_vec2()?;
+    Ok(picked
+        .into_iter()
+        .zip(p)
+        .map(|(t, p)| t.into_iter().zip(p).collect())
         .collect())
 }
 
