@@ -457,6 +457,45 @@ fn fused(_args: &[String]) -> Result<()> {
                 "device": format!("{device:?}"), "rows": want.len(), "rows_differing": differ})
         );
     }
+    // The strided copy a decoding pass makes of its heads (SmolLM2's 9 heads of 64 over 32
+    // rows, transposed; a cache of 3 heads cut to 300 of 332 positions): the kernel against
+    // candle's copy of the same view on the device (exact), and both times (ten in a row).
+    let rows32 = init.normal(&[32, 9 * 64], 1.0, DType::F32, &cpu)?;
+    let cache = init.normal(&[3, 332, 64], 1.0, DType::F32, &cpu)?;
+    for dtype in [DType::F32, DType::BF16] {
+        let heads = rows32
+            .to_dtype(dtype)?
+            .to_device(&device)?
+            .reshape((32, 9, 64))?
+            .transpose(0, 1)?;
+        let cut = cache
+            .to_dtype(dtype)?
+            .to_device(&device)?
+            .narrow(1, 0, 300)?;
+        for (name, view) in [("heads", &heads), ("cache_cut", &cut)] {
+            // Ten in a row after a warm-up, synchronised at the ends only: the launches and any
+            // uploads as a decoding pass meets them.
+            let ten = |f: &dyn Fn() -> Result<Tensor>| -> Result<(Tensor, f64)> {
+                f()?;
+                device.synchronize()?;
+                let t = Instant::now();
+                let mut last = f()?;
+                for _ in 1..10 {
+                    last = f()?;
+                }
+                device.synchronize()?;
+                Ok((last, t.elapsed().as_secs_f64() * 1e3 / 10.0))
+            };
+            let (got, ms) = ten(&|| Ok(fused::strided_copy3(view)?))?;
+            let (want, ms_candle) = ten(&|| Ok(view.contiguous()?))?;
+            println!(
+                "{}",
+                serde_json::json!({"phase": "fused", "check": format!("strided_copy3_{name}"), "dtype": format!("{dtype:?}"),
+                    "device": format!("{device:?}"), "max_abs_diff": worst(&got.to_device(&cpu)?, &want.to_device(&cpu)?)?,
+                    "ms": ms, "ms_candle": ms_candle})
+            );
+        }
+    }
     // A Gated DeltaNet layer's causal convolution with its SiLU at Qwen3.5-27B's channels over
     // 2,048 tokens: the device's against the CPU's, and its time against the composed taps it
     // replaced (a cast to f32, a multiply and an add per tap, the SiLU).

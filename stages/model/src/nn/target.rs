@@ -14,6 +14,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::Result;
 use super::deltanet::{DeltaNet, DeltaShape, DeltaState};
+use super::fused::contiguous3;
 use super::ops::Linear;
 
 /// GGUF targets whose f32 weights would take less than this are dequantized at load.
@@ -1048,21 +1049,21 @@ impl Target {
         let mut attended = Vec::with_capacity(seqs.len());
         for (s, (at, n, past, cos, sin, mask)) in seqs.iter_mut().zip(rows) {
             let (at, n) = (*at, *n);
+            // Into heads `[count, n, head_dim]`: a strided copy when n > 1, in one launch
+            // with its strides as arguments on a GPU (`fused::contiguous3`).
             let heads = |t: &Tensor, count: usize| -> Result<Tensor> {
-                t.narrow(0, at, n)?
-                    .reshape((n, count, c.head_dim))?
-                    .transpose(0, 1)?
-                    .contiguous()
+                contiguous3(
+                    &t.narrow(0, at, n)?
+                        .reshape((n, count, c.head_dim))?
+                        .transpose(0, 1)?,
+                )
             };
             // A gated layer's projection holds each head's query, then its gate.
             let (mut q, gate) = if a.gated {
                 let both = q_all
                     .narrow(0, at, n)?
                     .reshape((n, c.heads, 2 * c.head_dim))?;
-                let q = both
-                    .narrow(2, 0, c.head_dim)?
-                    .transpose(0, 1)?
-                    .contiguous()?;
+                let q = contiguous3(&both.narrow(2, 0, c.head_dim)?.transpose(0, 1)?)?;
                 let gate = both
                     .narrow(2, c.head_dim, c.head_dim)?
                     .reshape((n, c.heads * c.head_dim))?;
@@ -1093,7 +1094,7 @@ impl Target {
                 if rotary == c.head_dim {
                     return rope_all(t);
                 }
-                let turned = rope_all(&t.narrow(2, 0, rotary)?.contiguous()?)?;
+                let turned = rope_all(&contiguous3(&t.narrow(2, 0, rotary)?)?)?;
                 Tensor::cat(&[&turned, &t.narrow(2, rotary, c.head_dim - rotary)?], 2)?.contiguous()
             };
             let (q, mut k) = (rope(&q)?, rope(&k)?);
@@ -1106,7 +1107,7 @@ impl Target {
                 *slot = Some(Slot::Kv(k.clone(), v.clone()));
             }
             let o = super::ops::causal_attention(&q, &k, &v, *past, mask.as_ref())?;
-            let o = o.transpose(0, 1)?.reshape((n, c.heads * c.head_dim))?;
+            let o = contiguous3(&o.transpose(0, 1)?)?.reshape((n, c.heads * c.head_dim))?;
             attended.push(match gate {
                 Some(g) => (o * candle_nn::ops::sigmoid(&g)?)?,
                 None => o,
@@ -1406,10 +1407,15 @@ impl KvCache {
         let keep: Vec<u32> = (0..past as u32)
             .chain(path.iter().map(|&i| (past + i) as u32))
             .collect();
+        // One upload of the kept positions for every layer (a host-to-device copy each).
+        let mut at: Option<Tensor> = None;
         for slot in self.layers.iter_mut().flatten() {
             match slot {
                 Slot::Kv(k, v) => {
-                    let at = Tensor::new(keep.as_slice(), k.device())?;
+                    let at = match &at {
+                        Some(t) => t.clone(),
+                        None => at.insert(Tensor::new(keep.as_slice(), k.device())?).clone(),
+                    };
                     *slot = Slot::Kv(k.index_select(&at, 1)?, v.index_select(&at, 1)?);
                 }
                 Slot::DeltaTree {
@@ -1448,7 +1454,19 @@ impl KvCache {
         }
         for slot in self.layers.iter_mut().flatten() {
             match slot {
-                Slot::Kv(k, v) => *slot = Slot::Kv(k.narrow(1, 0, len)?, v.narrow(1, 0, len)?),
+                Slot::Kv(k, v) => {
+                    // On a GPU copied here in one launch: the next pass appends to it, and
+                    // candle's append of a view uploads its strides first.
+                    let cut = |t: &Tensor| -> Result<Tensor> {
+                        let t = t.narrow(1, 0, len)?;
+                        if t.device().is_cuda() {
+                            contiguous3(&t)
+                        } else {
+                            Ok(t)
+                        }
+                    };
+                    *slot = Slot::Kv(cut(k)?, cut(v)?);
+                }
                 Slot::DeltaTree { .. } => candle_core::bail!(
                     "the last pass was a tree: keep one path of it (`keep_path`), then crop"
                 ),

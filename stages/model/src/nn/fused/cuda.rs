@@ -540,3 +540,40 @@ pub fn rms_norm_dw(x: Arg<'_>, dy: Arg<'_>, eps: f32) -> Result<(CudaStorage, us
         Ok((stored(dev, partial), chunks))
     })
 }
+
+/// A 3-D view `src` (any strides, any start) copied into a contiguous `[d0, d1, d2]`.
+pub fn strided_copy3(src: Arg<'_>) -> Result<CudaStorage> {
+    by_type!(src.0.dtype(), "strided-copy3", |T| {
+        let dev = src.0.device();
+        let l = src.1;
+        let (&[d0, d1, d2], &[s0, s1, s2]) = (l.dims(), l.stride()) else {
+            bail!("strided-copy3: a {}-D view", l.dims().len());
+        };
+        let n = d0 * d1 * d2;
+        // The view's furthest element, so the kernel's reads stay inside the slice below.
+        let reach = l.start_offset()
+            + [(d0, s0), (d1, s1), (d2, s2)]
+                .iter()
+                .map(|&(d, s)| d.saturating_sub(1) * s)
+                .sum::<usize>();
+        let whole = src.0.as_cuda_slice::<T>()?;
+        if n == 0 || reach >= whole.len() {
+            bail!(
+                "strided-copy3: a view past its storage ({reach} of {})",
+                whole.len()
+            );
+        }
+        let from = whole.slice(l.start_offset()..reach + 1);
+        let out = fresh::<T>(dev, n)?;
+        let (d1_32, d2_32) = (d1 as u32, d2 as u32);
+        // Reads the view's n elements (all within `from`), writes all n.
+        launch!(
+            dev,
+            "strided_copy3",
+            T,
+            elementwise(n),
+            [&from, &out, &n, &d1_32, &d2_32, &s0, &s1, &s2]
+        );
+        Ok(stored(dev, out))
+    })
+}

@@ -366,6 +366,17 @@ __device__ void scatter_add_rows(const T* grad, const uint32_t* ids, T* table, s
     }
 }
 
+// out[a, b, c] = src[a * s0 + b * s1 + c * s2] over a `d0 x d1 x d2` view (any transpose or
+// narrowing of a 3-D tensor), one thread per output element: an exact copy.
+template <typename T>
+__device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint32_t d2, size_t s0,
+                              size_t s1, size_t s2) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t c = i % d2, b = (i / d2) % d1, a = i / ((size_t)d1 * d2);
+        out[i] = src[a * s0 + b * s1 + c * s2];
+    }
+}
+
 }  // namespace
 
 #define FOR_TYPES(X) X(f32, float) X(bf16, __nv_bfloat16)
@@ -442,6 +453,10 @@ __device__ void scatter_add_rows(const T* grad, const uint32_t* ids, T* table, s
     extern "C" __global__ void scatter_add_rows_##NAME(const T* g, const uint32_t* ids, T* t, size_t n, \
                                                        uint32_t r, uint32_t rows) {                    \
         scatter_add_rows(g, ids, t, n, r, rows);                                                       \
+    }                                                                                                  \
+    extern "C" __global__ void strided_copy3_##NAME(const T* src, T* out, size_t n, uint32_t d1,          \
+                                                    uint32_t d2, size_t s0, size_t s1, size_t s2) {    \
+        strided_copy3(src, out, n, d1, d2, s0, s1, s2);                                                \
     }
 
 FOR_TYPES(KERNELS)

@@ -430,3 +430,50 @@ fn the_chunked_head_loss_is_the_whole_one() {
         "{e}"
     );
 }
+
+/// The strided copy's index arithmetic (the CUDA kernel's, element for element) gives candle's
+/// own copy of every 3-D view the decoding pass makes: rows split into heads (a narrowed range
+/// of rows, transposed), heads merged back, a key cache cut short (narrowed along the middle).
+#[test]
+fn a_strided_copy_of_a_view_is_candles_copy() {
+    let cpu = Device::Cpu;
+    let rows = Tensor::arange(0f32, 7.0 * 6.0 * 4.0, &cpu)
+        .unwrap()
+        .reshape((7, 24))
+        .unwrap();
+    let views = [
+        // Rows 2..5 of a pass, as [heads, rows, head_dim].
+        rows.narrow(0, 2, 3)
+            .unwrap()
+            .reshape((3, 6, 4))
+            .unwrap()
+            .transpose(0, 1)
+            .unwrap(),
+        // [heads, rows, head_dim] back to [rows, heads, head_dim].
+        rows.reshape((6, 7, 4)).unwrap().transpose(0, 1).unwrap(),
+        // A cache [kv, positions, head_dim] cut to its first 5 positions.
+        rows.reshape((3, 14, 4)).unwrap().narrow(1, 0, 5).unwrap(),
+    ];
+    for (i, v) in views.iter().enumerate() {
+        assert!(!v.is_contiguous(), "view {i} is a view");
+        let got = strided_copy3(v).unwrap();
+        assert!(got.is_contiguous());
+        assert_eq!(got.dims(), v.dims());
+        assert_eq!(
+            got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            v.contiguous()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            "view {i}"
+        );
+    }
+    // Other ranks are refused, not misread.
+    let e = strided_copy3(&rows.t().unwrap()).unwrap_err();
+    assert!(e.to_string().contains("a 2-D view"), "{e}");
+    // On the CPU the hot path is candle's copy.
+    let same = contiguous3(&views[0]).unwrap();
+    assert_eq!(same.dims(), views[0].dims());
+}

@@ -1,0 +1,55 @@
+//! A 3-D view (a transpose or a narrowing of a 3-D tensor) made contiguous in one launch.
+//!
+//! candle copies a non-contiguous layout with a kernel that reads the layout's dims and strides
+//! from device memory, uploaded from the host before every such copy. In a decoding round that
+//! is a host-to-device transfer per reshape (the queries, keys and values into heads and the
+//! heads back, in each layer) where the kernel itself moves a few kilobytes. Here the dims and
+//! strides are the kernel's arguments. The copy is exact, so every device gives candle's values.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Layout, Tensor, WithDType, bail};
+
+use super::Result;
+
+/// `t` contiguous. A 3-D view on a GPU takes one launch with its strides as arguments; anything
+/// else (CPU, other ranks, already contiguous, a tensor in a graph) goes through candle.
+pub fn contiguous3(t: &Tensor) -> Result<Tensor> {
+    if t.is_contiguous() || t.rank() != 3 || !t.device().is_cuda() || t.track_op() {
+        return t.contiguous();
+    }
+    t.apply_op1_no_bwd(&StridedCopy3 {})
+}
+
+fused_op! {
+    /// A 3-D view copied into a contiguous tensor.
+    StridedCopy3 {} = "strided-copy3", inputs(x);
+    cpu(_op) => Ok((strided_copy3_cpu(x.0, x.1)?, x.1.shape().clone()));
+    cuda(_op) => Ok((super::cuda::strided_copy3(x)?, x.1.shape().clone()));
+}
+
+/// The CPU form, the kernel's index arithmetic element for element (what the tests check
+/// against candle's own copy).
+fn strided_copy3_cpu(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
+    fn go<T: WithDType>(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
+        let src = s.as_slice::<T>()?;
+        let (&[d0, d1, d2], &[s0, s1, s2]) = (l.dims(), l.stride()) else {
+            bail!("strided-copy3: a {}-D view", l.dims().len());
+        };
+        let mut out = Vec::with_capacity(d0 * d1 * d2);
+        for i in 0..d0 * d1 * d2 {
+            let (c, b, a) = (i % d2, (i / d2) % d1, i / (d1 * d2));
+            let at = l.start_offset() + a * s0 + b * s1 + c * s2;
+            out.push(*src.get(at).ok_or_else(|| {
+                candle_core::Error::Msg(format!("strided-copy3: element {at} past the storage"))
+            })?);
+        }
+        Ok(T::to_cpu_storage_owned(out))
+    }
+    by_float!(s.dtype(), "strided-copy3", go(s, l))
+}
+
+/// The op itself on any device (no fallback): what the tests and the GPU check (`train_probe
+/// fused`) hold to candle's copy.
+pub fn strided_copy3(t: &Tensor) -> Result<Tensor> {
+    t.apply_op1_no_bwd(&StridedCopy3 {})
+}
