@@ -286,6 +286,69 @@ fn tree_verification_runs_beside_the_chain_and_is_lossless() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("tree_budget"));
 }
 
+/// A drafter trained elsewhere, as `dflash export` writes it (a `drafter/` folder), benches
+/// through a `command` stage that copies it into the store (`pipelines/smollm2-bench.yaml`'s
+/// way): the figures its `train` artifact gave (on this tiny random target the drafter is
+/// rarely accepted, so that is a weak check; the method existing at all is the strong one),
+/// and another drafter in the folder is another key.
+#[test]
+fn an_exported_drafter_benches_from_a_command_stage_as_from_its_train_stage() {
+    let env = Env::new();
+    setup(&env);
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["bench"], "ran");
+    let o = env.dflash(&["export", "trained", "-p", "p.yaml", "exported"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    env.write(
+        "q.yaml",
+        r#"
+name: imported
+stages:
+  prompts:
+    kind: command
+    params: {run: "cp train-00000.arrow $DFLASH_OUT/ && cp served/tokenize.json $DFLASH_OUT/",
+             files: [train-00000.arrow, served/tokenize.json]}
+  imported:
+    kind: command
+    params: {run: 'mkdir -p "$DFLASH_OUT/drafter" && cp exported/drafter/config.json exported/drafter/model.safetensors "$DFLASH_OUT/drafter/"',
+             files: [exported/drafter/config.json, exported/drafter/model.safetensors]}
+  bench:
+    kind: bench
+    inputs: [imported, prompts]
+    params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24}
+"#,
+    );
+    let (st, _) = env.run("q.yaml", 0);
+    assert_eq!(st["prompts"], "cached");
+    assert_eq!(st["bench"], "ran");
+    let from_train =
+        env.show("bench", "p.yaml")["stats"]["sets"]["prompts"]["methods"]["trained"].clone();
+    let imported =
+        env.show("bench", "q.yaml")["stats"]["sets"]["prompts"]["methods"]["imported"].clone();
+    for figure in ["tau", "acceptance", "identical"] {
+        assert!(!imported[figure].is_null(), "{figure}: {imported}");
+        assert_eq!(
+            imported[figure], from_train[figure],
+            "{figure}: {imported} vs {from_train}"
+        );
+    }
+    // The untrained drafter's weights in the same folder: the import and the bench rerun.
+    let o = env.dflash(&["export", "untrained", "-p", "p.yaml", "other"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::copy(
+        env.path().join("other/drafter/model.safetensors"),
+        env.path().join("exported/drafter/model.safetensors"),
+    )
+    .unwrap();
+    let o = env.dflash(&["plan", "q.yaml"]);
+    let plan = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        plan.lines()
+            .any(|l| l.contains("imported") && l.starts_with("pending")),
+        "{plan}"
+    );
+}
+
 #[test]
 fn endpoint_mode_compares_running_servers_with_and_without_speculation() {
     let model = support::hub::assets().join("SmolLM2-135M-Instruct.Q4_1.gguf");
