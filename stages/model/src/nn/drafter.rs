@@ -13,6 +13,7 @@ use rand_distr::Distribution;
 
 use super::Result;
 use super::dflash2::{self, Dflash2Config};
+use super::fused::contiguous3;
 use super::ops::{self, BlockMask, Linear};
 use super::target::TargetConfig;
 
@@ -384,17 +385,23 @@ impl Drafter {
         let k = self
             .lin(&p("self_attn.k_proj.weight"), x.dtype())?
             .forward(x)?;
-        let k = ops::rms_norm(
-            &k.reshape((s, c.kv_heads, c.head_dim))?,
-            self.w(&p("self_attn.k_norm.weight")),
-            c.eps,
-        )?
-        .transpose(0, 1)?;
-        let v = self
-            .lin(&p("self_attn.v_proj.weight"), x.dtype())?
-            .forward(x)?
-            .reshape((s, c.kv_heads, c.head_dim))?
-            .transpose(0, 1)?;
+        // Into heads with `contiguous3`: on a GPU, when decoding, one launch with the strides
+        // as arguments (in training the tensors are tracked and candle copies them).
+        let k = contiguous3(
+            &ops::rms_norm(
+                &k.reshape((s, c.kv_heads, c.head_dim))?,
+                self.w(&p("self_attn.k_norm.weight")),
+                c.eps,
+            )?
+            .transpose(0, 1)?,
+        )?;
+        let v = contiguous3(
+            &self
+                .lin(&p("self_attn.v_proj.weight"), x.dtype())?
+                .forward(x)?
+                .reshape((s, c.kv_heads, c.head_dim))?
+                .transpose(0, 1)?,
+        )?;
         Ok((ops::rope(&k, cos, sin)?, v))
     }
 
@@ -465,12 +472,14 @@ impl Drafter {
             let q = self
                 .lin(&p("self_attn.q_proj.weight"), dtype)?
                 .forward(&h)?;
-            let q = ops::rms_norm(
-                &q.reshape((m, c.heads, c.head_dim))?,
-                self.w(&p("self_attn.q_norm.weight")),
-                c.eps,
-            )?
-            .transpose(0, 1)?;
+            let q = contiguous3(
+                &ops::rms_norm(
+                    &q.reshape((m, c.heads, c.head_dim))?,
+                    self.w(&p("self_attn.q_norm.weight")),
+                    c.eps,
+                )?
+                .transpose(0, 1)?,
+            )?;
             let q = ops::rope(&q, &cos, &sin)?;
             let (bk, bv) = self.kv(&h, m, &p, &cos, &sin)?;
             let a = ops::packed_block_attention(
@@ -480,7 +489,7 @@ impl Drafter {
                 c.block_size,
                 masks,
             )?;
-            let a = a.transpose(0, 1)?.reshape((m, c.heads * c.head_dim))?;
+            let a = contiguous3(&a.transpose(0, 1)?)?.reshape((m, c.heads * c.head_dim))?;
             let a = self
                 .lin(&p("self_attn.o_proj.weight"), dtype)?
                 .forward(&a)?;
