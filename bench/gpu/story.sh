@@ -24,19 +24,19 @@
 #     seconds left, and trains (the value it chose goes to $OUT: commit it to the pipeline);
 #   - `bring-back` exports the drafters and the bench results and keeps the store's whole small
 #     artifacts (`dflash copy --max-file-bytes 4M`) under $OUT, so they land on this machine.
-# The last session's calls (README "The fifth run"): `stash`; `stash`; `stash; setup; run 495
-# --only bench; bring-back` (the expansion generated, training cut by the call's limit); `run 555
-# --only bench; bring-back` (training from the start again: by its 39.6 s the first try stopped before its first checkpoint; then the
-# bench); `reference 4`.
+# The last session's calls (README "The sixth run"): `stash` x3; `stash; setup; verify; hybrid 4
+# 2048; decode 512 300 24`; `run 430 --only drafter; bring-back` (1,400 more steps from the fifth
+# run's drafter); `run 280 --only bench; bring-back`; then a rebuilt binary: `stash` x3, `stash;
+# setup; PIPE=pipelines/smollm2-bench.yaml run 330; bring-back; verify; reference 4`, and the
+# 64-node tree's bench.
 # The next: `pack-inputs BIN .gpu DRAFTER bench/results/smollm2-h100-expansion/store-small.tar.gz`
-# (DRAFTER: the fifth run's exported drafter, kept outside the repository) so generation is
-# cached and training starts from that drafter; `stash` for a, b, d, then c with `setup`, the
-# three measurements the last notes ask for (a minute or two: `verify` — a verification pass
-# against a step; `hybrid 4 2048` — the Gated DeltaNet layers by phase; `decode 512 300 24` with
-# transformers beside it), then `run SECONDS --only bench; bring-back` after setting
-# `max_steps:` to what the minutes allow (0.245 s a step on an H100), `reference 6`. The
-# generate stage's manifest now says where a wave's time goes (`waves`: prefill and step
-# seconds, padding). DFlash 2 beside it: `--only drafter2`, then `--only bench_dflash2`.
+# with DRAFTER the sixth run's export (kept outside the repository, .assets/smollm2-drafter-h100-2800);
+# `stash` for a, b, d, then c with `setup`, `probe fused | grep strided` and `verify` (the heads'
+# copies now one launch with their strides as arguments: a pass over 2-64 tokens against a step),
+# `PIPE=pipelines/smollm2-bench.yaml run SECONDS` (the same drafter, the new binary: its round
+# against the sixth run's `bench-12-tree64`), then training or the full sets with what is left.
+# PIPE=pipelines/smollm2-bench.yaml benches the stash's drafter (INIT) alone: a `command` stage
+# copies it into the store, so a drafter trained in one call (or session) is benched in another.
 
 set -euo pipefail
 STASH=/tmp/dflash-story
