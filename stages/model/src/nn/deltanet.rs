@@ -262,12 +262,13 @@ impl DeltaNet {
         let n = x.dim(0)?;
         let m = self.mix(x, state, None)?;
         lap("mix")?;
-        let (rows, tails) = self.prepare(&m, n)?;
+        let operands = self.prepare(&m, n)?;
         lap("prepare")?;
         let (o, state_s) = if fused_scan {
+            let (rows, tails) = operands.packed()?;
             fused::delta_scan(&rows, &tails, &state.recurrent)?
         } else {
-            fused::delta_scan_matmuls(&rows, &tails, &state.recurrent)?
+            fused::delta_scan_chunks(&operands, &state.recurrent)?
         };
         lap("scan")?;
         let state_s = state_s.contiguous()?;
@@ -303,9 +304,10 @@ impl DeltaNet {
         Ok(times)
     }
 
-    /// The pass over the chunks' operands, packed chunk-major (`fused::delta_scan`'s layout):
-    /// each chunk's `values | k_decayed | q_decayed | intra` rows and its `k_tail | decay`.
-    fn prepare(&self, m: &Mixed, n: usize) -> Result<(Tensor, Tensor)> {
+    /// The chunks' operands for the pass over them, heads first ([`fused::ChunkOperands`]),
+    /// computed where they lie: no packing, no strided copies but `values`' (each chunk's
+    /// slice of the matmuls' operands is read through its strides).
+    fn prepare(&self, m: &Mixed, n: usize) -> Result<fused::ChunkOperands> {
         let s = &self.shape;
         let device = m.q.device();
         let chunks = n.div_ceil(CHUNK);
@@ -340,14 +342,14 @@ impl DeltaNet {
         let decay = diff.minimum(0f32)?.exp()?.broadcast_mul(&lower)?;
         let k_beta = k.broadcast_mul(&beta)?;
         let v_beta = v.broadcast_mul(&beta)?;
-        let kt = k.transpose(D::Minus1, D::Minus2)?.contiguous()?;
+        // `k` transposed as a view: the matmuls read it through its strides.
+        let kt = k.transpose(D::Minus1, D::Minus2)?;
         let a = (k_beta.matmul(&kt)? * &decay)?.broadcast_mul(&strictly_lower)?;
         let cum_exp = cum.exp()?.unsqueeze(D::Minus1)?;
         // (I + A) X = [v_beta | k_beta * exp(cum)], A strictly lower triangular, so nilpotent
         // (A^CHUNK = 0) and (I + A)^-1 = sum of (-A)^j = (I - A)(I + A^2)(I + A^4)...: five
         // squarings and five products of 64 x 64 matrices for every chunk and head at once, where
         // forward substitution took 64 dependent row steps (each a few launches on a GPU).
-        let rhs = Tensor::cat(&[&v_beta, &k_beta.broadcast_mul(&cum_exp)?], D::Minus1)?;
         let mut power = a.neg()?;
         let mut inverse = power.broadcast_add(&Tensor::eye(CHUNK, DType::F32, device)?)?;
         let mut span = 2;
@@ -356,25 +358,26 @@ impl DeltaNet {
             inverse = (&inverse + inverse.matmul(&power)?)?;
             span *= 2;
         }
-        let solved = inverse.matmul(&rhs)?;
-        let values = solved.narrow(3, 0, s.value_dim)?;
-        let k_decayed = solved.narrow(3, s.value_dim, s.key_dim)?;
+        // The two right-hand sides solved apart: each result whole, not a part of a wider one.
+        // `values` chunk-major underneath, since the pass subtracts from each chunk's slice.
+        let values = inverse
+            .matmul(&v_beta)?
+            .transpose(0, 1)?
+            .contiguous()?
+            .transpose(0, 1)?;
+        let k_decayed = inverse.matmul(&k_beta.broadcast_mul(&cum_exp)?)?;
         let q_decayed = q.broadcast_mul(&cum_exp)?;
         let intra = (q.matmul(&kt)? * &decay)?;
         let last = cum.narrow(2, CHUNK - 1, 1)?;
         let k_tail = k.broadcast_mul(&last.broadcast_sub(&cum)?.exp()?.unsqueeze(D::Minus1)?)?;
-        let chunk_decay = last.exp()?.unsqueeze(D::Minus1)?;
-        // Packed chunk-major, so each chunk's operands are one contiguous slice for the matmuls
-        // per chunk (and the layout `fused::delta_scan` reads).
-        let by_chunk = |t: &Tensor| t.transpose(0, 1)?.contiguous();
-        let rows = by_chunk(&Tensor::cat(
-            &[&values, &k_decayed, &q_decayed, &intra],
-            D::Minus1,
-        )?)?;
-        let k_tail = k_tail.transpose(D::Minus1, D::Minus2)?;
-        let decays = chunk_decay.broadcast_as((heads, chunks, s.key_dim, 1))?;
-        let tails = by_chunk(&Tensor::cat(&[&k_tail, &decays], D::Minus1)?)?;
-        Ok((rows, tails))
+        Ok(fused::ChunkOperands {
+            values,
+            k_decayed,
+            q_decayed,
+            intra,
+            k_tail,
+            decay: last.exp()?.unsqueeze(D::Minus1)?,
+        })
     }
 
     /// The layer over `x` `[n, H]` after `state`, token by token; the output `[n, H]` and the

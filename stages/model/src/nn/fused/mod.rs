@@ -270,7 +270,7 @@ mod topk;
 pub use adamw::{AdamStep, adamw_update, sum_squares};
 pub use conv::causal_conv_silu;
 pub use copy::{contiguous3, strided_copy3};
-pub use scan::{delta_scan, delta_scan_matmuls};
+pub use scan::{ChunkOperands, delta_scan, delta_scan_chunks, delta_scan_matmuls};
 
 /// Set a device up for training and decoding before anything is allocated on it: on a GPU, the
 /// memory pool keeps freed memory for reuse and buffers are not tracked with events (one

@@ -44,35 +44,85 @@ pub fn delta_scan(rows: &Tensor, tails: &Tensor, state: &Tensor) -> Result<(Tens
     ))
 }
 
-/// The same pass from the same operands as candle matmuls, a few per chunk: what CPU runs (its
-/// matmuls beat the reference form's loops there), and what the kernel is timed against.
+/// The chunks' operands, heads first: `values`, `k_decayed`, `q_decayed` `[heads, chunks, L, d]`,
+/// `intra` `[heads, chunks, L, L]`, `k_tail` `[heads, chunks, L, dk]` (used transposed) and
+/// `decay` `[heads, chunks, 1, 1]`, f32. Views are fine: each chunk's slice of a matmul's operand
+/// is read through its strides. `values` is best chunk-major underneath (its slices contiguous),
+/// since a subtraction reads it.
+pub struct ChunkOperands {
+    /// Each chunk's new values before the state's part is taken off.
+    pub values: Tensor,
+    /// What multiplies the state to give the state's part of the values.
+    pub k_decayed: Tensor,
+    /// The queries decayed from each chunk's start.
+    pub q_decayed: Tensor,
+    /// The masked, decayed query-key products within each chunk.
+    pub intra: Tensor,
+    /// The keys decayed to each chunk's end.
+    pub k_tail: Tensor,
+    /// The decay over each whole chunk.
+    pub decay: Tensor,
+}
+
+impl ChunkOperands {
+    /// Packed for [`delta_scan`] (module docs: `rows`, `tails`).
+    pub fn packed(&self) -> Result<(Tensor, Tensor)> {
+        let by_chunk = |t: &Tensor| t.transpose(0, 1)?.contiguous();
+        let rows = by_chunk(&Tensor::cat(
+            &[&self.values, &self.k_decayed, &self.q_decayed, &self.intra],
+            3,
+        )?)?;
+        let (heads, chunks, _, dk) = self.k_tail.dims4()?;
+        let decays = self.decay.broadcast_as((heads, chunks, dk, 1))?;
+        let tails = by_chunk(&Tensor::cat(&[&self.k_tail.transpose(2, 3)?, &decays], 3)?)?;
+        Ok((rows, tails))
+    }
+
+    /// Unpacked from [`delta_scan`]'s operands.
+    pub fn unpacked(rows: &Tensor, tails: &Tensor, s: ScanShape) -> Result<Self> {
+        let ScanShape {
+            chunk: l, dk, dv, ..
+        } = s;
+        // Each part chunk-major and contiguous, seen heads first.
+        let part = |t: &Tensor, from: usize, width: usize| {
+            t.narrow(3, from, width)?.contiguous()?.transpose(0, 1)
+        };
+        Ok(Self {
+            values: part(rows, 0, dv)?,
+            k_decayed: part(rows, dv, dk)?,
+            q_decayed: part(rows, dv + dk, dk)?,
+            intra: part(rows, dv + 2 * dk, l)?,
+            k_tail: part(tails, 0, l)?.transpose(2, 3)?,
+            decay: part(&tails.narrow(2, 0, 1)?, l, 1)?,
+        })
+    }
+}
+
+/// The pass as candle matmuls, a few per chunk, on operands as [`ChunkOperands`] holds them:
+/// what the forward runs on every device (on an H100 they beat the one-kernel walk), the same
+/// outputs as [`delta_scan`].
+pub fn delta_scan_chunks(ops: &ChunkOperands, state: &Tensor) -> Result<(Tensor, Tensor)> {
+    let chunks = ops.values.dim(1)?;
+    let at = |t: &Tensor, c: usize| t.narrow(1, c, 1)?.squeeze(1);
+    let mut st = state.clone();
+    let mut outs = Vec::with_capacity(chunks);
+    for c in 0..chunks {
+        let v_new = (at(&ops.values, c)? - at(&ops.k_decayed, c)?.matmul(&st)?)?;
+        outs.push((at(&ops.q_decayed, c)?.matmul(&st)? + at(&ops.intra, c)?.matmul(&v_new)?)?);
+        st = (st.broadcast_mul(&at(&ops.decay, c)?)? + at(&ops.k_tail, c)?.t()?.matmul(&v_new)?)?;
+    }
+    Ok((Tensor::cat(&outs, 1)?, st))
+}
+
+/// [`delta_scan_chunks`] from [`delta_scan`]'s packed operands: what the kernel is timed and
+/// checked against.
 pub fn delta_scan_matmuls(
     rows: &Tensor,
     tails: &Tensor,
     state: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    let ScanShape {
-        chunks,
-        chunk: l,
-        dk,
-        dv,
-        ..
-    } = checked(rows, tails, state)?;
-    let part = |t: &Tensor, dim: usize, from: usize, width: usize| {
-        t.narrow(dim, from, width)?.contiguous()
-    };
-    let (values, k_decayed) = (part(rows, 3, 0, dv)?, part(rows, 3, dv, dk)?);
-    let (q_decayed, intra) = (part(rows, 3, dv + dk, dk)?, part(rows, 3, dv + 2 * dk, l)?);
-    let k_tail = part(tails, 3, 0, l)?;
-    let decay = part(&tails.narrow(2, 0, 1)?, 3, l, 1)?;
-    let mut st = state.clone();
-    let mut outs = Vec::with_capacity(chunks);
-    for c in 0..chunks {
-        let v_new = (values.get(c)? - k_decayed.get(c)?.matmul(&st)?)?;
-        outs.push((q_decayed.get(c)?.matmul(&st)? + intra.get(c)?.matmul(&v_new)?)?);
-        st = (st.broadcast_mul(&decay.get(c)?)? + k_tail.get(c)?.matmul(&v_new)?)?;
-    }
-    Ok((Tensor::cat(&outs, 1)?, st))
+    let shape = checked(rows, tails, state)?;
+    delta_scan_chunks(&ChunkOperands::unpacked(rows, tails, shape)?, state)
 }
 
 /// The pass's sizes, once the operands are seen to fit each other (f32).
