@@ -272,12 +272,14 @@ verify)
 reference)
     # There, after `bring-back`: the exported drafter in z-lab's reference implementation
     # (dflash==0.1.0) against the target as a transformers model, on the first N prompts of
-    # each set that bench decoded; its figures go to $OUT/reference_check.txt.
+    # each set that bench decoded, and its speed beside ours (`--speed`: the reference's
+    # autoregressive form times the baseline, as its own harness does); its figures go to
+    # $OUT/reference_check.txt.
     cuda_env
     export PYTHONPATH=$STASH/site${PYTHONPATH:+:$PYTHONPATH}
     [ -d $STASH/hf ] || python3 tests/support/gguf_to_hf.py .assets/SmolLM2-135M-Instruct.Q4_1.gguf $STASH/hf
     python3 bench/reference_check.py $STASH/hf /tmp/back/drafter/drafter /tmp/back/bench \
-        --limit "${1:-6}" --stop 2 2>&1 | tee "$OUT/reference_check.txt"
+        --limit "${1:-6}" --stop 2 --speed 2>&1 | tee "$OUT/reference_check.txt"
     ;;
 dflash)
     cuda_env
