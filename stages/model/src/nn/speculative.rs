@@ -494,14 +494,19 @@ fn walk(
     rng: &mut rand_chacha::ChaCha8Rng,
 ) -> Result<(Vec<usize>, u32)> {
     let mut path = vec![0usize];
+    // Greedy: every node's choice in one pass and one copy to the host (not one per step).
+    let greedy: Option<Vec<u32>> = if temperature <= 0.0 {
+        Some(logits.argmax(D::Minus1)?.to_vec1()?)
+    } else {
+        None
+    };
     loop {
         let node = *path.last().expect("the root");
-        let row = logits.narrow(0, node, 1)?;
-        let choice = if temperature <= 0.0 {
-            row.argmax(D::Minus1)?.to_vec1::<u32>()?[0]
+        let choice = if let Some(best) = &greedy {
+            best[node]
         } else {
-            let probs =
-                candle_nn::ops::softmax_last_dim(&(row.to_dtype(DType::F32)? / temperature)?)?;
+            let row = logits.narrow(0, node, 1)?.to_dtype(DType::F32)?;
+            let probs = candle_nn::ops::softmax_last_dim(&(row / temperature)?)?;
             let p: Vec<f32> = probs.squeeze(0)?.to_vec1()?;
             sample(&p, rng)
         };
