@@ -383,13 +383,24 @@ fn propose_top(
     // tree round's proposing 4.3 ms on an H100 where the chain's, whose argmax runs on the
     // device, took 2.3.
     let w = width.clamp(1, logits.dim(1)?.min(super::fused::TOP_K_MAX));
-    let picked_on_device = super::fused::top_k(&logits, w)?;
-    let picked: Vec<Vec<u32>> = picked_on_device.to_vec2()?;
-    let p: Vec<Vec<f32>> = probs.gather(&picked_on_device, 1)?.to_vec2()?;
-    Ok(picked
-        .into_iter()
-        .zip(p)
-        .map(|(t, p)| t.into_iter().zip(p).collect())
+    let picked = super::fused::top_k(&logits, w)?;
+    // Tokens and their probabilities side by side, one copy (token ids below 2^24 are exact
+    // in f32).
+    let both: Vec<Vec<f32>> = Tensor::cat(
+        &[&picked.to_dtype(DType::F32)?, &probs.gather(&picked, 1)?],
+        1,
+    )?
+    .to_vec2()?;
+    Ok(both
+        .iter()
+        .map(|row| {
+            let (tokens, p) = row.split_at(w);
+            tokens
+                .iter()
+                .map(|&t| t as u32)
+                .zip(p.iter().copied())
+                .collect()
+        })
         .collect())
 }
 
