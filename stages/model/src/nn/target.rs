@@ -1095,7 +1095,8 @@ impl Target {
                     return rope_all(t);
                 }
                 let turned = rope_all(&contiguous3(&t.narrow(2, 0, rotary)?)?)?;
-                Tensor::cat(&[&turned, &t.narrow(2, rotary, c.head_dim - rotary)?], 2)?.contiguous()
+                let passed = contiguous3(&t.narrow(2, rotary, c.head_dim - rotary)?)?;
+                Tensor::cat(&[&turned, &passed], 2)
             };
             let (q, mut k) = (rope(&q)?, rope(&k)?);
             if let Some(cache) = s.cache.as_mut() {
@@ -1407,7 +1408,8 @@ impl KvCache {
         let keep: Vec<u32> = (0..past as u32)
             .chain(path.iter().map(|&i| (past + i) as u32))
             .collect();
-        // One upload of the kept positions for every layer (a host-to-device copy each).
+        // The kept positions uploaded once for all the layers (each upload is a host-to-device
+        // copy).
         let mut at: Option<Tensor> = None;
         for slot in self.layers.iter_mut().flatten() {
             match slot {
