@@ -106,8 +106,8 @@ impl StageKind for BenchKind {
             Param::new("prompt_format", ParamType::Map(Box::new(ParamType::Str)), "per prompt set, how each user turn is asked: a preset of z-lab's benchmark harness (humaneval, gsm8k, math) or a template holding {prompt}, e.g. {humaneval: humaneval, gsm8k: gsm8k}; sets not named are asked as they are").default(json!({})),
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where the in-process decoding runs (`auto`: GPU 0 when this build and machine have one); every method runs on it").default("auto"),
             Param::new("verify", ParamType::Enum(&["chain", "tree", "both"]), "how a drafter's block is verified: `chain` (its likeliest token per position), `tree` (a tree of its likeliest tokens per position, one target pass over all of it, the longest path the target agrees with committed; method `<drafter>+tree`), or `both` side by side").default("chain"),
-            Param::new("tree_width", int(), "tree verification: candidates per block position (at most 32)").default(4).between(1.0, 32.0),
-            Param::new("tree_budget", int(), "tree verification: nodes per tree, the round's first token included (the target pass's width)").default(32).at_least(2.0),
+            Param::new("tree_width", int(), "tree verification: candidates per block position (at most 32)").default(8).between(1.0, 32.0),
+            Param::new("tree_budget", int(), "tree verification: nodes per tree, the round's first token included (the target pass's width)").default(64).at_least(2.0),
         ]
     }
 
