@@ -11,10 +11,17 @@ use candle_core::{CpuStorage, DType, Layout, Tensor, WithDType, bail};
 
 use super::Result;
 
-/// `t` contiguous. A 3-D view on a GPU takes one launch with its strides as arguments; anything
-/// else (CPU, other ranks, already contiguous, a tensor in a graph) goes through candle.
+/// `t` contiguous. A 3-D f32 or bf16 view on a GPU takes one launch with its strides as
+/// arguments; anything else (CPU, other ranks or dtypes, empty, already contiguous, a tensor in a
+/// graph) goes through candle.
 pub fn contiguous3(t: &Tensor) -> Result<Tensor> {
-    if t.is_contiguous() || t.rank() != 3 || !t.device().is_cuda() || t.track_op() {
+    let kernel = t.device().is_cuda()
+        && t.rank() == 3
+        && matches!(t.dtype(), DType::F32 | DType::BF16)
+        && t.elem_count() > 0
+        && !t.is_contiguous()
+        && !t.track_op();
+    if !kernel {
         return t.contiguous();
     }
     t.apply_op1_no_bwd(&StridedCopy3 {})

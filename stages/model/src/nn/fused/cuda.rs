@@ -557,7 +557,10 @@ pub fn strided_copy3(src: Arg<'_>) -> Result<CudaStorage> {
                 .map(|&(d, s)| d.saturating_sub(1) * s)
                 .sum::<usize>();
         let whole = src.0.as_cuda_slice::<T>()?;
-        if n == 0 || reach >= whole.len() {
+        if n == 0 {
+            bail!("strided-copy3: an empty view");
+        }
+        if reach >= whole.len() {
             bail!(
                 "strided-copy3: a view past its storage ({reach} of {})",
                 whole.len()
