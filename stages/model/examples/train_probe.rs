@@ -473,19 +473,7 @@ fn fused(_args: &[String]) -> Result<()> {
             .to_device(&device)?
             .narrow(1, 0, 300)?;
         for (name, view) in [("heads", &heads), ("cache_cut", &cut)] {
-            // Ten in a row after a warm-up, synchronised at the ends only: the launches and any
-            // uploads as a decoding pass meets them.
-            let ten = |f: &dyn Fn() -> Result<Tensor>| -> Result<(Tensor, f64)> {
-                f()?;
-                device.synchronize()?;
-                let t = Instant::now();
-                let mut last = f()?;
-                for _ in 1..10 {
-                    last = f()?;
-                }
-                device.synchronize()?;
-                Ok((last, t.elapsed().as_secs_f64() * 1e3 / 10.0))
-            };
+            let ten = |f: &dyn Fn() -> Result<Tensor>| ten_in_a_row(&device, f);
             let (got, ms) = ten(&|| Ok(fused::strided_copy3(view)?))?;
             let (want, ms_candle) = ten(&|| Ok(view.contiguous()?))?;
             println!(
@@ -496,6 +484,24 @@ fn fused(_args: &[String]) -> Result<()> {
             );
         }
     }
+    // The Gated DeltaNet state times each head's chunk decay (48 heads of 128 x 128): the kernel
+    // against the broadcast product on the device (exact), and both times, ten in a row.
+    let st = init
+        .normal(&[48, 128, 128], 1.0, DType::F32, &cpu)?
+        .to_device(&device)?;
+    let decay = init
+        .normal(&[48], 0.1, DType::F32, &cpu)?
+        .exp()?
+        .to_device(&device)?;
+    let ten = |f: &dyn Fn() -> Result<Tensor>| ten_in_a_row(&device, f);
+    let (got, ms) = ten(&|| Ok(fused::scale_by_head_kernel(&st, &decay)?))?;
+    let (want, ms_candle) = ten(&|| Ok(st.broadcast_mul(&decay.reshape((48, 1, 1))?)?))?;
+    println!(
+        "{}",
+        serde_json::json!({"phase": "fused", "check": "scale_by_head", "dtype": "F32",
+            "device": format!("{device:?}"), "max_abs_diff": worst(&got.to_device(&cpu)?, &want.to_device(&cpu)?)?,
+            "ms": ms, "ms_candle": ms_candle})
+    );
     // A Gated DeltaNet layer's causal convolution with its SiLU at Qwen3.5-27B's channels over
     // 2,048 tokens: the device's against the CPU's, and its time against the composed taps it
     // replaced (a cast to f32, a multiply and an add per tap, the SiLU).
@@ -684,6 +690,21 @@ fn median_after_warmup(repeats: usize, mut f: impl FnMut() -> Result<f64>) -> Re
 
 /// `f`'s result and its milliseconds, run once to warm up (kernel loading, the memory pool) and
 /// once timed, the device synchronised around it.
+/// The last output and the mean milliseconds of `f` over ten runs in a row after a warm-up,
+/// the device synchronised at the ends only: the launches and any uploads as a decoding pass
+/// meets them.
+fn ten_in_a_row(device: &Device, f: &dyn Fn() -> Result<Tensor>) -> Result<(Tensor, f64)> {
+    f()?;
+    device.synchronize()?;
+    let t = Instant::now();
+    let mut last = f()?;
+    for _ in 1..10 {
+        last = f()?;
+    }
+    device.synchronize()?;
+    Ok((last, t.elapsed().as_secs_f64() * 1e3 / 10.0))
+}
+
 fn once_timed<T>(device: &Device, f: impl Fn() -> Result<T>) -> Result<(T, f64)> {
     f()?;
     device.synchronize()?;

@@ -376,7 +376,8 @@ impl DeltaNet {
             q_decayed,
             intra,
             k_tail,
-            decay: last.exp()?.unsqueeze(D::Minus1)?,
+            // Chunk-major, so each chunk's decays are one contiguous row.
+            decay: last.exp()?.squeeze(2)?.t()?.contiguous()?,
         })
     }
 

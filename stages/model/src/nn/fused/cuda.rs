@@ -580,3 +580,24 @@ pub fn strided_copy3(src: Arg<'_>) -> Result<CudaStorage> {
         Ok(stored(dev, out))
     })
 }
+
+/// Each head's `per` elements of `x` times that head's entry of `s`.
+pub fn scale_by_head(x: Arg<'_>, s: Arg<'_>) -> Result<CudaStorage> {
+    by_type!(x.0.dtype(), "scale-by-head", |T| {
+        let dev = x.0.device();
+        let n = x.1.shape().elem_count();
+        let heads = s.1.shape().elem_count();
+        let per = n / heads.max(1);
+        let (xs, ss) = (view::<T>(x)?, view::<T>(s)?);
+        let out = fresh::<T>(dev, n)?;
+        // Reads n elements and `heads` scales, writes n.
+        launch!(
+            dev,
+            "scale_by_head",
+            T,
+            elementwise(n),
+            [&xs, &ss, &out, &n, &per]
+        );
+        Ok(stored(dev, out))
+    })
+}

@@ -366,6 +366,15 @@ __device__ void scatter_add_rows(const T* grad, const uint32_t* ids, T* table, s
     }
 }
 
+// out[i] = x[i] * s[i / per]: each head's `per` elements times its own scale (the chunked
+// Gated DeltaNet's state times its chunk's decay), one thread per element.
+template <typename T>
+__device__ void scale_by_head(const T* x, const T* s, T* out, size_t n, size_t per) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        store(out, i, load(x, i) * load(s, i / per));
+    }
+}
+
 // out[a, b, c] = src[a * s0 + b * s1 + c * s2] over a `d0 x d1 x d2` view (any transpose or
 // narrowing of a 3-D tensor), one thread per output element: an exact copy.
 template <typename T>
@@ -457,6 +466,10 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     extern "C" __global__ void strided_copy3_##NAME(const T* src, T* out, size_t n, uint32_t d1,          \
                                                     uint32_t d2, size_t s0, size_t s1, size_t s2) {    \
         strided_copy3(src, out, n, d1, d2, s0, s1, s2);                                                \
+    }                                                                                                  \
+    extern "C" __global__ void scale_by_head_##NAME(const T* x, const T* s, T* out, size_t n,             \
+                                                    size_t per) {                                      \
+        scale_by_head(x, s, out, n, per);                                                              \
     }
 
 FOR_TYPES(KERNELS)

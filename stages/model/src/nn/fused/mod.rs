@@ -27,6 +27,7 @@
 //! | `CausalConvSilu` (`conv.rs`) | a Gated DeltaNet layer's causal depthwise convolution and SiLU, f32 out | yes | `causal_conv_silu` | none (the target is frozen) |
 //! | `DeltaScan` (`scan.rs`) | the chunked Gated DeltaNet's pass over its chunks (the state carried across); checked, off the forward's path: 4.7 ms on an H100 where the matmuls per chunk take 2.9 | yes (the reference) | `delta_scan` | none (the target is frozen) |
 //! | `StridedCopy3` (`copy.rs`) | a 3-D view (transposed, narrowed) made contiguous, its strides kernel arguments (candle uploads them before each copy) | yes | `strided_copy3` | none (decoding) |
+//! | `ScaleByHead` (`scan.rs`) | each head's elements times its scale (the Gated DeltaNet state times its chunk's decay, without a broadcast) | yes | `scale_by_head` | none (the target is frozen) |
 //! | flash attention ([`flash`]) | causal and block attention | no (composed ops) | `flash.cu`, bf16 | its own kernels |
 //! | `AttentionNode`, `LinearNode` (`nodes.rs`) | untracked forward, written-out backward | yes | yes | written out |
 //!
@@ -270,7 +271,10 @@ mod topk;
 pub use adamw::{AdamStep, adamw_update, sum_squares};
 pub use conv::causal_conv_silu;
 pub use copy::{contiguous3, strided_copy3};
-pub use scan::{ChunkOperands, delta_scan, delta_scan_chunks, delta_scan_matmuls};
+pub use scan::{
+    ChunkOperands, delta_scan, delta_scan_chunks, delta_scan_matmuls, scale_by_head,
+    scale_by_head_kernel,
+};
 
 /// Set a device up for training and decoding before anything is allocated on it: on a GPU, the
 /// memory pool keeps freed memory for reuse and buffers are not tracked with events (one

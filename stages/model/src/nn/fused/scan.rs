@@ -13,6 +13,7 @@
 //! chunk `[heads, dk, dv]`. The output `[heads, chunks L + dk, dv]` holds every chunk's rows,
 //! then the state after the last chunk.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Tensor, bail};
 use rayon::prelude::*;
 
@@ -45,10 +46,12 @@ pub fn delta_scan(rows: &Tensor, tails: &Tensor, state: &Tensor) -> Result<(Tens
 }
 
 /// The chunks' operands, heads first: `values`, `k_decayed`, `q_decayed` `[heads, chunks, L, d]`,
-/// `intra` `[heads, chunks, L, L]`, `k_tail` `[heads, chunks, L, dk]` (used transposed) and
-/// `decay` `[heads, chunks, 1, 1]`, f32. Views are fine: each chunk's slice of a matmul's operand
-/// is read through its strides. `values` is best chunk-major underneath (its slices contiguous),
-/// since a subtraction reads it.
+/// `intra` `[heads, chunks, L, L]`, `k_tail` `[heads, chunks, L, dk]` (used transposed), f32;
+/// and `decay` `[chunks, heads]`, contiguous. Views are fine for the matmuls' operands: each
+/// chunk's slice is read through its strides. `values` is best chunk-major underneath (its
+/// slices contiguous), since a subtraction reads it: on a GPU, an elementwise op on a view (or a
+/// broadcast) uploads its layout first, and the upload waits for the queued work, so the loop
+/// over the chunks has none.
 pub struct ChunkOperands {
     /// Each chunk's new values before the state's part is taken off.
     pub values: Tensor,
@@ -73,7 +76,11 @@ impl ChunkOperands {
             3,
         )?)?;
         let (heads, chunks, _, dk) = self.k_tail.dims4()?;
-        let decays = self.decay.broadcast_as((heads, chunks, dk, 1))?;
+        let decays = self
+            .decay
+            .t()?
+            .reshape((heads, chunks, 1, 1))?
+            .broadcast_as((heads, chunks, dk, 1))?;
         let tails = by_chunk(&Tensor::cat(&[&self.k_tail.transpose(2, 3)?, &decays], 3)?)?;
         Ok((rows, tails))
     }
@@ -93,7 +100,11 @@ impl ChunkOperands {
             q_decayed: part(rows, dv + dk, dk)?,
             intra: part(rows, dv + 2 * dk, l)?,
             k_tail: part(tails, 0, l)?.transpose(2, 3)?,
-            decay: part(&tails.narrow(2, 0, 1)?, l, 1)?,
+            decay: tails
+                .narrow(2, 0, 1)?
+                .narrow(3, l, 1)?
+                .contiguous()?
+                .reshape((s.chunks, s.heads))?,
         })
     }
 }
@@ -109,9 +120,60 @@ pub fn delta_scan_chunks(ops: &ChunkOperands, state: &Tensor) -> Result<(Tensor,
     for c in 0..chunks {
         let v_new = (at(&ops.values, c)? - at(&ops.k_decayed, c)?.matmul(&st)?)?;
         outs.push((at(&ops.q_decayed, c)?.matmul(&st)? + at(&ops.intra, c)?.matmul(&v_new)?)?);
-        st = (st.broadcast_mul(&at(&ops.decay, c)?)? + at(&ops.k_tail, c)?.t()?.matmul(&v_new)?)?;
+        st =
+            (scale_by_head(&st, &ops.decay.get(c)?)? + at(&ops.k_tail, c)?.t()?.matmul(&v_new)?)?;
     }
     Ok((Tensor::cat(&outs, 1)?, st))
+}
+
+/// `x` `[heads, ...]` with each head's elements times its entry of `s` `[heads]`: on a GPU one
+/// launch without a broadcast (see [`ChunkOperands`]), elsewhere candle's broadcast product (the
+/// same products).
+pub fn scale_by_head(x: &Tensor, s: &Tensor) -> Result<Tensor> {
+    if !x.device().is_cuda() {
+        let mut shape = vec![1; x.rank()];
+        shape[0] = s.elem_count();
+        return x.broadcast_mul(&s.reshape(shape)?);
+    }
+    scale_by_head_kernel(x, s)
+}
+
+/// [`scale_by_head`]'s op on any device (the CPU form is the kernel's arithmetic): what the
+/// tests and the GPU check (`train_probe fused`) hold to the broadcast product.
+pub fn scale_by_head_kernel(x: &Tensor, s: &Tensor) -> Result<Tensor> {
+    let heads = x.dim(0)?;
+    if s.dims() != [heads] || s.dtype() != x.dtype() {
+        bail!(
+            "scale_by_head: x {:?} ({:?}) by s {:?} ({:?})",
+            x.dims(),
+            x.dtype(),
+            s.dims(),
+            s.dtype()
+        );
+    }
+    x.contiguous()?
+        .apply_op2_no_bwd(&s.contiguous()?, &ScaleByHead {})
+}
+
+fused_op! {
+    /// Each head's elements times its scale.
+    ScaleByHead {} = "scale-by-head", inputs(x, s);
+    cpu(_op) => Ok((scale_by_head_cpu(x, s)?, x.1.shape().clone()));
+    cuda(_op) => Ok((super::cuda::scale_by_head(x, s)?, x.1.shape().clone()));
+}
+
+fn scale_by_head_cpu(x: CpuArg<'_>, s: CpuArg<'_>) -> Result<CpuStorage> {
+    fn go<T: candle_core::WithDType>(x: CpuArg<'_>, s: CpuArg<'_>) -> Result<CpuStorage> {
+        let (x, s) = (cpu::<T>(x.0, x.1)?, cpu::<T>(s.0, s.1)?);
+        let per = (x.len() / s.len().max(1)).max(1);
+        let out: Vec<T> = x
+            .chunks(per)
+            .zip(s)
+            .flat_map(|(row, &k)| row.iter().map(move |&v| v * k))
+            .collect();
+        Ok(T::to_cpu_storage_owned(out))
+    }
+    by_float!(x.0.dtype(), "scale-by-head", go(x, s))
 }
 
 /// [`delta_scan_chunks`] from [`delta_scan`]'s packed operands: what the kernel is timed and

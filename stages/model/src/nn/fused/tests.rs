@@ -477,3 +477,17 @@ fn a_strided_copy_of_a_view_is_candles_copy() {
     let same = contiguous3(&views[0]).unwrap();
     assert_eq!(same.dims(), views[0].dims());
 }
+
+/// Each head's elements times its own scale: the products `broadcast_mul` gives, bit for bit;
+/// a scale per head or nothing.
+#[test]
+fn scaling_by_head_is_the_broadcast_product() {
+    let cpu = Device::Cpu;
+    let x = randn(&[5, 3, 4], 3).to_dtype(DType::F32).unwrap();
+    let s = randn(&[5], 4).to_dtype(DType::F32).unwrap();
+    let got = scale_by_head_kernel(&x, &s).unwrap();
+    let want = x.broadcast_mul(&s.reshape((5, 1, 1)).unwrap()).unwrap();
+    assert_eq!(max_diff(&got, &want), 0.0);
+    let e = scale_by_head_kernel(&x, &Tensor::ones(4, DType::F32, &cpu).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("scale_by_head"), "{e}");
+}
