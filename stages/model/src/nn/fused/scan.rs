@@ -49,9 +49,9 @@ pub fn delta_scan(rows: &Tensor, tails: &Tensor, state: &Tensor) -> Result<(Tens
 /// `intra` `[heads, chunks, L, L]`, `k_tail` `[heads, chunks, L, dk]` (used transposed), f32;
 /// and `decay` `[chunks, heads]`, contiguous. Views are fine for the matmuls' operands: each
 /// chunk's slice is read through its strides. `values` is best chunk-major underneath (its
-/// slices contiguous), since a subtraction reads it: on a GPU, an elementwise op on a view (or a
-/// broadcast) uploads its layout first, and the upload waits for the queued work, so the loop
-/// over the chunks has none.
+/// slices contiguous), since a subtraction reads it: on a GPU, candle's elementwise op on a view
+/// (or a broadcast) first copies its layout from pageable host memory, which the driver may
+/// serialise with the queued work, so the loop over the chunks has none.
 pub struct ChunkOperands {
     /// Each chunk's new values before the state's part is taken off.
     pub values: Tensor,
