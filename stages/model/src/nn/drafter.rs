@@ -968,4 +968,28 @@ pub(crate) mod tests {
             assert!(crate::nn::testing::max_diff(a, &b) < 1e-12, "tensor {i}");
         }
     }
+
+    /// A decoding round's block (one block seeing its whole context) through plain attention
+    /// gives what the blocks' general form gives.
+    #[test]
+    fn a_block_seeing_its_whole_context_is_plain_attention() {
+        let cpu = Device::Cpu;
+        let mut init = Init::new(5);
+        let (heads, kv, s, b, d) = (6, 2, 9, 4, 8);
+        let q = init.normal(&[heads, b, d], 1.0, DType::F32, &cpu).unwrap();
+        let t =
+            |n: usize, init: &mut Init| init.normal(&[kv, n, d], 1.0, DType::F32, &cpu).unwrap();
+        let (ck, cv, bk, bv) = (
+            t(s, &mut init),
+            t(s, &mut init),
+            t(b, &mut init),
+            t(b, &mut init),
+        );
+        let mask = BlockMask::new(vec![s as u32], s, b);
+        let want = ops::block_attention(&q, (&ck, &cv), (&bk, &bv), b, &mask).unwrap();
+        let got = ops::single_block_attention(&q, (&ck, &cv), (&bk, &bv)).unwrap();
+        assert_eq!(got.dims(), want.dims());
+        let diff = crate::nn::testing::max_diff(&got, &want);
+        assert!(diff < 1e-5, "{diff}");
+    }
 }

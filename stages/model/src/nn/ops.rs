@@ -204,6 +204,15 @@ pub fn block_attention(
         let saved = super::fused::Saved::LogSumExp { lse, seen };
         return super::fused::attention_node(q, (ck, cv), (bk, bv), out, saved);
     }
+    // A decoding round on a GPU without flash attention (f32): one block that sees all of its
+    // context is plain attention.
+    if !tracked
+        && q.device().is_cuda()
+        && mask.seen.len() == 1
+        && mask.seen[0] as usize == geometry.s
+    {
+        return single_block_attention(q, (ck, cv), (bk, bv));
+    }
     // Contiguous operands: cuBLAS takes no other batched layout (candle's CPU matmul does).
     let plain = |t: &Tensor| t.detach().contiguous();
     let additive = mask.additive(q.dtype(), q.device())?;
@@ -218,6 +227,22 @@ pub fn block_attention(
     }
     let saved = super::fused::Saved::Probs { probs, geometry };
     super::fused::attention_node(q, (ck, cv), (bk, bv), out, saved)
+}
+
+/// [`block_attention`] for one block that sees all of its context (a decoding round's): plain
+/// attention over the context's keys and values, then the block's, nothing masked. The
+/// general form regroups heads and blocks with 4- and 5-D strided copies, each a layout that
+/// candle uploads before copying on a GPU; here the keys and values are two appends and the
+/// attention two matmuls and one softmax. The same maths (`a_block_seeing_its_whole_context_is_plain_attention`).
+pub fn single_block_attention(
+    q: &Tensor,
+    (ck, cv): (&Tensor, &Tensor),
+    (bk, bv): (&Tensor, &Tensor),
+) -> Result<Tensor> {
+    let k = Tensor::cat(&[ck, bk], 1)?;
+    let v = Tensor::cat(&[cv, bv], 1)?;
+    let open = Tensor::zeros((q.dim(1)?, k.dim(1)?), q.dtype(), q.device())?;
+    attention(&q.contiguous()?, &k, &v, &open)
 }
 
 /// [`block_attention`] over sequences packed one after another: `masks[i]` says sequence i's
