@@ -228,7 +228,7 @@ fn a_bench_is_sized_from_its_prompts_methods_and_target() {
         &["bench.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
     );
     let b = stage(&e, "bench");
-    let expected = 10.0 * 100.0 * 64.0 * 0.000_18 * (1.0 + 1.6 + 2.3) / 3600.0;
+    let expected = 10.0 * 100.0 * 64.0 * 0.000_19 * (1.0 + 1.3 + 1.8) / 3600.0;
     let got = b["wall_hours"].as_f64().unwrap();
     assert!(
         (got / expected - 1.0).abs() < 1e-9,

@@ -581,7 +581,7 @@ impl Sizer<'_> {
     /// In-process bench: every prompt set's turns decoded by every method, one token per
     /// target step for autoregressive decoding, and at most one per verification round for the
     /// speculative methods (tau 1: an upper bound, since tau is unknown before the drafter
-    /// exists). A round costs a multiple of a step, measured on the H200.
+    /// exists). A round costs a multiple of a step, measured on an H100.
     fn bench(&mut self, spec: &StageSpec, ups: &[&Data], up_kinds: &[&str], s: &mut StageEstimate) {
         if spec.params["endpoints"]
             .as_object()
