@@ -468,8 +468,7 @@ impl Linear {
             // strided copy per projection (15 us each on an H100 in a verification pass, more
             // than the matmul): one row needs none (its transpose is already contiguous).
             Self::Dense(w) => match x.dims() {
-                [1, _] => w.matmul(&x.t()?)?.t()?.contiguous(),
-                [n, _] if *n <= FEW_ROWS && !x.device().is_cuda() => {
+                [n, _] if *n == 1 || (*n <= FEW_ROWS && !x.device().is_cuda()) => {
                     w.matmul(&x.t()?)?.t()?.contiguous()
                 }
                 [_, _] => super::fused::linear(x, w),
