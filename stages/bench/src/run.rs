@@ -426,6 +426,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         temperature: p.temperature,
         seed: p.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
         stop: stop.clone(),
+        profile: false,
     };
     let greedy = p.temperature <= 0.0;
 

@@ -43,6 +43,15 @@
 //! same n, in f32 and bf16, to show how the pass's matmuls scale with n. Medians of
 //! `--repeats`, one JSON line each.
 //!
+//! `train_probe round MODEL DRAFTER [--context 300] [--new 128] [--width 8] [--budget 64]`:
+//! where a speculative round's time goes, as `bench` decodes: the target (a GGUF file or a
+//! Hugging Face folder) and an exported drafter folder (config.json + model.safetensors)
+//! decode `--new` tokens after a `--context`-token prompt autoregressively, with prompt lookup,
+//! with the drafter as a chain and as a tree of `--budget` nodes of the `--width` likeliest;
+//! per method one JSON line: milliseconds per round as `bench` times it, then per phase
+//! (`Settings::profile`: the device synchronised at each phase's end, so the phases add up to
+//! more than the unprofiled round: the difference is what the queue hid).
+//!
 //! `train_probe parity OUT.safetensors`: a small target and drafter (f32, weights drawn on CPU),
 //! one sequence, one loss; writes every weight, the batch, the loss, the taps and every
 //! gradient, for `bench/train_reference.py` to recompute in PyTorch and compare.
@@ -1120,6 +1129,84 @@ fn verify(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+fn round(args: &[String]) -> Result<()> {
+    use dflash_model::nn::speculative::{self, Proposer, Settings};
+    let usage =
+        "train_probe round MODEL DRAFTER [--context 300] [--new 128] [--width 8] [--budget 64]";
+    let (model, folder) = (args.get(2).ok_or(usage)?, args.get(3).ok_or(usage)?);
+    let context: usize = arg(args, "--context", 300);
+    let new: usize = arg(args, "--new", 128);
+    let width: usize = arg(args, "--width", 8);
+    let budget: usize = arg(args, "--budget", 64);
+    let device = dflash_model::nn::device::select("auto")?;
+    dflash_model::nn::fused::prepare_device(&device)?;
+    let target = Target::load(std::path::Path::new(model), &device)?;
+    let folder = std::path::Path::new(folder);
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(folder.join("config.json"))?)?;
+    let config = DrafterConfig::from_hf_config(&config)?;
+    // As `bench` loads it: f32 weights, cast with the activations.
+    let tensors: HashMap<String, Tensor> =
+        candle_core::safetensors::load(folder.join("model.safetensors"), &device)?
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.to_dtype(DType::F32)?)))
+            .collect::<std::result::Result<_, candle_core::Error>>()?;
+    let drafter = Drafter::from_tensors(config, &tensors)?;
+    let vocab = target.config.vocab as u32;
+    let prompt: Vec<u32> = (0..context as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
+    let block = drafter.config.block_size;
+    let methods: [(&str, Proposer); 4] = [
+        ("autoregressive", Proposer::Autoregressive),
+        ("ngram", Proposer::Ngram { n: 3 }),
+        ("drafter", Proposer::Drafter(&drafter)),
+        (
+            "drafter+tree",
+            Proposer::DrafterTree {
+                drafter: &drafter,
+                width,
+                budget,
+            },
+        ),
+    ];
+    for (name, proposer) in &methods {
+        let settings = |profile: bool| Settings {
+            block_size: if matches!(proposer, Proposer::Autoregressive) {
+                1
+            } else {
+                block
+            },
+            max_new_tokens: new,
+            temperature: 0.0,
+            seed: 0,
+            stop: Vec::new(),
+            profile,
+        };
+        // A warm-up (kernel loading, the memory pool), then the round as timed, then profiled.
+        speculative::decode(&target, proposer, &prompt, &settings(false))?;
+        let plain = speculative::decode(&target, proposer, &prompt, &settings(false))?;
+        let profiled = speculative::decode(&target, proposer, &prompt, &settings(true))?;
+        let per_round = |s: f64, d: &speculative::Decoded| s * 1e3 / d.rounds.max(1) as f64;
+        let phases: serde_json::Map<String, serde_json::Value> = profiled
+            .phase_seconds
+            .iter()
+            .map(|(p, s)| ((*p).to_string(), per_round(*s, &profiled).into()))
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({"phase": "round", "device": if device.is_cuda() { "cuda" } else { "cpu" },
+                "method": name, "context": context, "rounds": plain.rounds, "tau": plain.tau(),
+                "identical_profiled": plain.tokens == profiled.tokens,
+                "ms_per_round": per_round(plain.decode_seconds, &plain),
+                "propose_ms_per_round": per_round(plain.propose_seconds, &plain),
+                "profiled_ms_per_round": per_round(profiled.decode_seconds, &profiled),
+                "phases_ms_per_round": phases})
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
@@ -1131,8 +1218,9 @@ fn main() -> Result<()> {
         Some("target") => target_forward(&args),
         Some("decode") => decode(&args),
         Some("verify") => verify(&args),
+        Some("round") => round(&args),
         _ => Err(
-            "usage: train_probe speed [...] | parts [...] | fused | flash | target FOLDER [...] | decode MODEL [...] | verify MODEL [...] | parity OUT.safetensors"
+            "usage: train_probe speed [...] | parts [...] | fused | flash | target FOLDER [...] | decode MODEL [...] | verify MODEL [...] | round MODEL DRAFTER [...] | parity OUT.safetensors"
                 .into(),
         ),
     }

@@ -59,6 +59,10 @@ pub struct Settings {
     pub seed: u64,
     /// Token ids that end the output (committed and counted, not returned).
     pub stop: Vec<u32>,
+    /// Time each phase of a round ([`Decoded::phase_seconds`]), the device synchronised at
+    /// every phase's end: slower than an unprofiled decode (each synchronisation drains the
+    /// queue), for finding where a round's time goes, not for speeds.
+    pub profile: bool,
 }
 
 /// One decoded prompt.
@@ -83,6 +87,48 @@ pub struct Decoded {
     /// target's verification pass and the bookkeeping after it. Both ends of a proposal wait
     /// for the device (its tokens are read back), so on a GPU the split is real, not queued.
     pub propose_seconds: f64,
+    /// With [`Settings::profile`]: seconds per phase of the rounds, in the order first met
+    /// (`drafter context`, `drafter pass`, `candidates`, `tree`, `lookup`, `target pass`,
+    /// `walk`, `verify`, `cache`, `taps`); empty otherwise.
+    pub phase_seconds: Vec<(&'static str, f64)>,
+}
+
+/// The profile's clock ([`Settings::profile`]): each lap waits for the device, then adds the
+/// time since the last lap to its phase. Off, a lap costs nothing and waits for nothing.
+struct Laps {
+    device: Option<candle_core::Device>,
+    last: Instant,
+    seconds: Vec<(&'static str, f64)>,
+}
+
+impl Laps {
+    fn new(profile: bool, device: &candle_core::Device) -> Self {
+        Self {
+            device: profile.then(|| device.clone()),
+            last: Instant::now(),
+            seconds: Vec::new(),
+        }
+    }
+
+    /// A round starts: what came before it is no phase.
+    fn start(&mut self) {
+        self.last = Instant::now();
+    }
+
+    fn lap(&mut self, phase: &'static str) -> Result<()> {
+        let Some(device) = &self.device else {
+            return Ok(());
+        };
+        device.synchronize()?;
+        let now = Instant::now();
+        let dt = now.duration_since(self.last).as_secs_f64();
+        match self.seconds.iter_mut().find(|(p, _)| *p == phase) {
+            Some((_, s)) => *s += dt,
+            None => self.seconds.push((phase, dt)),
+        }
+        self.last = now;
+        Ok(())
+    }
 }
 
 impl Decoded {
@@ -193,10 +239,12 @@ pub fn decode(
     out.prefill_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let mut stopped = s.stop.contains(&first);
+    let mut laps = Laps::new(s.profile, logits.device());
     while !stopped && tokens.len() < s.max_new_tokens {
         let anchor = *tokens.last().expect("one token");
         let at = prompt.len() + tokens.len() - 1;
         let round = Instant::now();
+        laps.start();
         // The round commits at most the proposals plus one.
         let room = (s.max_new_tokens - tokens.len()).min(block) - 1;
         // This round's accepted proposals and the target's token after them.
@@ -207,12 +255,14 @@ pub fn decode(
         } = proposer
         {
             let ctx = extend_context(target, d, &mut pending, &mut drafter_ctx)?;
+            laps.lap("drafter context")?;
             let tree = if room == 0 {
                 Tree::root(anchor)
             } else {
                 match &d.config.dflash2 {
                     None => {
-                        let candidates = propose_top(target, d, ctx, anchor, at, room, *width)?;
+                        let candidates =
+                            propose_top(target, d, ctx, anchor, at, room, *width, &mut laps)?;
                         draft_tree(anchor, &candidates, *budget)
                     }
                     // DFlash 2: each node's children are the selector's choices after its token.
@@ -232,11 +282,15 @@ pub fn decode(
                     }
                 }
             };
+            laps.lap("tree")?;
             out.propose_seconds += round.elapsed().as_secs_f64();
             let (logits, tapped) =
                 target.extend_tree(&tree.tokens, &tree.parents, &mut cache, taps)?;
+            laps.lap("target pass")?;
             let (path, next) = walk(&tree, &logits, s.temperature, &mut rng)?;
+            laps.lap("walk")?;
             cache.keep_path(at, &path)?;
+            laps.lap("cache")?;
             let rows = Tensor::new(
                 path.iter()
                     .map(|&i| i as u32)
@@ -245,6 +299,7 @@ pub fn decode(
                 logits.device(),
             )?;
             pending = tapped.map(|t| t.index_select(&rows, 0)).transpose()?;
+            laps.lap("taps")?;
             (path[1..].iter().map(|&i| tree.tokens[i]).collect(), next)
         } else {
             let proposed: Vec<u32> = match proposer {
@@ -252,7 +307,9 @@ pub fn decode(
                 _ if room == 0 => Vec::new(),
                 Proposer::Ngram { n } => {
                     let history: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
-                    ngram_lookup(&history, *n, room)
+                    let found = ngram_lookup(&history, *n, room);
+                    laps.lap("lookup")?;
+                    found
                 }
                 Proposer::Oracle(known) => known
                     .iter()
@@ -263,15 +320,22 @@ pub fn decode(
                 Proposer::DrafterTree { .. } => unreachable!("handled above"),
                 Proposer::Drafter(d) => {
                     let ctx = extend_context(target, d, &mut pending, &mut drafter_ctx)?;
-                    propose(target, d, ctx, anchor, at, room)?
+                    laps.lap("drafter context")?;
+                    let best = propose(target, d, ctx, anchor, at, room)?;
+                    laps.lap("drafter pass")?;
+                    best
                 }
             };
             out.propose_seconds += round.elapsed().as_secs_f64();
             let ids: Vec<u32> = std::iter::once(anchor).chain(proposed.clone()).collect();
             let (logits, tapped) = target.extend(&ids, &mut cache, taps)?;
+            laps.lap("target pass")?;
             let (k, next) = verify(&logits, &proposed, s.temperature, &mut rng)?;
+            laps.lap("verify")?;
             cache.truncate(at + k + 1)?;
+            laps.lap("cache")?;
             pending = tapped.map(|t| t.narrow(0, 0, k + 1)).transpose()?;
+            laps.lap("taps")?;
             (proposed[..k].to_vec(), next)
         };
         out.rounds += 1;
@@ -288,6 +352,7 @@ pub fn decode(
         }
     }
     out.decode_seconds = started.elapsed().as_secs_f64();
+    out.phase_seconds = laps.seconds;
     if stopped {
         // The stop token is not output.
         if tokens.last().is_some_and(|t| s.stop.contains(t)) {
@@ -364,6 +429,7 @@ fn propose(
 
 /// The drafter's `width` likeliest tokens and their probabilities at each of the `room`
 /// positions after `anchor`, likeliest first.
+#[allow(clippy::too_many_arguments)]
 fn propose_top(
     target: &Target,
     d: &Drafter,
@@ -372,8 +438,10 @@ fn propose_top(
     at: usize,
     room: usize,
     width: usize,
+    laps: &mut Laps,
 ) -> Result<Vec<Vec<(u32, f32)>>> {
     let (_, logits) = block_logits(target, d, ctx, anchor, at)?;
+    laps.lap("drafter pass")?;
     let logits = logits
         .narrow(0, 0, room.min(logits.dim(0)?))?
         .to_dtype(DType::F32)?;
@@ -391,6 +459,7 @@ fn propose_top(
         1,
     )?
     .to_vec2()?;
+    laps.lap("candidates")?;
     Ok(both
         .iter()
         .map(|row| {
@@ -542,6 +611,76 @@ mod tests {
             temperature: 0.0,
             seed: 0,
             stop: Vec::new(),
+            profile: false,
+        }
+    }
+
+    #[test]
+    fn a_profiled_decode_times_each_phase_of_its_rounds_and_decodes_the_same() {
+        let target = tiny_target(DType::F64);
+        let prompt = [3u32, 17, 5, 9, 22, 3, 17];
+        let config = DrafterConfig::for_target(
+            &target.config,
+            1,
+            vec![0, 1],
+            4,
+            target.config.vocab as u32 - 1,
+        );
+        let drafter = Drafter::init(config, 7, DType::F64, target.embed.device()).unwrap();
+        let tree = Proposer::DrafterTree {
+            drafter: &drafter,
+            width: 3,
+            budget: 10,
+        };
+        let cases: [(&Proposer, &[&str]); 4] = [
+            (
+                &Proposer::Autoregressive,
+                &["target pass", "verify", "cache", "taps"],
+            ),
+            (
+                &Proposer::Ngram { n: 3 },
+                &["lookup", "target pass", "verify", "cache", "taps"],
+            ),
+            (
+                &Proposer::Drafter(&drafter),
+                &[
+                    "drafter context",
+                    "drafter pass",
+                    "target pass",
+                    "verify",
+                    "cache",
+                    "taps",
+                ],
+            ),
+            (
+                &tree,
+                &[
+                    "drafter context",
+                    "drafter pass",
+                    "candidates",
+                    "tree",
+                    "target pass",
+                    "walk",
+                    "cache",
+                    "taps",
+                ],
+            ),
+        ];
+        for (p, phases) in cases {
+            let plain = decode(&target, p, &prompt, &settings(4, 12)).unwrap();
+            assert!(plain.phase_seconds.is_empty(), "unasked, nothing is timed");
+            let mut s = settings(4, 12);
+            s.profile = true;
+            let timed = decode(&target, p, &prompt, &s).unwrap();
+            assert_eq!(timed.tokens, plain.tokens, "profiling changed the output");
+            let names: Vec<&str> = timed.phase_seconds.iter().map(|(n, _)| *n).collect();
+            assert_eq!(names, phases);
+            let sum: f64 = timed.phase_seconds.iter().map(|(_, s)| s).sum();
+            assert!(
+                sum <= timed.decode_seconds,
+                "phases {sum} s in rounds of {} s",
+                timed.decode_seconds
+            );
         }
     }
 
