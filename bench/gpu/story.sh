@@ -24,17 +24,17 @@
 #     seconds left, and trains (the value it chose goes to $OUT: commit it to the pipeline);
 #   - `bring-back` exports the drafters and the bench results and keeps the store's whole small
 #     artifacts (`dflash copy --max-file-bytes 4M`) under $OUT, so they land on this machine.
-# The last session's calls (README "The sixth run"): `stash` x3; `stash; setup; verify; hybrid 4
-# 2048; decode 512 300 24`; `run 430 --only drafter; bring-back` (1,400 more steps from the fifth
-# run's drafter); `run 280 --only bench; bring-back`; then a rebuilt binary: `stash` x3, `stash;
-# setup; PIPE=pipelines/smollm2-bench.yaml run 330; bring-back; verify; reference 4`, and the
-# 64-node tree's bench.
+# The last session's calls (README "The seventh run"): `stash` x3; `stash; setup; probe fused |
+# grep strided; verify 300; PIPE=pipelines/smollm2-bench.yaml run 300; bring-back` (the sixth
+# run's drafter, the new binary); `run 540 --only drafter; bring-back` (1,600 more steps, with
+# pipelines/smollm2.yaml's max_steps 1600); `run 330 --only bench; bring-back; reference 4`; then
+# the 4,400-step drafter copied over .assets/smollm2-drafter there and 1,000 more steps.
 # The next: `pack-inputs BIN .gpu DRAFTER bench/results/smollm2-h100-expansion/store-small.tar.gz`
-# with DRAFTER the sixth run's export (kept outside the repository, .assets/smollm2-drafter-h100-2800);
-# `stash` for a, b, d, then c with `setup`, `probe fused | grep strided` and `verify` (the heads'
-# copies now one launch with their strides as arguments: a pass over 2-64 tokens against a step),
-# `PIPE=pipelines/smollm2-bench.yaml run SECONDS` (the same drafter, the new binary: its round
-# against the sixth run's `bench-12-tree64`), then training or the full sets with what is left.
+# with DRAFTER the seventh run's last export (kept outside the repository,
+# .assets/smollm2-drafter-h100-5400); `stash` for a, b, d, then c with `setup`, `round 300 128`
+# (where the tree's round goes, phase by phase: its propose + verify is 1.9-2.1 target steps
+# where a bare pass over 32 tokens costs one), `PIPE=pipelines/smollm2-bench.yaml run SECONDS`
+# (that drafter, unbenched), then training on from it or the full sets with what is left.
 # PIPE=pipelines/smollm2-bench.yaml benches the stash's drafter (INIT) alone: a `command` stage
 # copies it into the store, so a drafter trained in one call (or session) is benched in another.
 
@@ -269,6 +269,15 @@ verify)
     $STASH/train_probe verify .assets/SmolLM2-135M-Instruct.Q4_1.gguf --context "${1:-300}" 2>&1 |
         tee -a "$OUT/verify.jsonl"
     ;;
+round)
+    # There: where a speculative round's time goes (`train_probe round`): the stash's drafter
+    # (INIT, in .assets/smollm2-drafter) on the target after a CONTEXT-token prompt, NEW tokens,
+    # autoregressive, prompt lookup, chain and tree (64 of 8), each timed as `bench` times it
+    # and then per phase, the device synchronised at each phase's end.
+    cuda_env
+    $STASH/train_probe round .assets/SmolLM2-135M-Instruct.Q4_1.gguf .assets/smollm2-drafter \
+        --context "${1:-300}" --new "${2:-128}" 2>&1 | tee -a "$OUT/round.jsonl"
+    ;;
 reference)
     # There, after `bring-back`: the exported drafter in z-lab's reference implementation
     # (dflash==0.1.0) against the target as a transformers model, on the first N prompts of
@@ -337,7 +346,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac
