@@ -253,6 +253,9 @@ pub struct Drafter {
     pub config: DrafterConfig,
     /// By name (the reference implementation's).
     pub vars: BTreeMap<String, Var>,
+    /// In a [`Self::frozen`] copy: the same weights detached from their variables, which its
+    /// passes read instead.
+    detached: Option<BTreeMap<String, Tensor>>,
 }
 
 /// Every drafter layer's keys and values for the context rows seen so far.
@@ -300,7 +303,11 @@ impl Drafter {
             };
             vars.insert(name, Var::from_tensor(&t)?);
         }
-        Ok(Self { config, vars })
+        Ok(Self {
+            config,
+            vars,
+            detached: None,
+        })
     }
 
     /// Weights from tensors by name (a checkpoint); every tensor must be present at its shape.
@@ -318,12 +325,38 @@ impl Drafter {
             }
             vars.insert(name, Var::from_tensor(t)?);
         }
-        Ok(Self { config, vars })
+        Ok(Self {
+            config,
+            vars,
+            detached: None,
+        })
     }
 
-    /// A trainable tensor by name.
+    /// A trainable tensor by name (detached in a [`Self::frozen`] copy).
     pub fn w(&self, name: &str) -> &Tensor {
-        self.vars[name].as_tensor()
+        match &self.detached {
+            Some(weights) => &weights[name],
+            None => self.vars[name].as_tensor(),
+        }
+    }
+
+    /// The same weights (the storage shared, nothing copied) for passes that need no gradient:
+    /// decoding. Every op on a variable records its inputs for the backward pass, so a pass
+    /// over the variables themselves builds a graph nobody differentiates, keeps every
+    /// round's context alive through it, and takes the training forms of the ops (a
+    /// tracked copy, a block attention that saves its probabilities) where decoding has
+    /// cheaper ones.
+    pub fn frozen(&self) -> Self {
+        Self {
+            config: self.config.clone(),
+            vars: self.vars.clone(),
+            detached: Some(
+                self.vars
+                    .iter()
+                    .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
+                    .collect(),
+            ),
+        }
     }
 
     /// A linear layer's weights in the activations' `dtype`: the trainable weights stay where
@@ -972,7 +1005,7 @@ pub(crate) mod tests {
     /// A decoding round's block (one block seeing its whole context) through plain attention
     /// gives what the blocks' general form gives.
     #[test]
-    fn a_block_seeing_its_whole_context_is_plain_attention() {
+    fn a_block_seeing_its_whole_context_is_plain_attention_frozen_or_not() {
         let cpu = Device::Cpu;
         let mut init = Init::new(5);
         let (heads, kv, s, b, d) = (6, 2, 9, 4, 8);
@@ -991,5 +1024,48 @@ pub(crate) mod tests {
         assert_eq!(got.dims(), want.dims());
         let diff = crate::nn::testing::max_diff(&got, &want);
         assert!(diff < 1e-5, "{diff}");
+    }
+
+    /// A frozen copy (decoding's) computes the same values as the trainable drafter, from the
+    /// same storage, and records no graph; training's copy still does.
+    #[test]
+    fn a_frozen_drafter_passes_the_same_values_and_records_no_graph() {
+        let target = tiny_target(DType::F64);
+        for dflash2 in [None, Some(Dflash2Config::for_hidden(16))] {
+            let mut config = DrafterConfig::for_target(&target.config, 2, vec![0, 3], 4, 39);
+            if let Some(d) = dflash2 {
+                config = config.with_dflash2(d);
+            }
+            let trained = Drafter::init(config, 3, DType::F64, &Device::Cpu).unwrap();
+            let frozen = trained.frozen();
+            let mut init = Init::new(9);
+            let (s, b) = (6, 4);
+            let taps = init
+                .normal(&[s, 2 * 16], 1.0, DType::F64, &Device::Cpu)
+                .unwrap();
+            let block = init
+                .normal(&[b, 16], 1.0, DType::F64, &Device::Cpu)
+                .unwrap();
+            let context_pos: Vec<u32> = (0..s as u32).collect();
+            let block_pos: Vec<u32> = (s as u32..(s + b) as u32).collect();
+            let mask = BlockMask::new(vec![s as u32], s, b);
+            let pass = |d: &Drafter| {
+                d.forward(&taps, &context_pos, &block, &block_pos, &mask)
+                    .unwrap()
+            };
+            let (tracked, plain) = (pass(&trained), pass(&frozen));
+            assert!(tracked.track_op(), "training's pass records its graph");
+            assert!(!plain.track_op(), "a frozen pass records none");
+            assert_eq!(
+                tracked.to_vec2::<f64>().unwrap(),
+                plain.to_vec2::<f64>().unwrap()
+            );
+            // The same storage: an update to the variables is what the frozen copy reads.
+            for (name, var) in &trained.vars {
+                var.set(&(var.as_tensor() * 0.5).unwrap()).unwrap();
+                let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                assert_eq!(values(frozen.w(name)), values(var.as_tensor()), "{name}");
+            }
+        }
     }
 }

@@ -216,6 +216,26 @@ pub fn decode(
     prompt: &[u32],
     s: &Settings,
 ) -> Result<Decoded> {
+    // The drafter's passes on its weights detached from their variables (`Drafter::frozen`):
+    // no backward graph, and the decoding forms of its ops.
+    let frozen = match proposer {
+        Proposer::Drafter(d) | Proposer::DrafterTree { drafter: d, .. } => Some(d.frozen()),
+        _ => None,
+    };
+    let proposer = &match (proposer, &frozen) {
+        (Proposer::Drafter(_), Some(f)) => Proposer::Drafter(f),
+        (Proposer::DrafterTree { width, budget, .. }, Some(f)) => Proposer::DrafterTree {
+            drafter: f,
+            width: *width,
+            budget: *budget,
+        },
+        (Proposer::Autoregressive, _) => Proposer::Autoregressive,
+        (Proposer::Ngram { n }, _) => Proposer::Ngram { n: *n },
+        (Proposer::Oracle(known), _) => Proposer::Oracle(known),
+        (Proposer::Drafter(_) | Proposer::DrafterTree { .. }, None) => {
+            unreachable!("a drafter's proposer has its frozen copy")
+        }
+    };
     let block = s.block_size.max(1);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(s.seed);
     let taps: &[usize] = match proposer {
