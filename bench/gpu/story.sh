@@ -276,7 +276,7 @@ round)
     # and then per phase, the device synchronised at each phase's end.
     cuda_env
     $STASH/train_probe round .assets/SmolLM2-135M-Instruct.Q4_1.gguf .assets/smollm2-drafter \
-        --context "${1:-300}" --new "${2:-128}" 2>&1 | tee -a "$OUT/round.jsonl"
+        --context "${1:-300}" --new "${2:-128}" --budget 64,128 2>&1 | tee -a "$OUT/round.jsonl"
     ;;
 reference)
     # There, after `bring-back`: the exported drafter in z-lab's reference implementation

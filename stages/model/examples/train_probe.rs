@@ -37,17 +37,17 @@
 //! `train_probe verify MODEL [--context 300] [--repeats 20]`: what a speculative round's
 //! verification pass costs against a one-token step, the ratio that decides whether a drafter
 //! pays off on a small target: the target's pass (`Target::extend`, as `bench` runs it, the
-//! argmax brought to the host) over n = 1, 2, 4, 8, 16, 32 tokens after a `--context`-token
+//! argmax brought to the host) over n = 1, 2, ..., 128 tokens after a `--context`-token
 //! cache, without taps and with five (a drafter's), and as a tree (`extend_tree`, a chain of n
 //! nodes); then one projection's matmul at the target's widths (hidden -> MLP width) for the
 //! same n, in f32 and bf16, to show how the pass's matmuls scale with n. Medians of
 //! `--repeats`, one JSON line each.
 //!
-//! `train_probe round MODEL DRAFTER [--context 300] [--new 128] [--width 8] [--budget 64]`:
+//! `train_probe round MODEL DRAFTER [--context 300] [--new 128] [--width 8] [--budget 64,128]`:
 //! where a speculative round's time goes, as `bench` decodes: the target (a GGUF file or a
 //! Hugging Face folder) and an exported drafter folder (config.json + model.safetensors)
 //! decode `--new` tokens after a `--context`-token prompt autoregressively, with prompt lookup,
-//! with the drafter as a chain and as a tree of `--budget` nodes of the `--width` likeliest;
+//! with the drafter as a chain and as a tree of each `--budget` nodes of the `--width` likeliest;
 //! per method one JSON line: milliseconds per round as `bench` times it, then per phase
 //! (`Settings::profile`: the device synchronised at each phase's end, so the phases add up to
 //! more than the unprofiled round: the difference is what the queue hid).
@@ -1059,7 +1059,7 @@ fn verify(args: &[String]) -> Result<()> {
     dflash_model::nn::fused::prepare_device(&device)?;
     let target = Target::load(std::path::Path::new(model), &device)?;
     let (vocab, layers) = (target.config.vocab as u32, target.config.layers);
-    let ids: Vec<u32> = (0..(context + 32) as u32)
+    let ids: Vec<u32> = (0..(context + 128) as u32)
         .map(|i| (i * 7919 + 13) % vocab)
         .collect();
     let mut base = dflash_model::nn::target::KvCache::default();
@@ -1070,7 +1070,8 @@ fn verify(args: &[String]) -> Result<()> {
     let argmax = |logits: &Tensor| -> Result<Vec<u32>> {
         Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
     };
-    for n in [1usize, 2, 4, 8, 16, 32] {
+    // Up to 128: a tree of 64 or 128 nodes (`bench`'s `tree_budget`) is one pass.
+    for n in [1usize, 2, 4, 8, 16, 32, 64, 128] {
         let tokens = &ids[context..context + n];
         let chain: Vec<usize> = (0..n).map(|i| i.saturating_sub(1)).collect();
         let mut row = serde_json::Map::new();
@@ -1137,7 +1138,11 @@ fn round(args: &[String]) -> Result<()> {
     let context: usize = arg(args, "--context", 300);
     let new: usize = arg(args, "--new", 128);
     let width: usize = arg(args, "--width", 8);
-    let budget: usize = arg(args, "--budget", 64);
+    // One tree per budget: `--budget 64,128`.
+    let budgets: Vec<usize> = arg(args, "--budget", "64".to_string())
+        .split(',')
+        .map(str::parse)
+        .collect::<std::result::Result<_, _>>()?;
     let device = dflash_model::nn::device::select("auto")?;
     dflash_model::nn::fused::prepare_device(&device)?;
     let target = Target::load(std::path::Path::new(model), &device)?;
@@ -1157,19 +1162,21 @@ fn round(args: &[String]) -> Result<()> {
         .map(|i| (i * 7919 + 13) % vocab)
         .collect();
     let block = drafter.config.block_size;
-    let methods: [(&str, Proposer); 4] = [
-        ("autoregressive", Proposer::Autoregressive),
-        ("ngram", Proposer::Ngram { n: 3 }),
-        ("drafter", Proposer::Drafter(&drafter)),
-        (
-            "drafter+tree",
+    let mut methods: Vec<(String, Proposer)> = vec![
+        ("autoregressive".into(), Proposer::Autoregressive),
+        ("ngram".into(), Proposer::Ngram { n: 3 }),
+        ("drafter".into(), Proposer::Drafter(&drafter)),
+    ];
+    for &budget in &budgets {
+        methods.push((
+            format!("drafter+tree{budget}"),
             Proposer::DrafterTree {
                 drafter: &drafter,
                 width,
                 budget,
             },
-        ),
-    ];
+        ));
+    }
     for (name, proposer) in &methods {
         let settings = |profile: bool| Settings {
             block_size: if matches!(proposer, Proposer::Autoregressive) {
