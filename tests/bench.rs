@@ -206,8 +206,9 @@ fn a_drafter_for_another_target_is_refused_with_the_reason() {
     );
 }
 
-/// `verify: both`: each drafter as a chain and as a tree (`<name>+tree`) side by side, the tree
-/// as lossless as the chain, and at least as many tokens per target pass.
+/// `verify: all`: each drafter as a chain, as a tree (`<name>+tree`) and as a tree with prompt
+/// lookup's path grafted on (`<name>+tree+lookup`) side by side, the trees as lossless as the
+/// chain, and at least as many tokens per target pass.
 #[test]
 fn tree_verification_runs_beside_the_chain_and_is_lossless() {
     let env = Env::new();
@@ -216,7 +217,7 @@ fn tree_verification_runs_beside_the_chain_and_is_lossless() {
         "p.yaml",
         &PIPELINE.replace(
             "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24}",
-            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24, verify: both, tree_width: 3, tree_budget: 12}",
+            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24, verify: all, tree_width: 3, tree_budget: 12}",
         ),
     );
     let (st, _) = env.run("p.yaml", 0);
@@ -236,11 +237,18 @@ fn tree_verification_runs_beside_the_chain_and_is_lossless() {
             "ngram",
             "trained",
             "trained+tree",
+            "trained+tree+lookup",
             "untrained",
-            "untrained+tree"
+            "untrained+tree",
+            "untrained+tree+lookup"
         ]
     );
-    for name in ["trained+tree", "untrained+tree"] {
+    for name in [
+        "trained+tree",
+        "untrained+tree",
+        "trained+tree+lookup",
+        "untrained+tree+lookup",
+    ] {
         assert_eq!(methods[name]["identical"], 4, "{name}: {}", methods[name]);
     }
     let (chain, tree) = (

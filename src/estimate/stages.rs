@@ -625,10 +625,12 @@ impl Sizer<'_> {
         let verify = self.assumptions.get("bench_verify_step_ratio");
         let draft = self.assumptions.get("bench_drafter_round_ratio");
         let tree = self.assumptions.get("bench_tree_round_ratio");
-        // Each drafter decodes once per way of verifying it (`both`: chain, then tree).
+        // Each drafter decodes once per way of verifying it (`both`: chain, then tree; `all`:
+        // then the tree with prompt lookup's path, a round as dear as the tree's).
         let per_drafter = match spec.params["verify"].as_str() {
-            Some("tree") => tree,
+            Some("tree" | "tree+lookup") => tree,
             Some("both") => draft + tree,
+            Some("all") => draft + 2.0 * tree,
             _ => draft,
         };
         let factor = 1.0 + if ngram { verify } else { 0.0 } + drafters * per_drafter;

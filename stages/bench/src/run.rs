@@ -188,11 +188,13 @@ enum Method {
         block: usize,
     },
     Drafter(std::rc::Rc<Drafter>),
-    /// A drafter verified as a tree of its top `width` tokens per position, `budget` nodes.
+    /// A drafter verified as a tree of its top `width` tokens per position, `budget` nodes,
+    /// with prompt lookup's continuation grafted on when `lookup` (its n-gram) is above 0.
     DrafterTree {
         drafter: std::rc::Rc<Drafter>,
         width: usize,
         budget: usize,
+        lookup: usize,
     },
 }
 
@@ -206,10 +208,12 @@ impl Method {
                 drafter,
                 width,
                 budget,
+                lookup,
             } => Proposer::DrafterTree {
                 drafter,
                 width: *width,
                 budget: *budget,
+                lookup: *lookup,
             },
         }
     }
@@ -399,21 +403,29 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             },
         ));
     }
-    // Each drafter verified as a chain (its greedy block), a tree, or both side by side.
+    // Each drafter verified as a chain (its greedy block), a tree, a tree with prompt
+    // lookup's guess grafted on, or several side by side.
+    let forms: &[&str] = match p.verify.as_str() {
+        "tree" => &["tree"],
+        "tree+lookup" => &["tree+lookup"],
+        "both" => &["chain", "tree"],
+        "all" => &["chain", "tree", "tree+lookup"],
+        _ => &["chain"],
+    };
     for (name, (d, _)) in drafters {
         let d = std::rc::Rc::new(d);
-        if p.verify != "tree" {
-            methods.push((name.clone(), Method::Drafter(d.clone())));
-        }
-        if p.verify != "chain" {
-            methods.push((
-                format!("{name}+tree"),
-                Method::DrafterTree {
-                    drafter: d,
-                    width: p.tree_width.max(1) as usize,
-                    budget: p.tree_budget.max(2) as usize,
-                },
-            ));
+        for &form in forms {
+            let tree = |lookup: usize| Method::DrafterTree {
+                drafter: d.clone(),
+                width: p.tree_width.max(1) as usize,
+                budget: p.tree_budget.max(2) as usize,
+                lookup,
+            };
+            methods.push(match form {
+                "chain" => (name.clone(), Method::Drafter(d.clone())),
+                "tree" => (format!("{name}+tree"), tree(0)),
+                _ => (format!("{name}+{form}"), tree(p.ngram.max(1) as usize)),
+            });
         }
     }
     let stop = rendering

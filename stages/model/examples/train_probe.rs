@@ -47,7 +47,8 @@
 //! where a speculative round's time goes, as `bench` decodes: the target (a GGUF file or a
 //! Hugging Face folder) and an exported drafter folder (config.json + model.safetensors)
 //! decode `--new` tokens after a `--context`-token prompt autoregressively, with prompt lookup,
-//! with the drafter as a chain and as a tree of each `--budget` nodes of the `--width` likeliest;
+//! with the drafter as a chain and as a tree of each `--budget` nodes of the `--width` likeliest
+//! (alone, and with prompt lookup's path grafted on);
 //! per method one JSON line: milliseconds per round as `bench` times it, then per phase
 //! (`Settings::profile`: the device synchronised at each phase's end, so the phases add up to
 //! more than the unprofiled round: the difference is what the queue hid).
@@ -1168,14 +1169,20 @@ fn round(args: &[String]) -> Result<()> {
         ("drafter".into(), Proposer::Drafter(&drafter)),
     ];
     for &budget in &budgets {
-        methods.push((
-            format!("drafter+tree{budget}"),
-            Proposer::DrafterTree {
-                drafter: &drafter,
-                width,
-                budget,
-            },
-        ));
+        for lookup in [0, 3] {
+            methods.push((
+                format!(
+                    "drafter+tree{budget}{}",
+                    if lookup > 0 { "+lookup" } else { "" }
+                ),
+                Proposer::DrafterTree {
+                    drafter: &drafter,
+                    width,
+                    budget,
+                    lookup,
+                },
+            ));
+        }
     }
     for (name, proposer) in &methods {
         let settings = |profile: bool| Settings {

@@ -40,6 +40,12 @@ pub enum Proposer<'a> {
         width: usize,
         /// Nodes per tree, the root (the round's first token) included.
         budget: usize,
+        /// Above 0: prompt lookup's continuation (matching the history's last `lookup` tokens,
+        /// down to 1) grafted onto the tree as one more path ([`Tree::graft`]), within the
+        /// budget. The two guess differently: the drafter what the target tends to say, the
+        /// lookup what it is copying (a function's signature, the answer a second turn
+        /// revises), and the target's pass checks both at once.
+        lookup: usize,
     },
     /// A continuation known in advance, proposed as it is: given the target's own greedy output
     /// it is a perfect drafter (tau = B), which checks the loop's bookkeeping.
@@ -224,10 +230,19 @@ pub fn decode(
     };
     let proposer = &match (proposer, &frozen) {
         (Proposer::Drafter(_), Some(f)) => Proposer::Drafter(f),
-        (Proposer::DrafterTree { width, budget, .. }, Some(f)) => Proposer::DrafterTree {
+        (
+            Proposer::DrafterTree {
+                width,
+                budget,
+                lookup,
+                ..
+            },
+            Some(f),
+        ) => Proposer::DrafterTree {
             drafter: f,
             width: *width,
             budget: *budget,
+            lookup: *lookup,
         },
         (Proposer::Autoregressive, _) => Proposer::Autoregressive,
         (Proposer::Ngram { n }, _) => Proposer::Ngram { n: *n },
@@ -272,11 +287,20 @@ pub fn decode(
             drafter: d,
             width,
             budget,
+            lookup,
         } = proposer
         {
             let ctx = extend_context(target, d, &mut pending, &mut drafter_ctx)?;
             laps.lap("drafter context")?;
-            let tree = if room == 0 {
+            // Prompt lookup's guess first: the drafter's tree takes the rest of the budget.
+            let copied = if *lookup > 0 && room > 0 {
+                let history: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
+                ngram_lookup(&history, *lookup, room)
+            } else {
+                Vec::new()
+            };
+            let budget = &budget.saturating_sub(copied.len()).max(1);
+            let mut tree = if room == 0 {
                 Tree::root(anchor)
             } else {
                 match &d.config.dflash2 {
@@ -302,6 +326,7 @@ pub fn decode(
                     }
                 }
             };
+            tree.graft(&copied);
             laps.lap("tree")?;
             out.propose_seconds += round.elapsed().as_secs_f64();
             let (logits, tapped) =
@@ -504,6 +529,24 @@ pub struct Tree {
 }
 
 impl Tree {
+    /// Add `path` below the root: down the nodes that already hold its tokens, then as new
+    /// nodes (each after its parent, as the target's tree pass needs).
+    pub fn graft(&mut self, path: &[u32]) {
+        let mut node = 0;
+        for &t in path {
+            node = match (1..self.tokens.len())
+                .find(|&c| self.parents[c] == node && self.tokens[c] == t)
+            {
+                Some(c) => c,
+                None => {
+                    self.tokens.push(t);
+                    self.parents.push(node);
+                    self.tokens.len() - 1
+                }
+            };
+        }
+    }
+
     fn root(token: u32) -> Self {
         Self {
             tokens: vec![token],
@@ -651,6 +694,7 @@ mod tests {
             drafter: &drafter,
             width: 3,
             budget: 10,
+            lookup: 3,
         };
         let cases: [(&Proposer, &[&str]); 4] = [
             (
@@ -705,6 +749,65 @@ mod tests {
     }
 
     #[test]
+    fn a_grafted_path_reuses_the_nodes_that_hold_its_tokens() {
+        // Root 5; children 7 and 8; 7's child 9.
+        let mut tree = Tree {
+            tokens: vec![5, 7, 8, 9],
+            parents: vec![usize::MAX, 0, 0, 1],
+        };
+        tree.graft(&[7, 9, 4, 4]);
+        assert_eq!(tree.tokens, [5, 7, 8, 9, 4, 4]);
+        assert_eq!(tree.parents, [usize::MAX, 0, 0, 1, 3, 4]);
+        // A path the tree already holds adds nothing; a new first token starts a branch.
+        tree.graft(&[8]);
+        tree.graft(&[6, 7]);
+        assert_eq!(tree.tokens, [5, 7, 8, 9, 4, 4, 6, 7]);
+        assert_eq!(tree.parents, [usize::MAX, 0, 0, 1, 3, 4, 0, 6]);
+        tree.graft(&[]);
+        assert_eq!(tree.tokens.len(), 8);
+    }
+
+    /// Where the target's output repeats itself, prompt lookup's path in the tree is accepted
+    /// where an untrained drafter's are not: more tokens per pass, the same output.
+    #[test]
+    fn prompt_lookup_grafted_onto_a_tree_commits_what_the_output_repeats() {
+        let target = tiny_target(DType::F64);
+        let config = DrafterConfig::for_target(
+            &target.config,
+            1,
+            vec![0, 1],
+            4,
+            target.config.vocab as u32 - 1,
+        );
+        let untrained = Drafter::init(config, 7, DType::F64, target.embed.device()).unwrap();
+        let tree = |lookup| Proposer::DrafterTree {
+            drafter: &untrained,
+            width: 2,
+            budget: 8,
+            lookup,
+        };
+        // The first prompt (of a fixed sequence) whose greedy output repeats enough for prompt
+        // lookup to pay: a small random model's outputs fall into loops.
+        let (prompt, lookup_tau) = (0u32..64)
+            .map(|i| -> Vec<u32> { (0..6).map(|j| (i * 11 + j * 7 + 1) % 39).collect() })
+            .find_map(|p| {
+                let ngram =
+                    decode(&target, &Proposer::Ngram { n: 3 }, &p, &settings(4, 40)).unwrap();
+                (ngram.tau() > 1.5).then(|| (p, ngram.tau()))
+            })
+            .expect("a prompt whose output repeats");
+        let plain = decode(&target, &tree(0), &prompt, &settings(4, 40)).unwrap();
+        let grafted = decode(&target, &tree(3), &prompt, &settings(4, 40)).unwrap();
+        assert_eq!(grafted.tokens, plain.tokens, "the graft changed the output");
+        assert!(
+            grafted.tau() > plain.tau(),
+            "tau with lookup {:.2} (lookup alone {lookup_tau:.2}), without {:.2}",
+            grafted.tau(),
+            plain.tau()
+        );
+    }
+
+    #[test]
     fn prompt_lookup_continues_the_latest_match() {
         assert_eq!(
             ngram_lookup(&[1, 2, 3, 9, 1, 2, 3, 7, 1, 2], 3, 2),
@@ -756,12 +859,26 @@ mod tests {
                 drafter: &dflash2,
                 width: 3,
                 budget: 10,
+                lookup: 0,
+            },
+            Proposer::DrafterTree {
+                drafter: &dflash2,
+                width: 3,
+                budget: 10,
+                lookup: 3,
             },
             Proposer::Oracle(&ar.tokens),
             Proposer::DrafterTree {
                 drafter: &drafter,
                 width: 3,
                 budget: 10,
+                lookup: 0,
+            },
+            Proposer::DrafterTree {
+                drafter: &drafter,
+                width: 3,
+                budget: 10,
+                lookup: 3,
             },
         ] {
             let sp = decode(&target, &p, &prompt, &settings(4, 25)).unwrap();
@@ -889,6 +1006,7 @@ mod tests {
                 drafter: &trained,
                 width: 3,
                 budget: 16,
+                lookup: 0,
             };
             let o = decode(&target, &tree, p, &settings(4, 28)).unwrap();
             let chain = decode(&target, &Proposer::Drafter(&trained), p, &settings(4, 28)).unwrap();
