@@ -31,10 +31,12 @@
 # the 4,400-step drafter copied over .assets/smollm2-drafter there and 1,000 more steps.
 # The next: `pack-inputs BIN .gpu DRAFTER bench/results/smollm2-h100-expansion/store-small.tar.gz`
 # with DRAFTER the seventh run's last export (kept outside the repository,
-# .assets/smollm2-drafter-h100-5400); `stash` for a, b, d, then c with `setup`, `round 300 128`
-# (where the tree's round goes, phase by phase: its propose + verify is 1.9-2.1 target steps
-# where a bare pass over 32 tokens costs one), `PIPE=pipelines/smollm2-bench.yaml run SECONDS`
-# (that drafter, unbenched), then training on from it or the full sets with what is left.
+# .assets/smollm2-drafter-h100-5400); `stash` for a, b, d, then c with `setup`, `verify 300`
+# (passes up to 128 tokens: is a 128-node tree as cheap as 64?), `round 300 128` (where the
+# tree's round goes, phase by phase, with the drafter now frozen for decoding; trees of 64 and
+# 128, each with and without prompt lookup's path), `PIPE=pipelines/smollm2-bench.yaml run 400`
+# (that drafter, unbenched, `verify: all`: chain, tree, tree+lookup; 12 prompts a set), then
+# training on from it or the full sets with what is left; `hybrid 4 2048` needs ~200 s.
 # PIPE=pipelines/smollm2-bench.yaml benches the stash's drafter (INIT) alone: a `command` stage
 # copies it into the store, so a drafter trained in one call (or session) is benched in another.
 
