@@ -13,9 +13,17 @@ pub fn table(results: &serde_json::Map<String, Value>, warnings: &[String]) -> S
     for w in warnings {
         let _ = writeln!(out, "warning: {w}");
     }
+    // As wide as the longest method's name (`drafter+tree+lookup`, a drafter's own name).
+    let w = results
+        .values()
+        .filter_map(|v| v["methods"].as_object())
+        .flat_map(|m| m.keys().map(String::len))
+        .max()
+        .unwrap_or(0)
+        .max(16);
     let _ = writeln!(
         out,
-        "{:<14} {:<16} {:>7} {:>6} {:>8} {:>8}  {:<24} {:<10} {}",
+        "{:<14} {:<w$} {:>7} {:>6} {:>8} {:>8}  {:<24} {:<10} {}",
         "set",
         "method",
         "prompts",
@@ -67,7 +75,7 @@ pub fn table(results: &serde_json::Map<String, Value>, warnings: &[String]) -> S
             };
             let _ = writeln!(
                 out,
-                "{:<14} {:<16} {:>7} {tau:>6} {:>8.1} {:>7.2}x  {:<24} {identical:<10} {per_round}",
+                "{:<14} {:<w$} {:>7} {tau:>6} {:>8.1} {:>7.2}x  {:<24} {identical:<10} {per_round}",
                 if i == 0 { set.as_str() } else { "" },
                 name,
                 r["prompts"].as_u64().unwrap_or(0),
