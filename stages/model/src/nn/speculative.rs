@@ -199,6 +199,17 @@ fn sample(weights: &[f32], rng: &mut rand_chacha::ChaCha8Rng) -> u32 {
 /// MT-Bench, 64 nodes, README "The seventh run").
 const LOOKUP_PATHS: usize = 3;
 
+/// `paths` cut to fit a tree of `budget` nodes beside its root: the later ones first.
+fn within_budget(mut paths: Vec<Vec<u32>>, budget: usize) -> Vec<Vec<u32>> {
+    let mut left = budget.saturating_sub(1);
+    for path in &mut paths {
+        path.truncate(left);
+        left -= path.len();
+    }
+    paths.retain(|p| !p.is_empty());
+    paths
+}
+
 /// Up to `paths` distinct continuations of the history's last `n` tokens (down to 1), from
 /// the latest match back, the longer matches first: what [`ngram_lookup`] proposes, then the
 /// next likeliest copies.
@@ -325,7 +336,10 @@ pub fn decode(
             // Prompt lookup's guess first: the drafter's tree takes the rest of the budget.
             let copied: Vec<Vec<u32>> = if *lookup > 0 && room > 0 {
                 let history: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
-                ngram_lookups(&history, *lookup, room, LOOKUP_PATHS)
+                within_budget(
+                    ngram_lookups(&history, *lookup, room, LOOKUP_PATHS),
+                    *budget,
+                )
             } else {
                 Vec::new()
             };
@@ -850,6 +864,12 @@ mod tests {
             vec![vec![7, 4], vec![9, 1], vec![7, 1]]
         );
         assert_eq!(ngram_lookups(&h, 3, 2, 1), vec![ngram_lookup(&h, 3, 2)]);
+        // A tree of 4 nodes holds the root and 3 copied tokens: the later paths are cut.
+        assert_eq!(
+            within_budget(ngram_lookups(&h, 3, 2, 3), 4),
+            vec![vec![7, 4], vec![9]]
+        );
+        assert!(within_budget(vec![vec![1, 2]], 1).is_empty());
         assert!(ngram_lookups(&[1, 2, 3], 3, 4, 3).is_empty());
         assert_eq!(
             ngram_lookup(&[1, 2, 3, 9, 1, 2, 3, 7, 1, 2], 3, 2),
