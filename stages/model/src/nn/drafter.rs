@@ -418,16 +418,7 @@ impl Drafter {
         let k = self
             .lin(&p("self_attn.k_proj.weight"), x.dtype())?
             .forward(x)?;
-        // Into heads with `contiguous3`: on a GPU, when decoding, one launch with the strides
-        // as arguments (in training the tensors are tracked and candle copies them).
-        let k = contiguous3(
-            &ops::rms_norm(
-                &k.reshape((s, c.kv_heads, c.head_dim))?,
-                self.w(&p("self_attn.k_norm.weight")),
-                c.eps,
-            )?
-            .transpose(0, 1)?,
-        )?;
+        let k = self.normed_heads(&k, c.kv_heads, &p("self_attn.k_norm.weight"))?;
         let v = contiguous3(
             &self
                 .lin(&p("self_attn.v_proj.weight"), x.dtype())?
@@ -436,6 +427,22 @@ impl Drafter {
                 .transpose(0, 1)?,
         )?;
         Ok((ops::rope(&k, cos, sin)?, v))
+    }
+
+    /// Projected rows `x` `[n, heads * head_dim]` as heads `[heads, n, head_dim]`, each
+    /// RMS-normed with the weights `norm`. Into heads with `contiguous3`: on a GPU, when
+    /// decoding, one launch with the strides as arguments (in training the tensors are tracked
+    /// and candle copies them).
+    fn normed_heads(&self, x: &Tensor, heads: usize, norm: &str) -> Result<Tensor> {
+        let c = &self.config;
+        contiguous3(
+            &ops::rms_norm(
+                &x.reshape((x.dim(0)?, heads, c.head_dim))?,
+                self.w(norm),
+                c.eps,
+            )?
+            .transpose(0, 1)?,
+        )
     }
 
     /// The blocks' final hidden states `[m, H]` (m a multiple of the block size B) given the
@@ -505,14 +512,7 @@ impl Drafter {
             let q = self
                 .lin(&p("self_attn.q_proj.weight"), dtype)?
                 .forward(&h)?;
-            let q = contiguous3(
-                &ops::rms_norm(
-                    &q.reshape((m, c.heads, c.head_dim))?,
-                    self.w(&p("self_attn.q_norm.weight")),
-                    c.eps,
-                )?
-                .transpose(0, 1)?,
-            )?;
+            let q = self.normed_heads(&q, c.heads, &p("self_attn.q_norm.weight"))?;
             let q = ops::rope(&q, &cos, &sin)?;
             let (bk, bv) = self.kv(&h, m, &p, &cos, &sin)?;
             let a = ops::packed_block_attention(
@@ -1005,7 +1005,7 @@ pub(crate) mod tests {
     /// A decoding round's block (one block seeing its whole context) through plain attention
     /// gives what the blocks' general form gives.
     #[test]
-    fn a_block_seeing_its_whole_context_is_plain_attention_frozen_or_not() {
+    fn a_block_seeing_its_whole_context_is_plain_attention() {
         let cpu = Device::Cpu;
         let mut init = Init::new(5);
         let (heads, kv, s, b, d) = (6, 2, 9, 4, 8);

@@ -19,6 +19,7 @@ use super::drafter::{ContextKv, Drafter};
 use super::target::{KvCache, Target};
 
 /// What proposes tokens each round.
+#[derive(Clone, Copy)]
 pub enum Proposer<'a> {
     /// Nothing: one token per target pass (the autoregressive baseline).
     Autoregressive,
@@ -238,22 +239,7 @@ pub fn ngram_lookups(history: &[u32], n: usize, max: usize, paths: usize) -> Vec
 /// Prompt lookup: up to `max` tokens that followed the latest earlier occurrence of the
 /// history's last `n`, `n - 1`, ... 1 tokens.
 pub fn ngram_lookup(history: &[u32], n: usize, max: usize) -> Vec<u32> {
-    let len = history.len();
-    for size in (1..=n.min(len.saturating_sub(1))).rev() {
-        let suffix = &history[len - size..];
-        // Latest occurrence that ends before the suffix itself starts.
-        if let Some(start) = (0..len - size)
-            .rev()
-            .find(|&i| &history[i..i + size] == suffix)
-        {
-            let from = start + size;
-            let to = (from + max).min(len);
-            if from < to {
-                return history[from..to].to_vec();
-            }
-        }
-    }
-    Vec::new()
+    ngram_lookups(history, n, max, 1).pop().unwrap_or_default()
 }
 
 /// Decode `prompt` with `target`, proposing with `proposer`.
@@ -269,7 +255,7 @@ pub fn decode(
         Proposer::Drafter(d) | Proposer::DrafterTree { drafter: d, .. } => Some(d.frozen()),
         _ => None,
     };
-    let proposer = &match (proposer, &frozen) {
+    let proposer = &match (*proposer, &frozen) {
         (Proposer::Drafter(_), Some(f)) => Proposer::Drafter(f),
         (
             Proposer::DrafterTree {
@@ -281,16 +267,11 @@ pub fn decode(
             Some(f),
         ) => Proposer::DrafterTree {
             drafter: f,
-            width: *width,
-            budget: *budget,
-            lookup: *lookup,
+            width,
+            budget,
+            lookup,
         },
-        (Proposer::Autoregressive, _) => Proposer::Autoregressive,
-        (Proposer::Ngram { n }, _) => Proposer::Ngram { n: *n },
-        (Proposer::Oracle(known), _) => Proposer::Oracle(known),
-        (Proposer::Drafter(_) | Proposer::DrafterTree { .. }, None) => {
-            unreachable!("a drafter's proposer has its frozen copy")
-        }
+        (p, _) => p,
     };
     let block = s.block_size.max(1);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(s.seed);
