@@ -24,19 +24,17 @@
 #     seconds left, and trains (the value it chose goes to $OUT: commit it to the pipeline);
 #   - `bring-back` exports the drafters and the bench results and keeps the store's whole small
 #     artifacts (`dflash copy --max-file-bytes 4M`) under $OUT, so they land on this machine.
-# The last session's calls (README "The seventh run"): `stash` x3; `stash; setup; probe fused |
-# grep strided; verify 300; PIPE=pipelines/smollm2-bench.yaml run 300; bring-back` (the sixth
-# run's drafter, the new binary); `run 540 --only drafter; bring-back` (1,600 more steps, with
-# pipelines/smollm2.yaml's max_steps 1600); `run 330 --only bench; bring-back; reference 4`; then
-# the 4,400-step drafter copied over .assets/smollm2-drafter there and 1,000 more steps.
-# The next: `pack-inputs BIN .gpu DRAFTER bench/results/smollm2-h100-expansion/store-small.tar.gz`
-# with DRAFTER the seventh run's last export (kept outside the repository,
-# .assets/smollm2-drafter-h100-5400); `stash` for a, b, d, then c with `setup`, `verify 300`
-# (passes up to 128 tokens: is a 128-node tree as cheap as 64?), `round 300 128` (where the
-# tree's round goes, phase by phase, with the drafter now frozen for decoding; trees of 64 and
-# 128, each with and without prompt lookup's path), `PIPE=pipelines/smollm2-bench.yaml run 400`
-# (that drafter, unbenched, `verify: all`: chain, tree, tree+lookup; 12 prompts a set), then
-# training on from it or the full sets with what is left; `hybrid 4 2048` needs ~200 s.
+# The last session's calls (README "The eighth run"): `stash` x3; `stash; setup; verify 300;
+# round 300 128`; `PIPE=pipelines/smollm2-bench.yaml run 420; bring-back` (the 5,400-step
+# drafter, `verify: all`, 128-node trees); `hybrid 4 2048` (141 s); on a fresh machine `stash`
+# x3; `stash; setup; run 535 --only drafter` (pipelines/smollm2.yaml's max_steps 2800, cut);
+# `run 340 --only drafter; bring-back` (resumed, done); the new drafter copied over
+# .assets/smollm2-drafter there and benched on 8 prompts a set, `verify: tree+lookup`.
+# The next: `pack-inputs BIN .gpu .assets/smollm2-drafter-h100-8200
+# bench/results/smollm2-h100-expansion/store-small.tar.gz`; `stash` for a, b, d, then c with
+# `setup`; the full sets with PIPE=pipelines/smollm2-bench.yaml, `prompts: all`-sized and
+# `verify: tree+lookup` (~4 s a prompt for autoregressive, prompt lookup and the graft: ~25
+# minutes over calls of `run 560`, each resuming at its next prompt), then `bring-back`.
 # PIPE=pipelines/smollm2-bench.yaml benches the stash's drafter (INIT) alone: a `command` stage
 # copies it into the store, so a drafter trained in one call (or session) is benched in another.
 

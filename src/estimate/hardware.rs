@@ -245,15 +245,15 @@ impl Assumptions {
             },
             Assumption {
                 name: "bench_drafter_round_ratio",
-                value: 1.8,
+                value: 1.5,
                 meaning: "a drafter's round (its pass and the verification), in target steps",
-                source: "measured: the same bench, a 3-layer drafter's chain round 10.2-10.8 ms against 5.8-6.5 ms (README \"The sixth run\")".into(),
+                source: "measured: the same bench, a 3-layer drafter's chain round 11.9-12.7 ms against 7.8-8.2 ms per step (1.8 before decoding ran a frozen copy of the drafter, README \"The eighth run\")".into(),
             },
             Assumption {
                 name: "bench_tree_round_ratio",
-                value: 2.2,
-                meaning: "a drafter's round verified as a tree (its pass and a 64-node target pass), in target steps",
-                source: "measured: the same bench, tree rounds of 64 nodes 11.5-12.6 ms against 5.2-5.7 ms (32 nodes: 12.5-13.5 against 5.8-6.5) (README \"The sixth run\")".into(),
+                value: 2.0,
+                meaning: "a drafter's round verified as a tree (its pass and a 128-node target pass, prompt lookup's paths in it or not), in target steps",
+                source: "measured: the same bench, tree rounds of 128 nodes 14.6-15.6 ms against 7.8-8.2 ms per step; 64 nodes cost the same (train_probe round: 15.7 against 15.9 ms) (README \"The eighth run\")".into(),
             },
             Assumption {
                 name: "tokenize_tokens_per_s",
