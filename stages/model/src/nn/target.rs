@@ -196,6 +196,51 @@ pub(super) struct Attention {
     pub(super) k_norm: Option<Tensor>,
     /// Qwen3.5's output gate: the output times sigmoid(gate) before `o`.
     pub(super) gated: bool,
+    /// `q`, `k` and `v` stacked `[(heads + 2 kv_heads) * head_dim, H]`, which `q`, `k` and `v`
+    /// are views of (no second copy of the weights): one matmul and one strided copy into heads
+    /// where three of each would run (a decoding pass on a small target is launch-bound: on an
+    /// H100 each launch costs about what SmolLM2's projection does). Dense, ungated layers only.
+    pub(super) qkv: Option<Linear>,
+}
+
+impl Attention {
+    /// The projections, `q`, `k` and `v` stacked into one weight when they are dense and the
+    /// queries carry no gate (see [`Self::qkv`]).
+    pub(super) fn new(
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        q_norm: Option<Tensor>,
+        k_norm: Option<Tensor>,
+        gated: bool,
+    ) -> Result<Self> {
+        let (q, k, v, qkv) = match (&q, &k, &v) {
+            (Linear::Dense(wq), Linear::Dense(wk), Linear::Dense(wv))
+                if !gated && wq.dtype() == wk.dtype() && wk.dtype() == wv.dtype() =>
+            {
+                let (nq, nk, nv) = (wq.dim(0)?, wk.dim(0)?, wv.dim(0)?);
+                let packed = Tensor::cat(&[wq, wk, wv], 0)?;
+                (
+                    Linear::Dense(packed.narrow(0, 0, nq)?),
+                    Linear::Dense(packed.narrow(0, nq, nk)?),
+                    Linear::Dense(packed.narrow(0, nq + nk, nv)?),
+                    Some(Linear::Dense(packed)),
+                )
+            }
+            _ => (q, k, v, None),
+        };
+        Ok(Self {
+            q,
+            k,
+            v,
+            o,
+            q_norm,
+            k_norm,
+            gated,
+            qkv,
+        })
+    }
 }
 
 impl Layer {
@@ -315,23 +360,23 @@ impl Target {
             let mut dense = |n: &str| tensor(&format!("blk.{i}.{n}.weight"))?.dequantize(device);
             layers.push(Layer {
                 attn_norm: dense("attn_norm")?,
-                mixer: Mixer::Attention(Attention {
-                    q: wq,
-                    k: wk,
-                    v: wv,
-                    o: wo,
-                    q_norm: if config.qk_norm {
+                mixer: Mixer::Attention(Attention::new(
+                    wq,
+                    wk,
+                    wv,
+                    wo,
+                    if config.qk_norm {
                         Some(dense("attn_q_norm")?)
                     } else {
                         None
                     },
-                    k_norm: if config.qk_norm {
+                    if config.qk_norm {
                         Some(dense("attn_k_norm")?)
                     } else {
                         None
                     },
-                    gated: false,
-                }),
+                    false,
+                )?),
                 ffn_norm: dense("ffn_norm")?,
                 mlp: Mlp::dense(gate, up, down),
             });
@@ -508,21 +553,21 @@ impl Target {
                     shape: h,
                 })
             } else {
-                Mixer::Attention(Attention {
-                    q: Linear::Dense(w("self_attn.q_proj.weight")?),
-                    k: Linear::Dense(w("self_attn.k_proj.weight")?),
-                    v: Linear::Dense(w("self_attn.v_proj.weight")?),
-                    o: Linear::Dense(w("self_attn.o_proj.weight")?),
-                    q_norm: config
+                Mixer::Attention(Attention::new(
+                    Linear::Dense(w("self_attn.q_proj.weight")?),
+                    Linear::Dense(w("self_attn.k_proj.weight")?),
+                    Linear::Dense(w("self_attn.v_proj.weight")?),
+                    Linear::Dense(w("self_attn.o_proj.weight")?),
+                    config
                         .qk_norm
                         .then(|| w("self_attn.q_norm.weight").and_then(centred))
                         .transpose()?,
-                    k_norm: config
+                    config
                         .qk_norm
                         .then(|| w("self_attn.k_norm.weight").and_then(centred))
                         .transpose()?,
-                    gated: hybrid_family,
-                })
+                    hybrid_family,
+                )?)
             };
             let sparse = !dense_layers.contains(&(i as u64)) && (i as u64 + 1) % sparse_step == 0;
             let mlp = match experts.filter(|_| sparse) {
@@ -605,23 +650,23 @@ impl Target {
         for _ in 0..c.layers {
             layers.push(Layer {
                 attn_norm: ones(c.hidden)?,
-                mixer: Mixer::Attention(Attention {
-                    q: Linear::Dense(w(q_width, c.hidden)?),
-                    k: Linear::Dense(w(kv_width, c.hidden)?),
-                    v: Linear::Dense(w(kv_width, c.hidden)?),
-                    o: Linear::Dense(w(c.hidden, q_width)?),
-                    q_norm: if c.qk_norm {
+                mixer: Mixer::Attention(Attention::new(
+                    Linear::Dense(w(q_width, c.hidden)?),
+                    Linear::Dense(w(kv_width, c.hidden)?),
+                    Linear::Dense(w(kv_width, c.hidden)?),
+                    Linear::Dense(w(c.hidden, q_width)?),
+                    if c.qk_norm {
                         Some(ones(c.head_dim)?)
                     } else {
                         None
                     },
-                    k_norm: if c.qk_norm {
+                    if c.qk_norm {
                         Some(ones(c.head_dim)?)
                     } else {
                         None
                     },
-                    gated: false,
-                }),
+                    false,
+                )?),
                 ffn_norm: ones(c.hidden)?,
                 mlp: Mlp::dense(
                     Linear::Dense(w(c.ffn, c.hidden)?),
@@ -698,15 +743,15 @@ impl Target {
             .iter()
             .map(|l| {
                 let mixer = match &l.mixer {
-                    Mixer::Attention(a) => Mixer::Attention(Attention {
-                        q: lin(&a.q)?,
-                        k: lin(&a.k)?,
-                        v: lin(&a.v)?,
-                        o: lin(&a.o)?,
-                        q_norm: opt(&a.q_norm)?,
-                        k_norm: opt(&a.k_norm)?,
-                        gated: a.gated,
-                    }),
+                    Mixer::Attention(a) => Mixer::Attention(Attention::new(
+                        lin(&a.q)?,
+                        lin(&a.k)?,
+                        lin(&a.v)?,
+                        lin(&a.o)?,
+                        opt(&a.q_norm)?,
+                        opt(&a.k_norm)?,
+                        a.gated,
+                    )?),
                     Mixer::Delta(d) => Mixer::Delta(DeltaNet {
                         shape: d.shape.clone(),
                         qkv: lin(&d.qkv)?,
@@ -1045,7 +1090,11 @@ impl Target {
         rotary: usize,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let (q_all, k_all, v_all) = (a.q.forward(h)?, a.k.forward(h)?, a.v.forward(h)?);
+        // One matmul over the stacked weight where there is one, three otherwise.
+        let projected = match &a.qkv {
+            Some(qkv) => Projected::Stacked(qkv.forward(h)?),
+            None => Projected::Apart(a.q.forward(h)?, a.k.forward(h)?, a.v.forward(h)?),
+        };
         let mut attended = Vec::with_capacity(seqs.len());
         for (s, (at, n, past, cos, sin, mask)) in seqs.iter_mut().zip(rows) {
             let (at, n) = (*at, *n);
@@ -1058,24 +1107,48 @@ impl Target {
                         .transpose(0, 1)?,
                 )
             };
-            // A gated layer's projection holds each head's query, then its gate.
-            let (mut q, gate) = if a.gated {
-                let both = q_all
-                    .narrow(0, at, n)?
-                    .reshape((n, c.heads, 2 * c.head_dim))?;
-                let q = contiguous3(&both.narrow(2, 0, c.head_dim)?.transpose(0, 1)?)?;
-                let gate = both
-                    .narrow(2, c.head_dim, c.head_dim)?
-                    .reshape((n, c.heads * c.head_dim))?;
-                (q, Some(gate))
-            } else {
-                (heads(&q_all, c.heads)?, None)
+            // With the projections stacked, the queries' and keys' heads side by side, `[heads +
+            // kv, n, d]`: rotated in one launch where no per-head norm comes first.
+            let mut joined = None;
+            let (mut q, gate, mut k, mut v) = match &projected {
+                // All heads in one copy, `[heads + 2 kv, n, d]`; q, k and v are its slices.
+                Projected::Stacked(all) => {
+                    let all = heads(all, c.heads + 2 * c.kv_heads)?;
+                    joined = Some(all.narrow(0, 0, c.heads + c.kv_heads)?);
+                    (
+                        all.narrow(0, 0, c.heads)?,
+                        None,
+                        all.narrow(0, c.heads, c.kv_heads)?,
+                        all.narrow(0, c.heads + c.kv_heads, c.kv_heads)?,
+                    )
+                }
+                // A gated layer's projection holds each head's query, then its gate.
+                Projected::Apart(q_all, k_all, v_all) if a.gated => {
+                    let both = q_all
+                        .narrow(0, at, n)?
+                        .reshape((n, c.heads, 2 * c.head_dim))?;
+                    let q = contiguous3(&both.narrow(2, 0, c.head_dim)?.transpose(0, 1)?)?;
+                    let gate = both
+                        .narrow(2, c.head_dim, c.head_dim)?
+                        .reshape((n, c.heads * c.head_dim))?;
+                    (
+                        q,
+                        Some(gate),
+                        heads(k_all, c.kv_heads)?,
+                        heads(v_all, c.kv_heads)?,
+                    )
+                }
+                Projected::Apart(q_all, k_all, v_all) => (
+                    heads(q_all, c.heads)?,
+                    None,
+                    heads(k_all, c.kv_heads)?,
+                    heads(v_all, c.kv_heads)?,
+                ),
             };
-            let mut k = heads(&k_all, c.kv_heads)?;
-            let mut v = heads(&v_all, c.kv_heads)?;
             if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
                 q = fused_norm(&q, qn, c.eps)?;
                 k = fused_norm(&k, kn, c.eps)?;
+                joined = None;
             }
             let rope_all = |t: &Tensor| -> Result<Tensor> {
                 if t.dtype() == DType::F64 && !self.rope_interleaved {
@@ -1098,7 +1171,16 @@ impl Target {
                 let passed = contiguous3(&t.narrow(2, rotary, c.head_dim - rotary)?)?;
                 Tensor::cat(&[&turned, &passed], 2)
             };
-            let (q, mut k) = (rope(&q)?, rope(&k)?);
+            let (q, mut k) = match joined {
+                Some(qk) => {
+                    let turned = rope(&qk)?;
+                    (
+                        turned.narrow(0, 0, c.heads)?,
+                        turned.narrow(0, c.heads, c.kv_heads)?,
+                    )
+                }
+                None => (rope(&q)?, rope(&k)?),
+            };
             if let Some(cache) = s.cache.as_mut() {
                 let slot = &mut cache.layers[i];
                 if let Some(Slot::Kv(pk, pv)) = slot.take() {
@@ -1121,6 +1203,12 @@ impl Target {
         };
         a.o.forward(&o)
     }
+}
+
+/// An attention layer's projections of a pass's rows: stacked (`Attention::qkv`) or apart.
+enum Projected {
+    Stacked(Tensor),
+    Apart(Tensor, Tensor, Tensor),
 }
 
 /// One sequence's rows of a pass: offset, count, past, rotary tables, mask.
@@ -1504,6 +1592,57 @@ fn causal_mask_after(past: usize, n: usize, dtype: DType, device: &Device) -> Re
 mod tests {
     use super::*;
 
+    /// Stacked projections (`Attention::qkv`: one matmul, one copy into heads, one rotation of
+    /// queries and keys together) give what the three apart give, over a prefill, a few tokens
+    /// after it and a tree, with and without Qwen3's per-head norms.
+    #[test]
+    fn stacked_projections_pass_what_separate_ones_do() {
+        for qk_norm in [false, true] {
+            let config = TargetConfig {
+                family: if qk_norm { "qwen3" } else { "llama" }.into(),
+                hidden: 32,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 8,
+                ffn: 48,
+                vocab: 50,
+                eps: 1e-6,
+                rope_theta: 10_000.0,
+                qk_norm,
+                context: 128,
+                hybrid: None,
+            };
+            let stacked = Target::random(config.clone(), 5, DType::F32, &Device::Cpu).unwrap();
+            let mut apart = Target::random(config, 5, DType::F32, &Device::Cpu).unwrap();
+            for l in &mut apart.layers {
+                if let Mixer::Attention(a) = &mut l.mixer {
+                    assert!(a.qkv.take().is_some(), "a dense layer is stacked");
+                }
+            }
+            let run = |t: &Target| -> Vec<Vec<f32>> {
+                let mut cache = KvCache::default();
+                let (a, _) = t.extend(&[3, 9, 4, 17, 8, 2], &mut cache, &[0]).unwrap();
+                let (b, taps) = t.extend(&[11, 5, 7], &mut cache, &[1]).unwrap();
+                let (c, _) = t
+                    .extend_tree(&[6, 1, 13, 2], &[usize::MAX, 0, 0, 1], &mut cache, &[0])
+                    .unwrap();
+                [a, b, taps.unwrap(), c]
+                    .iter()
+                    .map(|x| x.flatten_all().unwrap().to_vec1().unwrap())
+                    .collect()
+            };
+            for (x, y) in run(&stacked).iter().zip(run(&apart)) {
+                let worst = x
+                    .iter()
+                    .zip(&y)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(worst < 1e-5, "qk_norm {qk_norm}: {worst}");
+            }
+        }
+    }
+
     /// The routed experts against the definition: every expert on every token, weighted by
     /// the router's softmax kept at each token's top k and renormalised; plus the gated shared
     /// expert.
@@ -1519,15 +1658,18 @@ mod tests {
             .collect();
         let layer = Layer {
             attn_norm: Tensor::ones(h, DType::F64, &cpu).unwrap(),
-            mixer: Mixer::Attention(Attention {
-                q: dense(w(h, h)),
-                k: dense(w(h, h)),
-                v: dense(w(h, h)),
-                o: dense(w(h, h)),
-                q_norm: None,
-                k_norm: None,
-                gated: false,
-            }),
+            mixer: Mixer::Attention(
+                Attention::new(
+                    dense(w(h, h)),
+                    dense(w(h, h)),
+                    dense(w(h, h)),
+                    dense(w(h, h)),
+                    None,
+                    None,
+                    false,
+                )
+                .unwrap(),
+            ),
             ffn_norm: Tensor::ones(h, DType::F64, &cpu).unwrap(),
             mlp: Mlp::Experts(Moe {
                 router: dense(w(experts, h)),
