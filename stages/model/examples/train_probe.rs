@@ -494,6 +494,30 @@ fn fused(_args: &[String]) -> Result<()> {
             );
         }
     }
+    // SwiGLU over a stacked gate-and-up projection (SmolLM2's MLP, 1,536 wide, over 1 and 64
+    // rows): the packed kernel against the two-input one on the halves copied apart (exact).
+    for dtype in [DType::F32, DType::BF16] {
+        for rows in [1, 64] {
+            let gu = init
+                .normal(&[rows, 2 * 1536], 2.0, DType::F32, &cpu)?
+                .to_dtype(dtype)?
+                .to_device(&device)?;
+            let ten = |f: &dyn Fn() -> Result<Tensor>| ten_in_a_row(&device, f);
+            let (got, ms) = ten(&|| Ok(fused::swiglu_packed(&gu)?))?;
+            let (want, ms_apart) = ten(&|| {
+                Ok(fused::swiglu(
+                    &gu.narrow(1, 0, 1536)?.contiguous()?,
+                    &gu.narrow(1, 1536, 1536)?.contiguous()?,
+                )?)
+            })?;
+            println!(
+                "{}",
+                serde_json::json!({"phase": "fused", "check": format!("swiglu_packed_{rows}"), "dtype": format!("{dtype:?}"),
+                    "device": format!("{device:?}"), "max_abs_diff": worst(&got.to_device(&cpu)?, &want.to_device(&cpu)?)?,
+                    "ms": ms, "ms_apart": ms_apart})
+            );
+        }
+    }
     // The Gated DeltaNet state times each head's chunk decay (48 heads of 128 x 128): the kernel
     // against the broadcast product on the device (exact), and both times, ten in a row.
     let st = init

@@ -86,14 +86,36 @@ pub(super) enum Mlp {
         gate: Linear,
         up: Linear,
         down: Linear,
+        /// `gate` and `up` stacked `[2 ffn, H]` (they are its views): one matmul and the
+        /// packed SwiGLU where two matmuls and the SwiGLU would run. Dense weights only.
+        gate_up: Option<Linear>,
     },
     /// A mixture of experts.
     Experts(Moe),
 }
 
 impl Mlp {
-    fn dense(gate: Linear, up: Linear, down: Linear) -> Self {
-        Self::Dense { gate, up, down }
+    fn dense(gate: Linear, up: Linear, down: Linear) -> Result<Self> {
+        let (gate, up, gate_up) = match (&gate, &up) {
+            (Linear::Dense(g), Linear::Dense(u))
+                if g.dtype() == u.dtype() && g.dims() == u.dims() =>
+            {
+                let f = g.dim(0)?;
+                let packed = Tensor::cat(&[g, u], 0)?;
+                (
+                    Linear::Dense(packed.narrow(0, 0, f)?),
+                    Linear::Dense(packed.narrow(0, f, f)?),
+                    Some(Linear::Dense(packed)),
+                )
+            }
+            _ => (gate, up, None),
+        };
+        Ok(Self::Dense {
+            gate,
+            up,
+            down,
+            gate_up,
+        })
     }
 }
 
@@ -174,7 +196,12 @@ impl Layer {
     pub(super) fn mlp(&self, h: &Tensor) -> Result<Tensor> {
         match &self.mlp {
             Mlp::Experts(moe) => moe.forward(h),
-            Mlp::Dense { gate, up, down } => super::ops::swiglu(h, gate, up, down),
+            Mlp::Dense {
+                gate_up: Some(gu),
+                down,
+                ..
+            } => down.forward(&super::fused::swiglu_packed(&gu.forward(h)?)?),
+            Mlp::Dense { gate, up, down, .. } => super::ops::swiglu(h, gate, up, down),
         }
     }
 }
@@ -378,7 +405,7 @@ impl Target {
                     false,
                 )?),
                 ffn_norm: dense("ffn_norm")?,
-                mlp: Mlp::dense(gate, up, down),
+                mlp: Mlp::dense(gate, up, down)?,
             });
         }
         let config = TargetConfig {
@@ -575,7 +602,7 @@ impl Target {
                     Linear::Dense(w("mlp.gate_proj.weight")?),
                     Linear::Dense(w("mlp.up_proj.weight")?),
                     Linear::Dense(w("mlp.down_proj.weight")?),
-                ),
+                )?,
                 Some((count, top_k)) => {
                     // Checkpoints hold one tensor per expert (transformers fuses them at load).
                     let mut list = Vec::with_capacity(count);
@@ -672,7 +699,7 @@ impl Target {
                     Linear::Dense(w(c.ffn, c.hidden)?),
                     Linear::Dense(w(c.ffn, c.hidden)?),
                     Linear::Dense(w(c.hidden, c.ffn)?),
-                ),
+                )?,
             });
         }
         let lm_head = w(c.vocab, c.hidden)?;
@@ -704,7 +731,7 @@ impl Target {
             out.push((p("input_layernorm"), l.attn_norm.clone()));
             out.push((p("post_attention_layernorm"), l.ffn_norm.clone()));
             // Hybrids' layers are not written back (nothing reads them in this layout).
-            let (Ok(a), Mlp::Dense { gate, up, down }) = (l.attention(), &l.mlp) else {
+            let (Ok(a), Mlp::Dense { gate, up, down, .. }) = (l.attention(), &l.mlp) else {
                 continue;
             };
             for (n, x) in [
@@ -767,7 +794,9 @@ impl Target {
                     }),
                 };
                 let mlp = match &l.mlp {
-                    Mlp::Dense { gate, up, down } => Mlp::dense(lin(gate)?, lin(up)?, lin(down)?),
+                    Mlp::Dense { gate, up, down, .. } => {
+                        Mlp::dense(lin(gate)?, lin(up)?, lin(down)?)?
+                    }
                     Mlp::Experts(m) => Mlp::Experts(Moe {
                         router: lin(&m.router)?,
                         experts: m
@@ -1593,8 +1622,9 @@ mod tests {
     use super::*;
 
     /// Stacked projections (`Attention::qkv`: one matmul, one copy into heads, one rotation of
-    /// queries and keys together) give what the three apart give, over a prefill, a few tokens
-    /// after it and a tree, with and without Qwen3's per-head norms.
+    /// queries and keys together; the MLP's `gate_up` and the packed SwiGLU) give what the ones
+    /// apart give, over a prefill, a few tokens after it and a tree, with and without Qwen3's
+    /// per-head norms.
     #[test]
     fn stacked_projections_pass_what_separate_ones_do() {
         for qk_norm in [false, true] {
@@ -1618,6 +1648,9 @@ mod tests {
             for l in &mut apart.layers {
                 if let Mixer::Attention(a) = &mut l.mixer {
                     assert!(a.qkv.take().is_some(), "a dense layer is stacked");
+                }
+                if let Mlp::Dense { gate_up, .. } = &mut l.mlp {
+                    assert!(gate_up.take().is_some(), "a dense MLP is stacked");
                 }
             }
             let run = |t: &Target| -> Vec<Vec<f32>> {

@@ -426,6 +426,26 @@ pub fn swiglu(g: Arg<'_>, u: Arg<'_>) -> Result<CudaStorage> {
     })
 }
 
+/// SwiGLU over rows holding the gate's `f` outputs then the up projection's: `[rows, f]` out.
+pub fn swiglu_packed(gu: Arg<'_>, f: usize) -> Result<CudaStorage> {
+    by_type!(gu.0.dtype(), "swiglu-packed", |T| {
+        let dev = gu.0.device();
+        let n = gu.1.shape().elem_count() / 2;
+        let src = view::<T>(gu)?;
+        let out = fresh::<T>(dev, n)?;
+        let f32_ = f as u32;
+        // Reads 2n elements, writes n.
+        launch!(
+            dev,
+            "swiglu_packed",
+            T,
+            elementwise(n),
+            [&src, &out, &n, &f32_]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
 /// A Gated DeltaNet layer's causal convolution and SiLU (`conv.rs`), f32 out.
 pub fn causal_conv_silu(x: Arg<'_>, w: Arg<'_>, k: usize) -> Result<CudaStorage> {
     by_type!(x.0.dtype(), "causal-conv-silu", |T| {

@@ -197,6 +197,17 @@ __device__ void swiglu(const T* g, const T* u, T* h, size_t n) {
     }
 }
 
+// h[r, j] = silu(gu[r, j]) * gu[r, f + j]: SwiGLU over rows that hold the gate's f outputs then
+// the up projection's (one matmul over the two weights stacked), h [rows, f].
+template <typename T>
+__device__ void swiglu_packed(const T* gu, T* h, size_t n, uint32_t f) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / f, j = i % f;
+        float a = load(gu, 2 * f * r + j);
+        store(h, i, a / (1.0f + __expf(-a)) * load(gu, 2 * f * r + f + j));
+    }
+}
+
 // y[t, c] = silu(sum_j w[c, j] * x[t + j, c]): a Gated DeltaNet layer's depthwise causal
 // convolution over the carried-then-new inputs x [rows + k - 1, channels] and its SiLU, in f32.
 // Consecutive threads take consecutive channels, so each tap's loads are coalesced.
@@ -431,6 +442,9 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     }                                                                                                  \
     extern "C" __global__ void swiglu_##NAME(const T* g, const T* u, T* h, size_t n) {                 \
         swiglu(g, u, h, n);                                                                            \
+    }                                                                                                  \
+    extern "C" __global__ void swiglu_packed_##NAME(const T* gu, T* h, size_t n, uint32_t f) {          \
+        swiglu_packed(gu, h, n, f);                                                                    \
     }                                                                                                  \
     extern "C" __global__ void swiglu_grad_##NAME(const T* g, const T* u, const T* dh, T* out, size_t n, \
                                                   int which) {                                         \

@@ -294,5 +294,5 @@ pub use nodes::linear;
 pub(crate) use nodes::{Saved, attention_node};
 pub use norm::{rms_norm, rope};
 pub use softmax::{masked_softmax, softmax_grad};
-pub use swiglu::swiglu;
+pub use swiglu::{swiglu, swiglu_packed};
 pub use topk::{MAX_K as TOP_K_MAX, top_k};

@@ -34,6 +34,46 @@ fused_op! {
     };
 }
 
+/// `silu(g) * u` for rows `gu` `[rows, 2f]` that hold the gate's `f` outputs then the up
+/// projection's (one matmul over the two weights stacked, a frozen target's MLP): `[rows, f]`.
+/// Forward only.
+pub fn swiglu_packed(gu: &Tensor) -> Result<Tensor> {
+    let (rows, both) = gu.dims2()?;
+    if both % 2 != 0 {
+        bail!("swiglu-packed: rows of {both}, not a gate and an up half");
+    }
+    gu.contiguous()?
+        .apply_op1_no_bwd(&SwigluPacked { f: both / 2 })?
+        .reshape((rows, both / 2))
+}
+
+fused_op! {
+    /// `silu(g) * u` over rows `[g | u]`.
+    SwigluPacked { f: usize } = "swiglu-packed", inputs(gu);
+    cpu(op) => Ok((swiglu_packed_cpu(gu, op.f)?, (gu.1.shape().elem_count() / 2,).into()));
+    cuda(op) => Ok((
+        super::cuda::swiglu_packed(gu, op.f)?,
+        (gu.1.shape().elem_count() / 2,).into(),
+    ));
+}
+
+fn swiglu_packed_cpu(gu: CpuArg<'_>, f: usize) -> Result<CpuStorage> {
+    fn go<T: WithDType>((s, l): CpuArg<'_>, f: usize) -> Result<CpuStorage> {
+        let gu = cpu::<T>(s, l)?;
+        let out: Vec<T> = gu
+            .par_chunks(2 * f)
+            .flat_map_iter(|row| {
+                let (g, u) = row.split_at(f);
+                g.iter()
+                    .zip(u)
+                    .map(|(g, u)| T::from_f64(silu_parts(g.to_f64()).0 * u.to_f64()))
+            })
+            .collect();
+        Ok(T::to_cpu_storage_owned(out))
+    }
+    by_float!(gu.0.dtype(), "swiglu-packed", go(gu, f))
+}
+
 fused_op! {
     /// The gradient of the gate input (`up: false`) or of the up input, given the output's.
     SwigluGrad { up: bool } = "swiglu-grad", inputs(g, u, dh);

@@ -262,6 +262,23 @@ fn swiglu_and_its_gradients_match_the_composed_ops() {
     }
 }
 
+/// The packed SwiGLU (rows of the gate's outputs, then the up projection's) is the two-input
+/// one on the halves, bit for bit; an odd width is refused.
+#[test]
+fn packed_swiglu_is_swiglu_on_the_halves() {
+    let gu = (randn(&[5, 2 * 13], 21) * 3.0).unwrap();
+    let got = swiglu_packed(&gu).unwrap();
+    let want = swiglu(
+        &gu.narrow(1, 0, 13).unwrap().contiguous().unwrap(),
+        &gu.narrow(1, 13, 13).unwrap().contiguous().unwrap(),
+    )
+    .unwrap();
+    assert_eq!(got.dims(), &[5, 13]);
+    assert_eq!(max_diff(&got, &want), 0.0);
+    let e = swiglu_packed(&randn(&[2, 7], 22)).unwrap_err();
+    assert!(e.to_string().contains("swiglu-packed"), "{e}");
+}
+
 /// k argmaxes, each pick masked before the next: what the fused top-k replaced.
 /// The composed taps the fused convolution replaced: `silu(sum_j w[:, j] * x[t + j])` in f64.
 fn composed_taps(x: &Tensor, w: &Tensor) -> Tensor {
