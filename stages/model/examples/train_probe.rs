@@ -494,6 +494,42 @@ fn fused(_args: &[String]) -> Result<()> {
             );
         }
     }
+    // A residual's add and the next RMSNorm in one kernel (SmolLM2's 576 wide, 1 and 64 rows):
+    // against the add and candle's RMSNorm on the device (the sum exact, the norm to rounding).
+    for dtype in [DType::F32, DType::BF16] {
+        for rows in [1, 64] {
+            let mut on = |seed: &[usize], s: f64| -> Result<Tensor> {
+                Ok(init
+                    .normal(seed, s, DType::F32, &cpu)?
+                    .to_dtype(dtype)?
+                    .to_device(&device)?)
+            };
+            let (x, r, w) = (
+                on(&[rows, 576], 1.0)?,
+                on(&[rows, 576], 1.0)?,
+                on(&[576], 1.0)?,
+            );
+            let ten = |f: &dyn Fn() -> Result<Tensor>| ten_in_a_row(&device, f);
+            let (got, ms) = ten(&|| {
+                let (s, y) = fused::add_rms_norm(&x, &r, &w, 1e-5)?;
+                Ok(Tensor::cat(&[&s, &y], 0)?)
+            })?;
+            let (want, ms_apart) = ten(&|| {
+                let s = (&x + &r)?;
+                let y = candle_nn::ops::rms_norm(&s, &w, 1e-5)?;
+                Ok(Tensor::cat(&[&s, &y], 0)?)
+            })?;
+            let (got, want) = (got.to_device(&cpu)?, want.to_device(&cpu)?);
+            println!(
+                "{}",
+                serde_json::json!({"phase": "fused", "check": format!("add_rms_norm_{rows}"), "dtype": format!("{dtype:?}"),
+                    "device": format!("{device:?}"),
+                    "sum_max_abs_diff": worst(&got.narrow(0, 0, rows)?, &want.narrow(0, 0, rows)?)?,
+                    "norm_max_abs_diff": worst(&got.narrow(0, rows, rows)?, &want.narrow(0, rows, rows)?)?,
+                    "ms": ms, "ms_apart": ms_apart})
+            );
+        }
+    }
     // SwiGLU over a stacked gate-and-up projection (SmolLM2's MLP, 1,536 wide, over 1 and 64
     // rows): the packed kernel against the two-input one on the halves copied apart (exact).
     for dtype in [DType::F32, DType::BF16] {

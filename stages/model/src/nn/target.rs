@@ -308,6 +308,23 @@ pub(super) fn fused_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)
 }
 
+/// A residual's sum `x + r` and its norm by `w`: on a GPU one kernel ([`super::fused::add_rms_norm`])
+/// where the add and the norm would be two launches (a small target's layer is launch-bound), on
+/// the CPU the two ops as they always ran (bit for bit).
+fn add_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let fused = x.device().is_cuda()
+        && matches!(x.dtype(), DType::F32 | DType::BF16)
+        && x.rank() == 2
+        && !x.track_op()
+        && !r.track_op();
+    if fused {
+        return super::fused::add_rms_norm(x, r, w, eps);
+    }
+    let sum = (x + r)?;
+    let normed = fused_norm(&sum, w, eps)?;
+    Ok((sum, normed))
+}
+
 impl Target {
     /// Load a GGUF file (architectures `llama` and `qwen3`). Small targets are dequantized:
     /// dense f32 matmuls beat candle's quantized dot products on CPU, for training and for
@@ -1069,8 +1086,14 @@ impl Target {
         }
         let mut x = self.embed(&Tensor::new(all_ids.as_slice(), device)?)?;
         let mut out = std::collections::BTreeMap::new();
+        // Each residual add and the norm after it in one (`add_norm`): the next layer's input
+        // norm comes out of this layer's last add.
+        let mut normed: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate().take(upto) {
-            let h = fused_norm(&x, &layer.attn_norm, c.eps)?;
+            let h = match normed.take() {
+                Some(h) => h,
+                None => fused_norm(&x, &layer.attn_norm, c.eps)?,
+            };
             let mixed = match &layer.mixer {
                 Mixer::Attention(a) => self.attend(a, i, &h, seqs, &rows, rotary)?,
                 Mixer::Delta(d) => {
@@ -1085,9 +1108,16 @@ impl Target {
                     }
                 }
             };
-            x = (x + mixed)?;
-            let h = fused_norm(&x, &layer.ffn_norm, c.eps)?;
-            x = (&x + layer.mlp(&h)?)?;
+            let (sum, h) = add_norm(&x, &mixed, &layer.ffn_norm, c.eps)?;
+            let m = layer.mlp(&h)?;
+            x = match self.layers.get(i + 1).filter(|_| i + 1 < upto) {
+                Some(next) => {
+                    let (sum, h) = add_norm(&sum, &m, &next.attn_norm, c.eps)?;
+                    normed = Some(h);
+                    sum
+                }
+                None => (sum + m)?,
+            };
             if taps.contains(&i) {
                 out.insert(i, x.clone());
             }

@@ -208,6 +208,26 @@ pub fn rms_norm(x: Arg<'_>, w: Arg<'_>, eps: f32) -> Result<CudaStorage> {
     })
 }
 
+/// A residual's sum and its RMSNorm, `[2, count, n]`: the sums, then the normed rows.
+pub fn add_rms_norm(x: Arg<'_>, r: Arg<'_>, w: Arg<'_>, eps: f32) -> Result<CudaStorage> {
+    by_type!(x.0.dtype(), "add-rms-norm", |T| {
+        let dev = x.0.device();
+        let (count, n) = rows(x.1);
+        let (xs, rs, ws) = (view::<T>(x)?, view::<T>(r)?, view::<T>(w)?);
+        let out = fresh::<T>(dev, 2 * count * n)?;
+        let n32 = n as u32;
+        // Reads count*n elements of x and of r and n of w, writes 2*count*n.
+        launch!(
+            dev,
+            "add_rms_norm",
+            T,
+            per_row(count, n),
+            [&xs, &rs, &ws, &out, &count, &n32, &eps]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
 /// RMSNorm's input gradient.
 pub fn rms_norm_grad(x: Arg<'_>, w: Arg<'_>, dy: Arg<'_>, eps: f32) -> Result<CudaStorage> {
     by_type!(x.0.dtype(), "rms-norm-grad", |T| {

@@ -142,6 +142,25 @@ __device__ void rms_norm(const T* x, const T* w, T* y, uint32_t n, float eps) {
     for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) store(yr, j, load(xr, j) * r * load(w, j));
 }
 
+// A residual's sum and its RMSNorm in one pass: per row, s = x + r (rounded to T, as the add
+// alone stores it) into out's first `rows` rows and rms_norm(s) * w into the next `rows`.
+template <typename T>
+__device__ void add_rms_norm(const T* x, const T* r, const T* w, T* out, size_t rows, uint32_t n, float eps) {
+    size_t row = blockIdx.x;
+    const T* xr = x + row * n;
+    const T* rr = r + row * n;
+    T* sr = out + row * n;
+    T* yr = out + (rows + row) * n;
+    float sq = 0.0f;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+        store(sr, j, load(xr, j) + load(rr, j));
+        float v = load(sr, j);
+        sq += v * v;
+    }
+    float rs = rsqrtf(block_reduce<false>(sq) / n + eps);
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) store(yr, j, load(sr, j) * rs * load(w, j));
+}
+
 // dx = r * (dy * w) - x * r^3 * mean(dy * w * x) per row, r = rsqrt(mean(x^2) + eps).
 template <typename T>
 __device__ void rms_norm_grad(const T* x, const T* w, const T* dy, T* dx, uint32_t n, float eps) {
@@ -428,6 +447,10 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     }                                                                                                  \
     extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, uint32_t n, float eps) {  \
         rms_norm(x, w, y, n, eps);                                                                     \
+    }                                                                                                  \
+    extern "C" __global__ void add_rms_norm_##NAME(const T* x, const T* r, const T* w, T* out,          \
+                                                   size_t rows, uint32_t n, float eps) {               \
+        add_rms_norm(x, r, w, out, rows, n, eps);                                                      \
     }                                                                                                  \
     extern "C" __global__ void rms_norm_grad_##NAME(const T* x, const T* w, const T* dy, T* dx,        \
                                                     uint32_t n, float eps) {                           \

@@ -292,7 +292,7 @@ pub use head::{HeadLoss, head_cross_entropy};
 pub use loss::cross_entropy;
 pub use nodes::linear;
 pub(crate) use nodes::{Saved, attention_node};
-pub use norm::{rms_norm, rope};
+pub use norm::{add_rms_norm, rms_norm, rope};
 pub use softmax::{masked_softmax, softmax_grad};
 pub use swiglu::{swiglu, swiglu_packed};
 pub use topk::{MAX_K as TOP_K_MAX, top_k};

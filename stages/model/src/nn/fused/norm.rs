@@ -17,6 +17,71 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&weight, RmsNorm { eps })
 }
 
+/// A residual's sum `x + r` and its RMSNorm times `weight`, in one pass over the rows (a frozen
+/// target's layers, where each residual add is followed by the next norm): `(sum, normed)`.
+/// Forward only; `x`, `r` `[rows, n]` of one dtype.
+pub fn add_rms_norm(x: &Tensor, r: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let (count, n) = x.dims2()?;
+    if r.dims() != [count, n] || r.dtype() != x.dtype() || weight.dims() != [n] {
+        bail!(
+            "add_rms_norm: x {:?} {:?}, r {:?} {:?}, weight {:?}",
+            x.dims(),
+            x.dtype(),
+            r.dims(),
+            r.dtype(),
+            weight.dims()
+        );
+    }
+    let weight = weight.to_dtype(x.dtype())?.contiguous()?;
+    let both = x
+        .contiguous()?
+        .apply_op3_no_bwd(&r.contiguous()?, &weight, &AddRmsNorm { eps })?
+        .reshape((2, count, n))?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
+fused_op! {
+    /// A residual's sum and its RMSNorm, `[2 * rows * n]`: the sums, then the normed rows.
+    AddRmsNorm { eps: f64 } = "add-rms-norm", inputs(x, r, w);
+    cpu(op) => Ok((add_rms_norm_cpu(x, r, w, op.eps)?, (2 * x.1.shape().elem_count(),).into()));
+    cuda(op) => Ok((
+        super::cuda::add_rms_norm(x, r, w, op.eps as f32)?,
+        (2 * x.1.shape().elem_count(),).into(),
+    ));
+}
+
+/// The kernel's arithmetic: the sum rounded to `T`, its norm in f64.
+fn add_rms_norm_cpu(x: CpuArg<'_>, r: CpuArg<'_>, w: CpuArg<'_>, eps: f64) -> Result<CpuStorage> {
+    fn go<T: WithDType>(
+        (s1, l1): CpuArg<'_>,
+        (s2, l2): CpuArg<'_>,
+        (s3, l3): CpuArg<'_>,
+        eps: f64,
+    ) -> Result<CpuStorage> {
+        let (x, r, w) = (cpu::<T>(s1, l1)?, cpu::<T>(s2, l2)?, cpu::<T>(s3, l3)?);
+        let n = w.len();
+        let sums: Vec<T> = x
+            .iter()
+            .zip(r)
+            .map(|(a, b)| T::from_f64(a.to_f64() + b.to_f64()))
+            .collect();
+        let normed: Vec<T> = sums
+            .par_chunks(n)
+            .flat_map_iter(|row| {
+                let ms = row.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / n as f64;
+                let rs = 1.0 / (ms + eps).sqrt();
+                row.iter()
+                    .zip(w)
+                    .map(move |(v, g)| T::from_f64(v.to_f64() * rs * g.to_f64()))
+            })
+            .collect();
+        let mut out = sums;
+        out.extend(normed);
+        Ok(T::to_cpu_storage_owned(out))
+    }
+    by_float!(x.0.dtype(), "add-rms-norm", go(x, r, w, eps))
+}
+
 /// The rotate-half ("neox", Hugging Face) rotary embedding of `x` `[.., n, d]` by `cos`, `sin`
 /// `[n, d / 2]`. Differentiable in `x`: the gradient is the inverse rotation.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {

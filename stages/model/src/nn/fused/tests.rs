@@ -262,6 +262,22 @@ fn swiglu_and_its_gradients_match_the_composed_ops() {
     }
 }
 
+/// The residual's sum and its norm in one op: the sum exactly as the add gives it, the norm
+/// as RMSNorm gives it over that sum (f64); mismatched shapes are refused.
+#[test]
+fn add_and_norm_is_the_sum_then_its_norm() {
+    let x = randn(&[6, 20], 31);
+    let r = randn(&[6, 20], 32);
+    let w = randn(&[20], 33);
+    let (sum, normed) = add_rms_norm(&x, &r, &w, 1e-6).unwrap();
+    let want_sum = (&x + &r).unwrap();
+    assert_eq!(max_diff(&sum, &want_sum), 0.0);
+    let want = rms_norm(&want_sum, &w, 1e-6).unwrap();
+    assert!(max_diff(&normed, &want) < 1e-12, "{normed} vs {want}");
+    let e = add_rms_norm(&x, &randn(&[5, 20], 34), &w, 1e-6).unwrap_err();
+    assert!(e.to_string().contains("add_rms_norm"), "{e}");
+}
+
 /// The packed SwiGLU (rows of the gate's outputs, then the up projection's) is the two-input
 /// one on the halves, bit for bit; an odd width is refused.
 #[test]
