@@ -324,13 +324,8 @@ pub fn decode(
             } else {
                 Vec::new()
             };
-            let full_budget = *budget;
-            let along: usize = std::env::var("DFLASH_ALONG")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0);
             let budget = &budget
-                .saturating_sub(copied.iter().map(Vec::len).sum::<usize>() + along)
+                .saturating_sub(copied.iter().map(Vec::len).sum())
                 .max(1);
             let mut tree = if room == 0 {
                 Tree::root(anchor)
@@ -360,20 +355,6 @@ pub fn decode(
             };
             for path in &copied {
                 tree.graft(path);
-            }
-            if *lookup > 0 && along > 0 && room > 0 {
-                let history: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
-                let chain = tree.first_path();
-                for j in 1..=chain.len().min(room - 1) {
-                    let mut h = history.clone();
-                    h.extend_from_slice(&chain[..j]);
-                    let cont = ngram_lookup(&h, *lookup, room - j);
-                    if cont.is_empty() {
-                        continue;
-                    }
-                    let path: Vec<u32> = chain[..j].iter().chain(&cont).copied().collect();
-                    tree.graft_within(&path, full_budget);
-                }
             }
             laps.lap("tree")?;
             out.propose_seconds += round.elapsed().as_secs_f64();
@@ -593,35 +574,6 @@ impl Tree {
                 }
             };
         }
-    }
-
-    /// [`Self::graft`], stopping once the tree holds `budget` nodes.
-    pub fn graft_within(&mut self, path: &[u32], budget: usize) {
-        let mut node = 0;
-        for &t in path {
-            node = match (1..self.tokens.len())
-                .find(|&c| self.parents[c] == node && self.tokens[c] == t)
-            {
-                Some(c) => c,
-                None if self.tokens.len() < budget => {
-                    self.tokens.push(t);
-                    self.parents.push(node);
-                    self.tokens.len() - 1
-                }
-                None => return,
-            };
-        }
-    }
-
-    /// The tokens down each node's first child from the root: a best-first tree's likeliest path.
-    pub fn first_path(&self) -> Vec<u32> {
-        let mut out = Vec::new();
-        let mut node = 0;
-        while let Some(c) = (node + 1..self.tokens.len()).find(|&c| self.parents[c] == node) {
-            out.push(self.tokens[c]);
-            node = c;
-        }
-        out
     }
 
     fn root(token: u32) -> Self {
