@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Runs pipelines/smollm2.yaml on the GPU machine (the `device` tool: no Rust, no network, 64 MiB
 # carried per call, everything forgotten once the machine goes idle). The data flow:
-#   - here, `bench/gpu/story.sh pack-inputs BIN .gpu [INIT [SEED]]` fills .gpu/a, .gpu/b and
-#     .gpu/c (`.gpu/` is in .git/info/exclude): the SmolLM2 GGUF split in two (98 MB is over
-#     one call's 64 MiB), then the CUDA build of dflash and `train_probe` (xz), ShareGPT (xz),
+#   - here, `bench/gpu/story.sh pack-inputs BIN .gpu [INIT [SEED]]` fills .gpu/a, .gpu/b,
+#     .gpu/e and .gpu/c (`.gpu/` is in .git/info/exclude): the SmolLM2 GGUF split in three (98
+#     MB is over one call's 64 MiB, with the working tree beside it), then the CUDA build of dflash and `train_probe` (xz), ShareGPT (xz),
 #     the benchmark sets, the wheels (the reference package, gguf, flash-linear-attention);
 #     given INIT (an exported drafter/ folder, 24 MB), that drafter, which the run then starts
 #     from (train's `init:`), and given SEED (a store folder, or a `store-small.tar.gz` that
 #     `bring-back` brought and was committed: bench/results/smollm2-h100-expansion/ has both
 #     batches' completions), its whole small artifacts, both in .gpu/d; `setup` unpacks the
 #     seed into the run's store, so what an earlier session generated is cached;
-#   - each call carries one part (the device tool's `carry: [".gpu/a"]`, then ".gpu/b", ".gpu/d"
-#     when packed, then ".gpu/c") and runs `stash`, which keeps it in /tmp; the calls follow
+#   - each call carries one part (the device tool's `carry: [".gpu/a"]`, then ".gpu/b",
+#     ".gpu/e", ".gpu/d" when packed, then ".gpu/c") and runs `stash`, which keeps it in /tmp; the calls follow
 #     each other while the machine is warm (30 s), the last one runs `setup` and can go on;
 #   - `checks` runs the training kernels' checks and the step against PyTorch (issue 22);
 #     `hybrid [LAYERS] [TOKENS]` a hybrid target's forward against transformers (issue 23);
@@ -31,10 +31,14 @@
 # `run 340 --only drafter; bring-back` (resumed, done); the new drafter copied over
 # .assets/smollm2-drafter there and benched on 8 prompts a set, `verify: tree+lookup`.
 # The next: `pack-inputs BIN .gpu .assets/smollm2-drafter-h100-8200
-# bench/results/smollm2-h100-expansion/store-small.tar.gz`; `stash` for a, b, d, then c with
-# `setup`; the full sets with PIPE=pipelines/smollm2-bench.yaml, `prompts: all`-sized and
-# `verify: tree+lookup` (~4 s a prompt for autoregressive, prompt lookup and the graft: ~25
-# minutes over calls of `run 560`, each resuming at its next prompt), then `bring-back`.
+# bench/results/smollm2-h100-expansion/store-small.tar.gz`; `stash` for a, b, e, d, then c with
+# `setup`, `probe fused | grep -E "swiglu_packed|add_rms_norm"`, `verify 300` and `round 300
+# 128` (the target's pass with its projections stacked and each add fused with its norm: the
+# launches cut, README "The eighth run"); then the whole sets,
+# PIPE=pipelines/smollm2-full.yaml, one bench per set (~4 s a prompt for autoregressive, prompt
+# lookup and the graft, twice for MT-Bench: HumanEval and GSM8K fit one session, `run 560`
+# twice, each resuming at its next prompt), then `bring-back` (its seed.tar.gz holds the
+# finished sets for the next session's SEED).
 # PIPE=pipelines/smollm2-bench.yaml benches the stash's drafter (INIT) alone: a `command` stage
 # copies it into the store, so a drafter trained in one call (or session) is benched in another.
 
@@ -77,12 +81,15 @@ pack-inputs)
     pack=${2:?a folder outside the clone}
     init=${3:-}
     seed=${4:-}
-    rm -rf "$pack" && mkdir -p "$pack"/a "$pack"/b "$pack"/c
-    split -n 2 -d .assets/SmolLM2-135M-Instruct.Q4_1.gguf "$pack"/gguf.part-
+    # The model in three parts of 33 MB (a, b and e): each travels beside the working tree,
+    # whose committed results (18 MB and growing) left half of the model over the 64 MiB.
+    rm -rf "$pack" && mkdir -p "$pack"/a "$pack"/b "$pack"/c "$pack"/e
+    split -n 3 -d .assets/SmolLM2-135M-Instruct.Q4_1.gguf "$pack"/gguf.part-
     mv "$pack"/gguf.part-00 "$pack"/a/ && mv "$pack"/gguf.part-01 "$pack"/b/
+    mv "$pack"/gguf.part-02 "$pack"/e/
     strip -o /tmp/dflash-cuda "$bin" && xz -T2 -6 -c /tmp/dflash-cuda > "$pack"/c/dflash.xz
     # The kernel checks (`train_probe`, built beside BIN with `--example train_probe`), if built;
-    # in `c`, since `a` and `b` are each half of the model (49 MB) beside the working tree.
+    # in `c`, since `a`, `b` and `e` hold the model.
     probe_bin=$(dirname "$bin")/examples/train_probe
     if [ -x "$probe_bin" ]; then
         strip -o /tmp/train-probe-cuda "$probe_bin" && xz -T2 -6 -c /tmp/train-probe-cuda > "$pack"/c/train_probe.xz
@@ -116,7 +123,7 @@ pack-inputs)
     # Each part travels with the working tree (the tracked files: the committed results too).
     tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s+=$1} END {print s}')
     du -sb "$pack"/*/
-    for p in a b c d; do
+    for p in a b c d e; do
         [ -d "$pack"/$p ] || continue
         total=$(( $(du -sb "$pack"/$p | cut -f1) + tree ))
         [ $total -lt $((63 * 1024 * 1024)) ] ||
@@ -134,7 +141,7 @@ setup)
     # There: the model, ShareGPT and the benchmark sets in .assets/, the binary in /tmp.
     mkdir -p $STASH/assets
     [ -f $STASH/assets/SmolLM2-135M-Instruct.Q4_1.gguf ] ||
-        cat $STASH/gguf.part-00 $STASH/gguf.part-01 > $STASH/assets/SmolLM2-135M-Instruct.Q4_1.gguf
+        cat $STASH/gguf.part-0* > $STASH/assets/SmolLM2-135M-Instruct.Q4_1.gguf
     [ -f $STASH/assets/sharegpt.json ] || xz -dc $STASH/sharegpt.json.xz > $STASH/assets/sharegpt.json
     cp -n $STASH/HumanEval.jsonl.gz $STASH/gsm8k.jsonl $STASH/mt-bench.jsonl $STASH/assets/
     [ -x $STASH/dflash ] || { xz -dc $STASH/dflash.xz > $STASH/dflash && chmod +x $STASH/dflash; }
@@ -324,8 +331,9 @@ bring-back)
     # 15 MiB pieces.
     cuda_env
     rm -rf /tmp/back && mkdir -p /tmp/back
-    for s in drafter drafter2 bench bench_dflash2; do
-        $STASH/dflash export $s -p $(story_pipeline) --store $STORE /tmp/back/$s || true
+    # (pipelines/smollm2-full.yaml's benches are one per set.)
+    for s in drafter drafter2 bench bench_dflash2 bench_humaneval bench_gsm8k bench_mt_bench; do
+        $STASH/dflash export $s -p $(story_pipeline) --store $STORE /tmp/back/$s 2>/dev/null || true
     done
     # Not the checkpoints (weights and both moments, each): the exported weights and metrics.
     for d in drafter drafter2; do
@@ -338,7 +346,7 @@ bring-back)
     # What is worth committing as a later session's SEED: the completions (GPU minutes to make
     # again) and the bench artifacts; the tokens remake from them in seconds.
     rm -rf /tmp/seed-store
-    for s in completions completions_more bench bench_dflash2; do
+    for s in completions completions_more bench bench_dflash2 bench_humaneval bench_gsm8k bench_mt_bench; do
         $STASH/dflash copy --from $STORE --to /tmp/seed-store --stage $s --max-file-bytes 4M >/dev/null || true
     done
     tar -czf /tmp/back/seed.tar.gz -C /tmp/seed-store .
