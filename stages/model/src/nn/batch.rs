@@ -309,25 +309,10 @@ fn like_lengths(prompts: &[&[u32]]) -> Vec<std::ops::Range<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::target::{KvCache, TargetConfig};
+    use crate::nn::target::KvCache;
 
     fn tiny(family: &str, qk_norm: bool) -> Target {
-        let config = TargetConfig {
-            family: family.into(),
-            hidden: 32,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 8,
-            ffn: 48,
-            vocab: 50,
-            eps: 1e-6,
-            rope_theta: 10_000.0,
-            qk_norm,
-            context: 128,
-            hybrid: None,
-        };
-        Target::random(config, 3, DType::F32, &Device::Cpu).expect("target")
+        crate::nn::testing::tiny_target(family, qk_norm, 3)
     }
 
     use crate::nn::testing::max_diff;

@@ -26,7 +26,30 @@ pub use target::{Target, TargetConfig};
 /// What the unit tests share.
 #[cfg(test)]
 pub(crate) mod testing {
-    use candle_core::{DType, Tensor};
+    use candle_core::{DType, Device, Tensor};
+
+    use super::target::{Target, TargetConfig};
+
+    /// A tiny random attention-only target on the CPU in f32 (2 layers, 4 query heads over 2
+    /// key/value heads of 8, a vocabulary of 50): Llama's shape, or Qwen3's with `qk_norm`.
+    pub(crate) fn tiny_target(family: &str, qk_norm: bool, seed: u64) -> Target {
+        let config = TargetConfig {
+            family: family.into(),
+            hidden: 32,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            ffn: 48,
+            vocab: 50,
+            eps: 1e-6,
+            rope_theta: 10_000.0,
+            qk_norm,
+            context: 128,
+            hybrid: None,
+        };
+        Target::random(config, seed, DType::F32, &Device::Cpu).expect("a tiny target")
+    }
 
     /// The largest absolute difference between two tensors of one shape (in f64).
     pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f64 {

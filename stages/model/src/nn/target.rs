@@ -1658,23 +1658,9 @@ mod tests {
     #[test]
     fn stacked_projections_pass_what_separate_ones_do() {
         for qk_norm in [false, true] {
-            let config = TargetConfig {
-                family: if qk_norm { "qwen3" } else { "llama" }.into(),
-                hidden: 32,
-                layers: 2,
-                heads: 4,
-                kv_heads: 2,
-                head_dim: 8,
-                ffn: 48,
-                vocab: 50,
-                eps: 1e-6,
-                rope_theta: 10_000.0,
-                qk_norm,
-                context: 128,
-                hybrid: None,
-            };
-            let stacked = Target::random(config.clone(), 5, DType::F32, &Device::Cpu).unwrap();
-            let mut apart = Target::random(config, 5, DType::F32, &Device::Cpu).unwrap();
+            let family = if qk_norm { "qwen3" } else { "llama" };
+            let stacked = crate::nn::testing::tiny_target(family, qk_norm, 5);
+            let mut apart = crate::nn::testing::tiny_target(family, qk_norm, 5);
             for l in &mut apart.layers {
                 if let Mixer::Attention(a) = &mut l.mixer {
                     assert!(a.qkv.take().is_some(), "a dense layer is stacked");
