@@ -15,7 +15,7 @@ pub fn sum_squares(x: &Tensor) -> Result<Tensor> {
 
 /// The AdamW update of one parameter in place: `m` and `v` (f32, the parameter's shape) take
 /// the clipped gradient `grad * clip_scale`, then `param` moves by the bias-corrected step and
-/// decays by `lr * weight_decay` (PyTorch's order).
+/// decays by `lr * weight_decay` (PyTorch's order). On a GPU one kernel does all three.
 pub fn adamw_update(
     param: &Tensor,
     grad: &Tensor,
@@ -24,6 +24,12 @@ pub fn adamw_update(
     step: &AdamStep,
 ) -> Result<()> {
     let grad = grad.contiguous()?;
+    // On a GPU one pass over the four (issue 22: 18.3 ms against PyTorch's fused 10.0 at the
+    // Qwen3-8B shape); the CPU keeps its three in-place ops, bit for bit.
+    #[cfg(feature = "cuda")]
+    if param.device().is_cuda() {
+        return super::cuda::adamw_fused(param, &grad, m, v, step);
+    }
     m.inplace_op2(
         &grad,
         &Moment {

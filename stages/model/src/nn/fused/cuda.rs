@@ -344,6 +344,82 @@ pub fn adam_apply(
     })
 }
 
+/// AdamW's whole step for one parameter in one launch ([`super::adamw_update`] on a GPU): `p`
+/// (the parameter, its dtype `T`), `m` and `v` (f32) updated in place from the gradient `g`
+/// (`T`, contiguous), where the CPU's three in-place ops read the gradient twice and the moments
+/// twice. Three tensors written by one kernel is past what candle's in-place ops take (one
+/// output, two inputs), so this launches on the tensors' device buffers directly.
+pub fn adamw_fused(
+    p: &candle_core::Tensor,
+    g: &candle_core::Tensor,
+    m: &candle_core::Tensor,
+    v: &candle_core::Tensor,
+    s: &AdamStep,
+) -> Result<()> {
+    use candle_core::Storage;
+    let cuda = |t: &candle_core::Tensor, what: &str| -> Result<()> {
+        if !t.device().is_cuda() {
+            bail!("adamw-fused: the {what} is on {:?}", t.device());
+        }
+        Ok(())
+    };
+    for (t, what) in [
+        (p, "parameter"),
+        (g, "gradient"),
+        (m, "first moment"),
+        (v, "second moment"),
+    ] {
+        cuda(t, what)?;
+    }
+    if g.dtype() != p.dtype() || m.dtype() != DType::F32 || v.dtype() != DType::F32 {
+        bail!(
+            "adamw-fused: a {:?} parameter, {:?} gradient, {:?} / {:?} moments",
+            p.dtype(),
+            g.dtype(),
+            m.dtype(),
+            v.dtype()
+        );
+    }
+    // Four distinct allocations (the optimizer's moments are its own, the gradient the
+    // backward pass's), so the kernel's writes to p, m and v alias nothing it reads elsewhere.
+    let (ps, pl) = p.storage_and_layout();
+    let (gs, gl) = g.storage_and_layout();
+    let (ms, ml) = m.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (Storage::Cuda(ps), Storage::Cuda(gs), Storage::Cuda(ms), Storage::Cuda(vs)) =
+        (&*ps, &*gs, &*ms, &*vs)
+    else {
+        bail!("adamw-fused: tensors off the GPU");
+    };
+    let (rp, rg, rm, rv) = (span(pl)?, span(gl)?, span(ml)?, span(vl)?);
+    let n = rp.len();
+    if rg.len() != n || rm.len() != n || rv.len() != n {
+        bail!("adamw-fused: parameter, gradient and moment sizes differ");
+    }
+    by_type!(p.dtype(), "adamw-fused", |T| {
+        let dev = ps.device().clone();
+        let pv = ps.as_cuda_slice::<T>()?.slice(rp);
+        let gv = gs.as_cuda_slice::<T>()?.slice(rg);
+        let mv = ms.as_cuda_slice::<f32>()?.slice(rm);
+        let vv = vs.as_cuda_slice::<f32>()?.slice(rv);
+        let (b1, b2, scale) = (s.betas.0 as f32, s.betas.1 as f32, s.clip_scale as f32);
+        let (lr, decay) = (s.lr as f32, s.weight_decay as f32);
+        let (c1, c2, eps) = (s.corrections.0 as f32, s.corrections.1 as f32, s.eps as f32);
+        // Reads n elements of each of p, g, m and v; writes n of p, m and v (each within its
+        // view: the spans checked above).
+        launch!(
+            &dev,
+            "adamw_fused",
+            T,
+            elementwise(n),
+            [
+                &pv, &gv, &mv, &vv, &n, &b1, &b2, &scale, &lr, &decay, &c1, &c2, &eps
+            ]
+        );
+        Ok(())
+    })
+}
+
 /// Let the device's memory pool keep what is freed (its release threshold at the maximum, as
 /// PyTorch's caching allocator does) and stop candle tracking each buffer with two CUDA events:
 /// a step allocates thousands of buffers, and by default the pool returns freed memory to the

@@ -130,6 +130,22 @@ __device__ void adam_apply(T* p, const float* m, const float* v, size_t n, float
     }
 }
 
+// AdamW's whole step in one pass: both moments from the clipped gradient (as `moment`), then
+// the parameter (as `adam_apply`): reads g, m, v and p once, writes m, v and p once.
+template <typename T>
+__device__ void adamw_fused(T* p, const T* g, float* m, float* v, size_t n, float b1, float b2, float scale,
+                            float lr, float decay, float c1, float c2, float eps) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float x = load(g, i) * scale;
+        float mi = b1 * m[i] + (1.0f - b1) * x;
+        float vi = b2 * v[i] + (1.0f - b2) * (x * x);
+        m[i] = mi;
+        v[i] = vi;
+        float w = load(p, i) * (1.0f - lr * decay);
+        store(p, i, w - lr * (mi / c1) / (sqrtf(vi / c2) + eps));
+    }
+}
+
 // y = x * rsqrt(mean(x^2) + eps) * w per row of length n.
 template <typename T>
 __device__ void rms_norm(const T* x, const T* w, T* y, uint32_t n, float eps) {
@@ -444,6 +460,11 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     extern "C" __global__ void adam_apply_##NAME(T* p, const float* m, const float* v, size_t n,        \
                                                  float lr, float decay, float c1, float c2, float eps) { \
         adam_apply(p, m, v, n, lr, decay, c1, c2, eps);                                                \
+    }                                                                                                  \
+    extern "C" __global__ void adamw_fused_##NAME(T* p, const T* g, float* m, float* v, size_t n,       \
+                                                  float b1, float b2, float scale, float lr,           \
+                                                  float decay, float c1, float c2, float eps) {        \
+        adamw_fused(p, g, m, v, n, b1, b2, scale, lr, decay, c1, c2, eps);                             \
     }                                                                                                  \
     extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, uint32_t n, float eps) {  \
         rms_norm(x, w, y, n, eps);                                                                     \
