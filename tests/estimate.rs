@@ -212,6 +212,46 @@ fn bad_options_say_what_is_wrong() {
     );
 }
 
+/// Local benchmark files are counted as `download` will map them, rows and user turns, and
+/// a bench asks every turn of the first `prompts` rows; a `command` stage that copies an
+/// exported drafter in is a drafter, not a prompt set: 4 single-turn rows (of 5) + 3 two-turn
+/// rows = 10 turns x 100 tokens x 64 layers' steps x (1 + 1.3 + 1.5).
+#[test]
+fn local_benchmark_files_are_counted_turn_by_turn() {
+    let env = story();
+    env.write(
+        "single.jsonl",
+        &(0..5)
+            .map(|i| format!("{{\"task_id\": \"t{i}\", \"prompt\": \"def f{i}():\"}}\n"))
+            .collect::<String>(),
+    );
+    env.write(
+        "multi.jsonl",
+        &(0..3)
+            .map(|i| format!("{{\"question_id\": {i}, \"turns\": [\"ask {i}\", \"and then?\"]}}\n"))
+            .collect::<String>(),
+    );
+    env.write(
+        "bench.yaml",
+        &(std::fs::read_to_string(env.path().join("story.yaml")).unwrap()
+            + "  single:\n    kind: download\n    params: {path: single.jsonl}\n  multi:\n    kind: download\n    params: {path: multi.jsonl}\n  copied:\n    kind: command\n    params: {run: 'true'}\n  bench:\n    kind: bench\n    inputs: [copied, single, multi]\n    params: {target: target-27b, prompts: 4, max_new_tokens: 100}\n"),
+    );
+    let e = json(
+        &env,
+        &["bench.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+    );
+    assert_eq!(stage(&e, "single")["rows"]["value"], 5.0, "{e}");
+    assert_eq!(stage(&e, "multi")["rows"]["value"], 3.0, "{e}");
+    let b = stage(&e, "bench");
+    let expected = 10.0 * 100.0 * 64.0 * 0.000_19 * (1.0 + 1.3 + 1.5) / 3600.0;
+    let got = b["wall_hours"].as_f64().unwrap();
+    assert!(
+        (got / expected - 1.0).abs() < 1e-9,
+        "{got} vs {expected}: {b}"
+    );
+    assert!(b.to_string().contains("user turns counted"), "{b}");
+}
+
 /// A bench is sized from its prompts, its methods and the target's step: 10 prompts (the set's
 /// `limit`, below `prompts`) x 100 tokens x 64 layers' steps x (autoregressive 1 + prompt lookup
 /// 1.3 + one drafter 1.5 rounds a step), at tau 1.

@@ -163,6 +163,8 @@ pub struct StageEstimate {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Data {
     pub rows: Option<Figure>,
+    /// User turns over all rows, where counted (a multi-turn benchmark's bench asks each).
+    pub user_turns: Option<Figure>,
     pub prompt_tokens: Option<Figure>,
     pub output_tokens: Option<Figure>,
     pub tokens: Option<Figure>,

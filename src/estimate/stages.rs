@@ -15,6 +15,8 @@ use crate::store::manifest::Manifest;
 const CPU_ANCHOR_PARAMS: f64 = 135e6;
 /// Bytes a tokenized token takes (int32 id + int8 mask).
 const TOKENIZED_BYTES: f64 = 5.0;
+/// The most bytes of local files `estimate` reads to count a download's rows and turns.
+const LOCAL_COUNT_BYTES: u64 = 64 << 20;
 /// Prompt tokens per row when nothing better is known.
 const DEFAULT_PROMPT_TOKENS: f64 = 250.0;
 /// A PCIe 5 x16 link's usable bandwidth, bytes/s, and NVLink 4's per GPU.
@@ -149,7 +151,8 @@ impl Sizer<'_> {
         rows * (tokens_per_row * self.assumptions.get("bytes_per_text_token") + 64.0)
     }
 
-    /// `download` and `mix`: rows and prompt sizes; their bytes; no GPU.
+    /// `download` and `mix`: rows and prompt sizes; their bytes; no GPU. A download of local
+    /// files up to [`LOCAL_COUNT_BYTES`] is counted in them.
     fn dataset(
         &mut self,
         spec: &StageSpec,
@@ -172,10 +175,26 @@ impl Sizer<'_> {
                 (None, u) => u,
             }
         };
+        // Local files are counted as the stage will map them (small ones: a benchmark set, not
+        // a corpus), their user turns too.
+        let counted = (spec.kind == "download" && done.is_none())
+            .then(|| {
+                dflash_stage_download::local_counts(
+                    &spec.params,
+                    &self.opts.base,
+                    LOCAL_COUNT_BYTES,
+                )
+            })
+            .flatten();
         let rows = stat(done, "rows")
             .map(|v| Figure::new(v, Basis::Measured))
             .or_else(|| declared(spec, "rows"))
-            .or(from_params);
+            .or(from_params)
+            .or_else(|| counted.map(|c| Figure::new(c.rows as f64, Basis::Measured)));
+        s.data.user_turns = counted.map(|c| {
+            let kept = rows.map_or(1.0, |r| (r.value / c.rows.max(1) as f64).min(1.0));
+            Figure::new(c.user_turns as f64 * kept, Basis::Measured)
+        });
         // mix measures prompt lengths in characters; ~4 per token.
         let measured_prompt = done
             .and_then(|m| m.stats.get("before"))
@@ -329,6 +348,7 @@ impl Sizer<'_> {
         s.rows = rows;
         s.data = Data {
             rows,
+            user_turns: None,
             prompt_tokens: Some(prompt),
             output_tokens: Some(output),
             tokens: None,
@@ -559,6 +579,7 @@ impl Sizer<'_> {
         s.rows = rows;
         s.data = Data {
             rows,
+            user_turns: None,
             prompt_tokens: prompt,
             output_tokens: output,
             tokens,
@@ -603,16 +624,25 @@ impl Sizer<'_> {
         };
         let prompts = param(spec, "prompts").unwrap_or(80.0);
         let max_new = param(spec, "max_new_tokens").unwrap_or(256.0);
-        let drafters = up_kinds.iter().filter(|k| **k == "train").count() as f64;
+        // Drafters come from `train`, or a `command` stage that copies an exported one in
+        // (pipelines/smollm2-bench.yaml); prompt sets from the data stages.
+        let is_drafter = |kind: &str| matches!(kind, "train" | "command");
+        let drafters = up_kinds.iter().filter(|k| is_drafter(k)).count() as f64;
         let mut turns = 0.0;
         let mut known = true;
+        let mut counted = false;
         for (d, kind) in ups.iter().zip(up_kinds) {
-            if *kind == "train" {
+            if is_drafter(kind) {
                 continue;
             }
-            match d.rows {
-                Some(r) => turns += r.value.min(prompts),
-                None => {
+            match (d.rows, d.user_turns) {
+                // The first `prompts` rows, each with its turns.
+                (Some(r), Some(t)) => {
+                    counted = true;
+                    turns += t.value * (prompts / r.value.max(1.0)).min(1.0);
+                }
+                (Some(r), None) => turns += r.value.min(prompts),
+                _ => {
                     known = false;
                     turns += prompts;
                 }
@@ -640,10 +670,15 @@ impl Sizer<'_> {
         s.gpu_hours = seconds / 3600.0;
         s.wall_hours = Some(s.gpu_hours);
         s.notes.push(format!(
-            "{} turns ({} prompts per set{}; a multi-turn set asks more) x {} tokens: a target step of {:.1} ms, rounds of {verify:.1}x (prompt lookup), {draft:.1}x (a drafter's chain) and {tree:.1}x (its tree) a step, counted at tau 1 (an upper bound)",
+            "{} turns ({} prompts per set{}{}) x {} tokens: a target step of {:.1} ms, rounds of {verify:.1}x (prompt lookup), {draft:.1}x (a drafter's chain) and {tree:.1}x (its tree) a step, counted at tau 1 (an upper bound)",
             count(turns),
             count(prompts),
             if known { "" } else { ", sets of unknown size taken as full" },
+            if counted {
+                "; user turns counted in the local files"
+            } else {
+                "; a multi-turn set asks more"
+            },
             count(max_new),
             step * 1e3
         ));

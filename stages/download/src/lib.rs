@@ -480,6 +480,61 @@ fn glob_match(pattern: &str, text: &str) -> bool {
     go(pattern.as_bytes(), text.as_bytes())
 }
 
+/// What a `download` of local files will hold, counted by reading them as the stage maps them:
+/// the rows (before `limit`) and their user turns (a multi-turn benchmark asks one each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalCounts {
+    /// Records that map to a conversation.
+    pub rows: u64,
+    /// Their user messages.
+    pub user_turns: u64,
+}
+
+/// [`LocalCounts`] for a `download` stage's params when its source is a local `path:` (relative
+/// to `base`) of at most `max_bytes` in all; `None` for any other source, a larger one or one
+/// that cannot be read (the stage itself says why when it runs). For `dflash estimate`.
+pub fn local_counts(params: &Value, base: &Path, max_bytes: u64) -> Option<LocalCounts> {
+    let p = Params::parse(params).ok()?;
+    let Ok(Source::Local(path)) = p.source() else {
+        return None;
+    };
+    let path = base.join(path);
+    let files = local_files(&path).ok()?;
+    let bytes: u64 = files
+        .iter()
+        .map(|f| std::fs::metadata(f).map_or(u64::MAX, |m| m.len()))
+        .fold(0, u64::saturating_add);
+    if bytes > max_bytes {
+        return None;
+    }
+    let mapping = Mapping {
+        shape: p.format,
+        fields: p.fields.clone(),
+        category: None,
+        source: String::new(),
+        keep: Vec::new(),
+    };
+    let mut counts = LocalCounts {
+        rows: 0,
+        user_turns: 0,
+    };
+    for file in &files {
+        let format = Format::of(&file.display().to_string())?;
+        let mut ordinal = 0;
+        records::for_each(file, format, &mut |_, rec| {
+            if let Ok((_, conv)) = rec.and_then(|r| mapping.map(&r, ordinal)) {
+                counts.rows += 1;
+                counts.user_turns +=
+                    conv.messages.iter().filter(|m| m.role == "user").count() as u64;
+            }
+            ordinal += 1;
+            ControlFlow::Continue(())
+        })
+        .ok()?;
+    }
+    Some(counts)
+}
+
 fn local_files(path: &Path) -> Result<Vec<PathBuf>, StageError> {
     let meta = std::fs::metadata(path).map_err(|e| {
         StageError::new(format!("cannot read `{}`: {e}", path.display()))
