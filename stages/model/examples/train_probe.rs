@@ -494,6 +494,31 @@ fn fused(_args: &[String]) -> Result<()> {
             );
         }
     }
+    // A decoding cache cut to a tree's path and the next pass's keys appended, in one copy (3
+    // heads of 64 over 332 positions, 300 plus a path of 5 kept, 9 appended): against
+    // index_select and cat on the device (exact).
+    for dtype in [DType::F32, DType::BF16] {
+        let past = init
+            .normal(&[3, 332, 64], 1.0, DType::F32, &cpu)?
+            .to_dtype(dtype)?
+            .to_device(&device)?;
+        let added = init
+            .normal(&[3, 9, 64], 1.0, DType::F32, &cpu)?
+            .to_dtype(dtype)?
+            .to_device(&device)?;
+        let kept: Vec<u32> = (0..300).chain([300, 302, 307, 315, 331]).collect();
+        let keep = Tensor::new(kept.as_slice(), &device)?;
+        let ten = |f: &dyn Fn() -> Result<Tensor>| ten_in_a_row(&device, f);
+        let (got, ms) = ten(&|| Ok(fused::keep_append(&past, &keep, &added)?))?;
+        let (want, ms_apart) =
+            ten(&|| Ok(Tensor::cat(&[&past.index_select(&keep, 1)?, &added], 1)?))?;
+        println!(
+            "{}",
+            serde_json::json!({"phase": "fused", "check": "keep_append", "dtype": format!("{dtype:?}"),
+                "device": format!("{device:?}"), "max_abs_diff": worst(&got, &want)?,
+                "ms": ms, "ms_apart": ms_apart})
+        );
+    }
     // A residual's add and the next RMSNorm in one kernel (SmolLM2's 576 wide, 1 and 64 rows):
     // against the add and candle's RMSNorm on the device (the sum exact, the norm to rounding).
     for dtype in [DType::F32, DType::BF16] {

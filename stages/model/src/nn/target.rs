@@ -1125,6 +1125,8 @@ impl Target {
         for (s, (_, n, ..)) in seqs.iter_mut().zip(&rows) {
             if let Some(cache) = s.cache.as_mut() {
                 cache.len += n;
+                // Every attention layer applied the cut as it appended.
+                cache.kept = None;
             }
         }
         let tapped = if taps.is_empty() {
@@ -1241,12 +1243,11 @@ impl Target {
                 None => (rope(&q)?, rope(&k)?),
             };
             if let Some(cache) = s.cache.as_mut() {
-                let slot = &mut cache.layers[i];
-                if let Some(Slot::Kv(pk, pv)) = slot.take() {
-                    k = Tensor::cat(&[&pk, &k], 1)?;
-                    v = Tensor::cat(&[&pv, &v], 1)?;
+                if let Some(Slot::Kv(pk, pv)) = cache.layers[i].take() {
+                    k = cache.append(&pk, &k)?;
+                    v = cache.append(&pv, &v)?;
                 }
-                *slot = Some(Slot::Kv(k.clone(), v.clone()));
+                cache.layers[i] = Some(Slot::Kv(k.clone(), v.clone()));
             }
             let o = super::ops::causal_attention(&q, &k, &v, *past, mask.as_ref())?;
             let o = contiguous3(&o.transpose(0, 1)?)?.reshape((n, c.heads * c.head_dim))?;
@@ -1514,6 +1515,45 @@ pub struct KvCache {
     /// Per layer: what it keeps.
     layers: Vec<Option<Slot>>,
     len: usize,
+    /// The positions of the attention layers' keys and values that the cache holds, when a
+    /// round cut it ([`Self::keep_path`], [`Self::truncate`]) since the last pass: applied by the
+    /// next pass as it appends (`fused::keep_append`, one copy a tensor), so cutting costs no
+    /// launch and the append no more than it did.
+    kept: Option<Kept>,
+}
+
+/// Positions kept of the attention layers' stored keys and values, and their upload (one for
+/// all the layers of a pass).
+#[derive(Clone, Debug)]
+struct Kept {
+    positions: Vec<u32>,
+    on_device: Option<Tensor>,
+}
+
+impl KvCache {
+    /// What a layer's stored keys or values `past` become with `added` appended: the kept
+    /// positions of `past` then `added`.
+    fn append(&mut self, past: &Tensor, added: &Tensor) -> Result<Tensor> {
+        let Some(kept) = self.kept.as_mut() else {
+            return Tensor::cat(&[past, added], 1);
+        };
+        let at = match &kept.on_device {
+            Some(t) => t.clone(),
+            None => kept
+                .on_device
+                .insert(Tensor::new(kept.positions.as_slice(), past.device())?)
+                .clone(),
+        };
+        super::fused::keep_append(past, &at, added)
+    }
+
+    /// The positions held, as positions of what the layers store.
+    fn held(&self) -> Vec<u32> {
+        match &self.kept {
+            Some(k) => k.positions.clone(),
+            None => (0..self.len as u32).collect(),
+        }
+    }
 }
 
 /// What one layer keeps of the positions decoded so far.
@@ -1552,21 +1592,11 @@ impl KvCache {
         if path.iter().any(|&i| i >= n) {
             candle_core::bail!("a path through nodes {path:?} of a pass of {n}");
         }
-        let keep: Vec<u32> = (0..past as u32)
-            .chain(path.iter().map(|&i| (past + i) as u32))
-            .collect();
-        // The kept positions uploaded once for all the layers (each upload is a host-to-device
-        // copy).
-        let mut at: Option<Tensor> = None;
+        let keep: Vec<usize> = (0..past).chain(path.iter().map(|&i| past + i)).collect();
+        let held = self.held();
         for slot in self.layers.iter_mut().flatten() {
             match slot {
-                Slot::Kv(k, v) => {
-                    let at = match &at {
-                        Some(t) => t.clone(),
-                        None => at.insert(Tensor::new(keep.as_slice(), k.device())?).clone(),
-                    };
-                    *slot = Slot::Kv(k.index_select(&at, 1)?, v.index_select(&at, 1)?);
-                }
+                Slot::Kv(..) => {}
                 Slot::DeltaTree {
                     past: from,
                     before,
@@ -1592,6 +1622,11 @@ impl KvCache {
                 }
             }
         }
+        // The attention layers' keys and values are cut by the next pass as it appends.
+        self.kept = Some(Kept {
+            positions: keep.iter().map(|&j| held[j]).collect(),
+            on_device: None,
+        });
         self.len = keep.len();
         Ok(())
     }
@@ -1601,21 +1636,11 @@ impl KvCache {
         if len >= self.len {
             return Ok(());
         }
+        let mut held = self.held();
+        held.truncate(len);
         for slot in self.layers.iter_mut().flatten() {
             match slot {
-                Slot::Kv(k, v) => {
-                    // On a GPU copied here in one launch: the next pass appends to it, and
-                    // candle's append of a view uploads its strides first.
-                    let cut = |t: &Tensor| -> Result<Tensor> {
-                        let t = t.narrow(1, 0, len)?;
-                        if t.device().is_cuda() {
-                            contiguous3(&t)
-                        } else {
-                            Ok(t)
-                        }
-                    };
-                    *slot = Slot::Kv(cut(k)?, cut(v)?);
-                }
+                Slot::Kv(..) => {}
                 Slot::DeltaTree { .. } => candle_core::bail!(
                     "the last pass was a tree: keep one path of it (`keep_path`), then crop"
                 ),
@@ -1629,6 +1654,11 @@ impl KvCache {
                 }
             }
         }
+        // The attention layers' keys and values are cut by the next pass as it appends.
+        self.kept = Some(Kept {
+            positions: held,
+            on_device: None,
+        });
         self.len = len;
         Ok(())
     }

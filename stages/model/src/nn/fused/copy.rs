@@ -5,11 +5,13 @@
 //! is a host-to-device transfer per reshape (the queries, keys and values into heads and the
 //! heads back, in each layer) where the kernel itself moves a few kilobytes. Here the dims and
 //! strides are the kernel's arguments. The copy is exact, so every device gives candle's values.
+//! Also [`keep_append`]: a decoding cache cut to what a round kept and the next pass's keys or
+//! values appended, in one copy.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Tensor, WithDType, bail};
 
-use super::Result;
+use super::{CpuArg, Result, cpu};
 
 /// `t` contiguous. A 3-D f32 or bf16 view on a GPU takes one launch with its strides as
 /// arguments; anything else (CPU, other ranks or dtypes, empty, already contiguous, a tensor in a
@@ -59,4 +61,78 @@ fn strided_copy3_cpu(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
 /// fused`) hold to candle's copy.
 pub fn strided_copy3(t: &Tensor) -> Result<Tensor> {
     t.apply_op1_no_bwd(&StridedCopy3 {})
+}
+
+/// `past` `[h, len, d]`'s positions `keep` (a u32 vector, in its order), then `added` `[h, n,
+/// d]`: `[h, keep.len() + n, d]`. A decoding cache cut to what a round kept (a tree's accepted
+/// path, or a prefix) with the next pass's keys or values appended, in one copy where a gather
+/// (or, on a GPU, a copy of the prefix) and a concatenation ran. Forward only.
+pub fn keep_append(past: &Tensor, keep: &Tensor, added: &Tensor) -> Result<Tensor> {
+    let (h, _, d) = past.dims3()?;
+    let (h2, _, d2) = added.dims3()?;
+    if h != h2 || d != d2 || past.dtype() != added.dtype() {
+        bail!(
+            "keep-append: past {:?} {:?} and added {:?} {:?}",
+            past.dims(),
+            past.dtype(),
+            added.dims(),
+            added.dtype()
+        );
+    }
+    if keep.dtype() != DType::U32 || keep.rank() != 1 {
+        bail!(
+            "keep-append: positions must be a u32 vector, got {:?} {:?}",
+            keep.dtype(),
+            keep.dims()
+        );
+    }
+    past.contiguous()?
+        .apply_op3_no_bwd(&keep.contiguous()?, &added.contiguous()?, &KeepAppend {})
+}
+
+fused_op! {
+    /// Positions of a cache kept, then new ones appended.
+    KeepAppend {} = "keep-append", inputs(past, keep, added);
+    cpu(_op) => keep_append_cpu(past, keep, added);
+    cuda(_op) => {
+        let shape = kept_shape(past.1, keep.1, added.1);
+        Ok((super::cuda::keep_append(past, keep, added)?, shape))
+    };
+}
+
+/// `[h, kept + n, d]`.
+fn kept_shape(past: &Layout, keep: &Layout, added: &Layout) -> candle_core::Shape {
+    let (p, a) = (past.dims(), added.dims());
+    (p[0], keep.shape().elem_count() + a[1], p[2]).into()
+}
+
+fn keep_append_cpu(
+    past: CpuArg<'_>,
+    keep: CpuArg<'_>,
+    added: CpuArg<'_>,
+) -> Result<(CpuStorage, candle_core::Shape)> {
+    fn go<T: WithDType>(past: CpuArg<'_>, keep: &[u32], added: CpuArg<'_>) -> Result<CpuStorage> {
+        let (p, a) = (cpu::<T>(past.0, past.1)?, cpu::<T>(added.0, added.1)?);
+        let (&[h, len, d], &[_, n, _]) = (past.1.dims(), added.1.dims()) else {
+            bail!("keep-append: not 3-D");
+        };
+        let mut out = Vec::with_capacity(h * (keep.len() + n) * d);
+        for head in 0..h {
+            for &at in keep {
+                if at as usize >= len {
+                    bail!("keep-append: position {at} is past the cache's {len}");
+                }
+                let from = (head * len + at as usize) * d;
+                out.extend_from_slice(&p[from..from + d]);
+            }
+            out.extend_from_slice(&a[head * n * d..(head + 1) * n * d]);
+        }
+        Ok(T::to_cpu_storage_owned(out))
+    }
+    let shape = kept_shape(past.1, keep.1, added.1);
+    let ids = cpu::<u32>(keep.0, keep.1)?;
+    Ok((
+        by_float!(past.0.dtype(), "keep-append", go(past, ids, added))?,
+        shape,
+    ))
 }

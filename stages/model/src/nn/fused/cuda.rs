@@ -489,6 +489,39 @@ pub fn gather_rows(table: Arg<'_>, ids: Arg<'_>) -> Result<CudaStorage> {
     })
 }
 
+/// `past` `[h, len, d]`'s positions `keep` (u32, each below `len`: the caller's), then `added`
+/// `[h, n, d]`: `[h, kept + n, d]`.
+pub fn keep_append(past: Arg<'_>, keep: Arg<'_>, added: Arg<'_>) -> Result<CudaStorage> {
+    by_type!(past.0.dtype(), "keep-append", |T| {
+        let dev = past.0.device();
+        let (&[h, len, d], &[h2, n, d2]) = (past.1.dims(), added.1.dims()) else {
+            bail!(
+                "keep-append: {:?} and {:?}, not 3-D",
+                past.1.dims(),
+                added.1.dims()
+            );
+        };
+        if h != h2 || d != d2 {
+            bail!("keep-append: heads {h} / {h2}, width {d} / {d2}");
+        }
+        let kept = keep.1.shape().elem_count();
+        let total = h * (kept + n) * d;
+        let (ps, ks, adds) = (view::<T>(past)?, view::<u32>(keep)?, view::<T>(added)?);
+        let out = fresh::<T>(dev, total)?;
+        let (len32, kept32, n32, d32) = (len as u32, kept as u32, n as u32, d as u32);
+        // Reads kept ids, h*kept*d elements of past (rows below len) and all of added; writes
+        // all of out.
+        launch!(
+            dev,
+            "keep_append",
+            T,
+            elementwise(total),
+            [&ps, &ks, &adds, &out, &total, &len32, &kept32, &n32, &d32]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
 /// A `[count, r]` table of zeros with each row of `grad` `[n, r]` added at its id.
 pub fn scatter_add_rows(grad: Arg<'_>, ids: Arg<'_>, count: usize) -> Result<CudaStorage> {
     by_type!(grad.0.dtype(), "scatter-add-rows", |T| {

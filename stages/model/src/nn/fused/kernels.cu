@@ -399,6 +399,17 @@ __device__ void gather_rows(const T* table, const uint32_t* ids, T* out, size_t 
     }
 }
 
+// A cache cut and appended to in one copy: out [h, kept + n, d] holds past [h, len, d]'s
+// positions keep[0..kept] (in order), then added [h, n, d].
+template <typename T>
+__device__ void keep_append(const T* past, const uint32_t* keep, const T* added, T* out, size_t total, uint32_t len,
+                            uint32_t kept, uint32_t n, uint32_t d) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t c = i % d, j = (i / d) % (kept + n), h = i / ((size_t)d * (kept + n));
+        out[i] = j < kept ? past[((size_t)h * len + keep[j]) * d + c] : added[((size_t)h * n + (j - kept)) * d + c];
+    }
+}
+
 __device__ __forceinline__ void add_at(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void add_at(__nv_bfloat16* p, float v) { atomicAdd(p, __float2bfloat16(v)); }
 
@@ -516,6 +527,11 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     extern "C" __global__ void gather_rows_##NAME(const T* t, const uint32_t* ids, T* out, size_t n,    \
                                                   uint32_t r, uint32_t rows) {                         \
         gather_rows(t, ids, out, n, r, rows);                                                          \
+    }                                                                                                  \
+    extern "C" __global__ void keep_append_##NAME(const T* past, const uint32_t* keep, const T* added,  \
+                                                  T* out, size_t total, uint32_t len, uint32_t kept,   \
+                                                  uint32_t n, uint32_t d) {                            \
+        keep_append(past, keep, added, out, total, len, kept, n, d);                                   \
     }                                                                                                  \
     extern "C" __global__ void scatter_add_rows_##NAME(const T* g, const uint32_t* ids, T* t, size_t n, \
                                                        uint32_t r, uint32_t rows) {                    \

@@ -270,7 +270,7 @@ mod topk;
 
 pub use adamw::{AdamStep, adamw_update, sum_squares};
 pub use conv::causal_conv_silu;
-pub use copy::{contiguous3, strided_copy3};
+pub use copy::{contiguous3, keep_append, strided_copy3};
 pub use scan::{
     ChunkOperands, delta_scan, delta_scan_chunks, delta_scan_matmuls, scale_by_head,
     scale_by_head_kernel,

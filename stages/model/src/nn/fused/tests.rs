@@ -262,6 +262,22 @@ fn swiglu_and_its_gradients_match_the_composed_ops() {
     }
 }
 
+/// A cache's kept positions then the appended ones: the gather and the concatenation it
+/// replaces, exactly; a position past the cache is refused.
+#[test]
+fn keep_append_is_a_gather_then_a_concatenation() {
+    let past = randn(&[3, 7, 4], 41).to_dtype(DType::F32).unwrap();
+    let added = randn(&[3, 2, 4], 42).to_dtype(DType::F32).unwrap();
+    let keep = Tensor::new(&[0u32, 1, 2, 5, 3], &Device::Cpu).unwrap();
+    let got = keep_append(&past, &keep, &added).unwrap();
+    let want = Tensor::cat(&[&past.index_select(&keep, 1).unwrap(), &added], 1).unwrap();
+    assert_eq!(got.dims(), &[3, 7, 4]);
+    assert_eq!(max_diff(&got, &want), 0.0);
+    let far = Tensor::new(&[0u32, 7], &Device::Cpu).unwrap();
+    let e = keep_append(&past, &far, &added).unwrap_err();
+    assert!(e.to_string().contains("past the cache"), "{e}");
+}
+
 /// The residual's sum and its norm in one op: the sum exactly as the add gives it, the norm
 /// as RMSNorm gives it over that sum (f64); mismatched shapes are refused.
 #[test]
