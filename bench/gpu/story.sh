@@ -32,7 +32,7 @@
 # .assets/smollm2-drafter there and benched on 8 prompts a set, `verify: tree+lookup`.
 # The next: `pack-inputs BIN .gpu .assets/smollm2-drafter-h100-8200
 # bench/results/smollm2-h100-expansion/store-small.tar.gz`; `stash` for a, b, e, d, then c with
-# `setup`, `probe fused | grep -E "swiglu_packed|add_rms_norm|adamw"`, `verify 300` and `round
+# `setup`, `probe fused | grep -E "swiglu_packed|add_rms_norm|adamw|keep_append"`, `verify 300` and `round
 # 300 128` (the target's pass with its projections stacked and each add fused with its norm: the
 # launches cut, README "The eighth run"), `checks` (the training step against PyTorch, AdamW
 # now one kernel: issue 22); then the whole sets,
