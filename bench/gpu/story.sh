@@ -30,12 +30,12 @@
 # x3; `stash; setup; run 535 --only drafter` (pipelines/smollm2.yaml's max_steps 2800, cut);
 # `run 340 --only drafter; bring-back` (resumed, done); the new drafter copied over
 # .assets/smollm2-drafter there and benched on 8 prompts a set, `verify: tree+lookup`.
-# The next: `pack-inputs BIN .gpu .assets/smollm2-drafter-h100-8200
-# bench/results/smollm2-h100-expansion/store-small.tar.gz`; `stash` for a, b, e, d, then c with
-# `setup`, `probe fused | grep -E "swiglu_packed|add_rms_norm|adamw|keep_append"`, `verify 300` and `round
-# 300 128` (the target's pass with its projections stacked and each add fused with its norm: the
-# launches cut, README "The eighth run"), `checks` (the training step against PyTorch, AdamW
-# now one kernel: issue 22); then the whole sets,
+# The next: `pack-inputs BIN .gpu .assets/smollm2-drafter-h100-8200` (packed at the last
+# stop); `stash` for a, b, e, d, then c with `setup`, `probe fused | grep -E
+# "swiglu_packed|add_rms_norm|adamw|keep_append"`, `verify 300` and `round 300 128` (the
+# target's pass with its projections stacked, each add fused with its norm and the cache cut on
+# append: the launches cut, README "The eighth run"), `checks` (the training step against
+# PyTorch, AdamW now one kernel: issue 22); then the whole sets,
 # PIPE=pipelines/smollm2-full.yaml, one bench per set (~4 s a prompt for autoregressive, prompt
 # lookup and the graft, twice for MT-Bench: HumanEval and GSM8K fit one session, `run 560`
 # twice, each resuming at its next prompt), then `bring-back` (its seed.tar.gz holds the
