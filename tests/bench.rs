@@ -508,6 +508,26 @@ fn multi_turn_sets_are_asked_turn_by_turn_and_formats_wrap_the_prompts() {
         m["stats"]["sets"]["mt_bench"]["methods"]["ngram"]["identical"],
         1
     );
+    // The multi-turn set's figures also turn by turn (results.json), each turn's rounds and
+    // tokens those of its lines, its tau in the manifest; a single-turn set has none.
+    let results: Value = serde_json::from_slice(
+        &std::fs::read(env.path().join("out-bench-mt_bench/results.json")).unwrap(),
+    )
+    .unwrap();
+    for (j, method) in ["autoregressive", "ngram"].iter().enumerate() {
+        let r = &results["sets"]["mt_bench"]["methods"][method];
+        let turns = r["by_turn"].as_array().expect("by_turn");
+        assert_eq!(turns.len(), 2, "{r}");
+        for (t, turn) in turns.iter().enumerate() {
+            let line = &mt[2 * j + t];
+            assert_eq!(turn["prompts"], 1, "{turn}");
+            assert_eq!(turn["rounds"], line["rounds"], "{turn} vs {line}");
+            assert_eq!(turn["committed"], line["committed"], "{turn} vs {line}");
+        }
+        let taus = &m["stats"]["sets"]["mt_bench"]["methods"][method]["tau_by_turn"];
+        assert_eq!(taus.as_array().map(Vec::len), Some(2), "{taus}");
+    }
+    assert!(results["sets"]["humaneval"]["methods"]["ngram"]["by_turn"].is_null());
     // HumanEval inside the instruction is longer than HumanEval as it is, and starts alike
     // (the template's opening) but differs right after it.
     let wrapped = ids(&lines("bench", "humaneval")[0]["prompt"]);

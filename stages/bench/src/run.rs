@@ -56,6 +56,25 @@ pub struct MethodResult {
     /// the method speeds decoding up; its tau against this says by how much it misses.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub break_even_tau: Option<f64>,
+    /// A multi-turn set's figures turn by turn (MT-Bench's second turns restate the first,
+    /// which prompt lookup copies: its tau there is another story than on first turns).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub by_turn: Vec<TurnResult>,
+}
+
+/// One turn's figures over a set's prompts.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TurnResult {
+    /// Prompts that have this turn.
+    pub prompts: u64,
+    /// Tokens committed per verification round.
+    pub tau: f64,
+    /// Output tokens per second, prefill included.
+    pub tokens_per_second: f64,
+    /// Verification rounds.
+    pub rounds: u64,
+    /// Tokens the rounds committed.
+    pub committed: u64,
 }
 
 /// Running totals for one method on one set: its turns' figures summed, and its prompts.
@@ -64,6 +83,8 @@ struct Totals {
     prompts: u64,
     identical: u64,
     sum: Figures,
+    /// Per turn: the figures summed and the prompts that had it.
+    by_turn: Vec<(Figures, u64)>,
 }
 
 /// What one turn's decode adds to its method's totals (and, summed, the totals).
@@ -176,6 +197,21 @@ impl Totals {
             break_even_tau: step_ms
                 .filter(|s| *s > 0.0 && f.rounds > 0)
                 .map(|s| self.round_ms() / s),
+            // Only where some prompt has more than one turn.
+            by_turn: if self.by_turn.len() > 1 {
+                self.by_turn
+                    .iter()
+                    .map(|(f, prompts)| TurnResult {
+                        prompts: *prompts,
+                        tau: f.committed as f64 / f.rounds.max(1) as f64,
+                        tokens_per_second: f.tokens as f64 / f.seconds.max(1e-9),
+                        rounds: f.rounds,
+                        committed: f.committed,
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
         }
     }
 }
@@ -510,8 +546,13 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
                 done
             };
             for (t, (figures, same)) in totals.iter_mut().zip(&done.methods) {
-                for f in figures {
+                for (turn, f) in figures.iter().enumerate() {
                     t.sum.add(f);
+                    if t.by_turn.len() <= turn {
+                        t.by_turn.resize_with(turn + 1, Default::default);
+                    }
+                    t.by_turn[turn].0.add(f);
+                    t.by_turn[turn].1 += 1;
                 }
                 t.prompt_done(*same);
             }
@@ -771,6 +812,10 @@ fn compact(results: &serde_json::Map<String, Value>) -> serde_json::Map<String, 
                         if !r[k].is_null() {
                             o[k] = json!(round(&r[k]));
                         }
+                    }
+                    if let Some(turns) = r["by_turn"].as_array() {
+                        o["tau_by_turn"] =
+                            json!(turns.iter().map(|t| round(&t["tau"])).collect::<Vec<_>>());
                     }
                     if !r["latency_p50"].is_null() {
                         o["latency_p50"] = json!(round(&r["latency_p50"]));
