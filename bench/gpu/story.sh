@@ -37,9 +37,9 @@
 # append: the launches cut, README "The eighth run"), `checks` (the training step against
 # PyTorch, AdamW now one kernel: issue 22); then the whole sets,
 # PIPE=pipelines/smollm2-full.yaml, one bench per set (~4 s a prompt for autoregressive, prompt
-# lookup and the graft, twice for MT-Bench: HumanEval and GSM8K fit one session, `run 560`
-# twice, each resuming at its next prompt), then `bring-back` (its seed.tar.gz holds the
-# finished sets for the next session's SEED).
+# lookup and the graft, twice for MT-Bench: HumanEval and GSM8K fit one session: `run 560
+# --only bench_humaneval`, then `run 560 --only bench_gsm8k`, each resuming at its next prompt),
+# then `bring-back` (its seed.tar.gz holds the finished sets for the next session's SEED).
 # PIPE=pipelines/smollm2-bench.yaml benches the stash's drafter (INIT) alone: a `command` stage
 # copies it into the store, so a drafter trained in one call (or session) is benched in another.
 
