@@ -5,7 +5,8 @@
 //! f32 intermediates of that size, and candle's backward adds a zero-filled buffer and an add
 //! per intermediate: on an H200 that, not the matmuls, was most of the step. Here each is one
 //! kernel forward and one backward that keeps only what the gradient needs (the probabilities;
-//! the logits). AdamW's update is two in-place kernels instead of a dozen allocating ones;
+//! the logits). AdamW's update is in-place kernels instead of a dozen allocating ones (on a GPU
+//! one, over the gradient, both moments and the parameter);
 //! SwiGLU's gate and RMSNorm's weight gradient are single passes too. Attention on a GPU is
 //! flash attention ([`flash`]).
 //!
@@ -21,7 +22,10 @@
 //! | `Rope` (`norm.rs`) | rotate-half rotary embedding | yes | `rope` | itself, inverted |
 //! | `MaskedSoftmax` (`softmax.rs`) | `softmax(scores * scale + mask)` | yes | `masked_softmax` | `SoftmaxGrad` |
 //! | `Swiglu` (`swiglu.rs`) | `silu(g) * u` | yes | `swiglu` | `SwigluGrad` (gate, up) |
-//! | `SumSquares`, `Moment`, `AdamStep` (`adamw.rs`) | gradient norm, AdamW in place | yes | `sum_squares`, `moment`, `adam_apply` | none |
+//! | `SumSquares`, `Moment`, `AdamStep` (`adamw.rs`) | gradient norm, AdamW in place | yes | `sum_squares`, `moment`, `adam_apply`; on a GPU `adamw_fused` in one launch | none |
+//! | `SwigluPacked` (`swiglu.rs`) | `silu(g) * u` over rows `[g \| u]` (the frozen target's stacked gate and up) | yes | `swiglu_packed` | none (the target is frozen) |
+//! | `AddRmsNorm` (`norm.rs`) | a residual's sum and the next RMSNorm, `[2, rows, n]` (the frozen target's layers on a GPU) | yes | `add_rms_norm` | none (the target is frozen) |
+//! | `KeepAppend` (`copy.rs`) | a decoding cache's kept positions, then the next pass's keys or values | yes | `keep_append` | none (decoding) |
 //! | `GatherRows` (`gather.rs`) | rows of a table by index (DFlash 2's codebooks) | yes | `gather_rows` | `ScatterAddRows` (atomic adds) |
 //! | `TopK` (`topk.rs`) | the `k` largest entries' indices per row (DFlash 2's candidates) | yes | `top_k` | none (indices) |
 //! | `CausalConvSilu` (`conv.rs`) | a Gated DeltaNet layer's causal depthwise convolution and SiLU, f32 out | yes | `causal_conv_silu` | none (the target is frozen) |
