@@ -494,6 +494,39 @@ fn fused(_args: &[String]) -> Result<()> {
             );
         }
     }
+    // The chunked Gated DeltaNet's WY inverse at a 2,048-token prefill of Qwen3.5-27B's widths
+    // (48 heads x 32 chunks of 64): the forward-substitution kernel against the squarings on
+    // the device (f32), and both times.
+    {
+        let n = 64;
+        let strictly_lower: Vec<f32> = (0..n * n)
+            .map(|e| if e % n < e / n { 1.0 } else { 0.0 })
+            .collect();
+        let lower = Tensor::from_vec(strictly_lower, (n, n), &device)?;
+        let a = (init
+            .normal(&[48, 32, n, n], 0.05, DType::F32, &cpu)?
+            .to_device(&device)?
+            .broadcast_mul(&lower))?;
+        let ten = |f: &dyn Fn() -> Result<Tensor>| ten_in_a_row(&device, f);
+        let (got, ms) = ten(&|| Ok(fused::unit_lower_inverse_kernel(&a)?))?;
+        let (want, ms_squarings) = ten(&|| {
+            let mut power = a.neg()?;
+            let mut inverse = power.broadcast_add(&Tensor::eye(n, DType::F32, &device)?)?;
+            let mut span = 2;
+            while span < n {
+                power = power.matmul(&power)?;
+                inverse = (&inverse + inverse.matmul(&power)?)?;
+                span *= 2;
+            }
+            Ok(inverse)
+        })?;
+        println!(
+            "{}",
+            serde_json::json!({"phase": "fused", "check": "unit_lower_inverse", "dtype": "F32",
+                "device": format!("{device:?}"), "max_abs_diff": worst(&got, &want)?,
+                "ms": ms, "ms_squarings": ms_squarings})
+        );
+    }
     // A decoding cache cut to a tree's path and the next pass's keys appended, in one copy (3
     // heads of 64 over 332 positions, 300 plus a path of 5 kept, 9 appended): against
     // index_select and cat on the device (exact).

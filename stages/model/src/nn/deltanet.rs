@@ -347,17 +347,12 @@ impl DeltaNet {
         let a = (k_beta.matmul(&kt)? * &decay)?.broadcast_mul(&strictly_lower)?;
         let cum_exp = cum.exp()?.unsqueeze(D::Minus1)?;
         // (I + A) X = [v_beta | k_beta * exp(cum)], A strictly lower triangular, so nilpotent
-        // (A^CHUNK = 0) and (I + A)^-1 = sum of (-A)^j = (I - A)(I + A^2)(I + A^4)...: five
-        // squarings and five products of 64 x 64 matrices for every chunk and head at once, where
-        // forward substitution took 64 dependent row steps (each a few launches on a GPU).
-        let mut power = a.neg()?;
-        let mut inverse = power.broadcast_add(&Tensor::eye(CHUNK, DType::F32, device)?)?;
-        let mut span = 2;
-        while span < CHUNK {
-            power = power.matmul(&power)?;
-            inverse = (&inverse + inverse.matmul(&power)?)?;
-            span *= 2;
-        }
+        // (A^CHUNK = 0) and (I + A)^-1 = sum of (-A)^j = (I - A)(I + A^2)(I + A^4)...: on the
+        // CPU five squarings and five products of 64 x 64 matrices for every chunk and head at
+        // once, where forward substitution as composed ops took 64 dependent row steps; on a
+        // GPU forward substitution as one kernel (`fused::unit_lower_inverse`).
+        // On a GPU one kernel, forward substitution per chunk and head in shared memory.
+        let inverse = fused::unit_lower_inverse(&a)?;
         // The two right-hand sides solved apart: each result whole, not a part of a wider one.
         // `values` chunk-major underneath, since the pass subtracts from each chunk's slice.
         let values = inverse

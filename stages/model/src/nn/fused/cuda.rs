@@ -731,6 +731,32 @@ pub fn strided_copy3(src: Arg<'_>) -> Result<CudaStorage> {
 }
 
 /// Each head's `per` elements of `x` times that head's entry of `s`.
+/// `(I + A)^-1` for each `[n, n]` matrix of `a` (strictly lower triangular), one block of `n`
+/// threads each, both matrices in shared memory.
+pub fn unit_lower_inverse(a: Arg<'_>, n: usize) -> Result<CudaStorage> {
+    by_type!(a.0.dtype(), "unit-lower-inverse", |T| {
+        let dev = a.0.device();
+        let total = a.1.shape().elem_count();
+        let matrices = total / (n * n).max(1);
+        if n == 0 || n > 64 || matrices * n * n != total {
+            bail!(
+                "unit-lower-inverse: {total} elements are not whole {n} x {n} matrices of at most 64"
+            );
+        }
+        let src = view::<T>(a)?;
+        let out = fresh::<T>(dev, total)?;
+        let n32 = n as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (matrices as u32, 1, 1),
+            block_dim: (n32, 1, 1),
+            shared_mem_bytes: (2 * n * n * std::mem::size_of::<f32>()) as u32,
+        };
+        // Reads the strictly lower part of every matrix, writes every element of out.
+        launch!(dev, "unit_lower_inverse", T, cfg, [&src, &out, &n32]);
+        Ok(stored(dev, out))
+    })
+}
+
 pub fn scale_by_head(x: Arg<'_>, s: Arg<'_>) -> Result<CudaStorage> {
     by_type!(x.0.dtype(), "scale-by-head", |T| {
         let dev = x.0.device();

@@ -176,6 +176,67 @@ fn scale_by_head_cpu(x: CpuArg<'_>, s: CpuArg<'_>) -> Result<CpuStorage> {
     by_float!(x.0.dtype(), "scale-by-head", go(x, s))
 }
 
+/// `(I + A)^-1` for each of the last two dimensions' `[n, n]` matrices of `a` (strictly lower
+/// triangular, f32): the chunked Gated DeltaNet's WY inverse. On a GPU one kernel (forward
+/// substitution in shared memory, `n` at most 64); on the CPU the composed squarings as they
+/// always ran, `(I - A)(I + A^2)(I + A^4)...` (A is nilpotent), bit for bit.
+pub fn unit_lower_inverse(a: &Tensor) -> Result<Tensor> {
+    let n = a.dim(candle_core::D::Minus1)?;
+    if a.device().is_cuda() && n <= 64 {
+        return unit_lower_inverse_kernel(a);
+    }
+    let mut power = a.neg()?;
+    let mut inverse = power.broadcast_add(&Tensor::eye(n, a.dtype(), a.device())?)?;
+    let mut span = 2;
+    while span < n {
+        power = power.matmul(&power)?;
+        inverse = (&inverse + inverse.matmul(&power)?)?;
+        span *= 2;
+    }
+    Ok(inverse)
+}
+
+/// [`unit_lower_inverse`]'s op on any device (the CPU form is the kernel's forward
+/// substitution, in f64): what the tests and the GPU check hold to the squarings.
+pub fn unit_lower_inverse_kernel(a: &Tensor) -> Result<Tensor> {
+    let n = a.dim(candle_core::D::Minus1)?;
+    if a.dim(candle_core::D::Minus2)? != n {
+        bail!("unit_lower_inverse: {:?} is not square matrices", a.dims());
+    }
+    a.contiguous()?.apply_op1_no_bwd(&UnitLowerInverse { n })
+}
+
+fused_op! {
+    /// `(I + A)^-1` per `[n, n]` matrix, A strictly lower triangular.
+    UnitLowerInverse { n: usize } = "unit-lower-inverse", inputs(a);
+    cpu(op) => Ok((unit_lower_inverse_cpu(a, op.n)?, a.1.shape().clone()));
+    cuda(op) => Ok((super::cuda::unit_lower_inverse(a, op.n)?, a.1.shape().clone()));
+}
+
+fn unit_lower_inverse_cpu(a: CpuArg<'_>, n: usize) -> Result<CpuStorage> {
+    fn go<T: candle_core::WithDType>(a: CpuArg<'_>, n: usize) -> Result<CpuStorage> {
+        let a = cpu::<T>(a.0, a.1)?;
+        let out: Vec<T> = a
+            .par_chunks(n * n)
+            .flat_map_iter(|m| {
+                let mut x = vec![0f64; n * n];
+                for i in 0..n {
+                    for c in 0..=i {
+                        let mut s = if i == c { 1.0 } else { 0.0 };
+                        for j in c..i {
+                            s -= m[i * n + j].to_f64() * x[j * n + c];
+                        }
+                        x[i * n + c] = s;
+                    }
+                }
+                x.into_iter().map(T::from_f64)
+            })
+            .collect();
+        Ok(T::to_cpu_storage_owned(out))
+    }
+    by_float!(a.0.dtype(), "unit-lower-inverse", go(a, n))
+}
+
 /// [`delta_scan_chunks`] from [`delta_scan`]'s packed operands: what the kernel is timed and
 /// checked against.
 pub fn delta_scan_matmuls(

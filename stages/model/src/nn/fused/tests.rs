@@ -262,6 +262,25 @@ fn swiglu_and_its_gradients_match_the_composed_ops() {
     }
 }
 
+/// The WY inverse by forward substitution (the kernel's arithmetic) is the squarings' `(I +
+/// A)^-1`, and times `I + A` gives the identity.
+#[test]
+fn forward_substitution_inverts_a_unit_lower_triangular_matrix() {
+    let n = 64;
+    let a = (randn(&[3, 2, n, n], 51) * 0.1).unwrap();
+    let strictly_lower: Vec<f64> = (0..n * n)
+        .map(|e| if e % n < e / n { 1.0 } else { 0.0 })
+        .collect();
+    let lower = Tensor::from_vec(strictly_lower, (n, n), &Device::Cpu).unwrap();
+    let a = a.broadcast_mul(&lower).unwrap();
+    let got = unit_lower_inverse_kernel(&a).unwrap();
+    let want = unit_lower_inverse(&a).unwrap();
+    assert!(max_diff(&got, &want) < 1e-9, "{}", max_diff(&got, &want));
+    let eye = Tensor::eye(n, DType::F64, &Device::Cpu).unwrap();
+    let product = a.broadcast_add(&eye).unwrap().matmul(&got).unwrap();
+    assert!(max_diff(&product, &eye.broadcast_as(product.dims()).unwrap()) < 1e-9);
+}
+
 /// A cache's kept positions then the appended ones: the gather and the concatenation it
 /// replaces, exactly; a position past the cache is refused.
 #[test]
