@@ -526,6 +526,30 @@ fn fused(_args: &[String]) -> Result<()> {
                 "device": format!("{device:?}"), "max_abs_diff": worst(&got, &want)?,
                 "ms": ms, "ms_squarings": ms_squarings})
         );
+        // The same chunks' decay matrices from cumulative log-decays: the kernel against the
+        // composed ops on the device.
+        let cum = init
+            .normal(&[48, 32, n], 0.05, DType::F32, &cpu)?
+            .abs()?
+            .neg()?
+            .cumsum(candle_core::D::Minus1)?
+            .to_device(&device)?;
+        let (got, ms) = ten(&|| Ok(fused::chunk_decay_kernel(&cum)?))?;
+        let (want, ms_composed) = ten(&|| {
+            let rows = Tensor::arange(0u32, n as u32, &device)?.reshape((n, 1))?;
+            let cols = Tensor::arange(0u32, n as u32, &device)?.reshape((1, n))?;
+            let lower = cols.broadcast_le(&rows)?.to_dtype(DType::F32)?;
+            let diff = cum
+                .unsqueeze(candle_core::D::Minus1)?
+                .broadcast_sub(&cum.unsqueeze(candle_core::D::Minus2)?)?;
+            Ok(diff.minimum(0f32)?.exp()?.broadcast_mul(&lower)?)
+        })?;
+        println!(
+            "{}",
+            serde_json::json!({"phase": "fused", "check": "chunk_decay", "dtype": "F32",
+                "device": format!("{device:?}"), "max_abs_diff": worst(&got, &want)?,
+                "ms": ms, "ms_composed": ms_composed})
+        );
     }
     // A decoding cache cut to a tree's path and the next pass's keys appended, in one copy (3
     // heads of 64 over 332 positions, 300 plus a path of 5 kept, 9 appended): against

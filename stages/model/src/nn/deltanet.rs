@@ -309,7 +309,6 @@ impl DeltaNet {
     /// slice of the matmuls' operands is read through its strides).
     fn prepare(&self, m: &Mixed, n: usize) -> Result<fused::ChunkOperands> {
         let s = &self.shape;
-        let device = m.q.device();
         let chunks = n.div_ceil(CHUNK);
         let padded = chunks * CHUNK;
         let heads = s.value_heads;
@@ -330,21 +329,15 @@ impl DeltaNet {
         let beta = pad(&m.beta)?.reshape((heads, chunks, CHUNK, 1))?;
         let g = pad(&m.g)?.reshape((heads, chunks, CHUNK))?;
         let cum = g.cumsum(D::Minus1)?;
-        // decay[i, j] = exp(cum_i - cum_j) for j <= i (else 0): what S loses between j and i.
-        let rows = Tensor::arange(0u32, CHUNK as u32, device)?.reshape((CHUNK, 1))?;
-        let cols = Tensor::arange(0u32, CHUNK as u32, device)?.reshape((1, CHUNK))?;
-        let lower = cols.broadcast_le(&rows)?.to_dtype(DType::F32)?;
-        let strictly_lower = cols.broadcast_lt(&rows)?.to_dtype(DType::F32)?;
-        let diff = cum
-            .unsqueeze(D::Minus1)?
-            .broadcast_sub(&cum.unsqueeze(D::Minus2)?)?;
-        // Above the diagonal the difference is >= 0 and may overflow exp: clamp, then mask.
-        let decay = diff.minimum(0f32)?.exp()?.broadcast_mul(&lower)?;
+        // decay[i, j] = exp(cum_i - cum_j) for j <= i (else 0): what S loses between j and i
+        // (on a GPU one kernel).
+        let decay = fused::chunk_decay(&cum)?;
         let k_beta = k.broadcast_mul(&beta)?;
         let v_beta = v.broadcast_mul(&beta)?;
         // `k` transposed as a view: the matmuls read it through its strides.
         let kt = k.transpose(D::Minus1, D::Minus2)?;
-        let a = (k_beta.matmul(&kt)? * &decay)?.broadcast_mul(&strictly_lower)?;
+        // Its strictly lower triangle is A (what `unit_lower_inverse` reads).
+        let a = (k_beta.matmul(&kt)? * &decay)?;
         let cum_exp = cum.exp()?.unsqueeze(D::Minus1)?;
         // (I + A) X = [v_beta | k_beta * exp(cum)], A strictly lower triangular, so nilpotent
         // (A^CHUNK = 0) and (I + A)^-1 = sum of (-A)^j = (I - A)(I + A^2)(I + A^4)...: on the

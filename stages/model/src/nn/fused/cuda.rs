@@ -731,6 +731,26 @@ pub fn strided_copy3(src: Arg<'_>) -> Result<CudaStorage> {
 }
 
 /// Each head's `per` elements of `x` times that head's entry of `s`.
+/// Each row of `cum` (`[.., l]`) as its `[l, l]` decay matrix (see `kernels.cu`).
+pub fn chunk_decay(cum: Arg<'_>, l: usize) -> Result<CudaStorage> {
+    by_type!(cum.0.dtype(), "chunk-decay", |T| {
+        let dev = cum.0.device();
+        let total = cum.1.shape().elem_count() * l;
+        let src = view::<T>(cum)?;
+        let out = fresh::<T>(dev, total)?;
+        let l32 = l as u32;
+        // Reads every cumulative sum (each l times), writes every element of out.
+        launch!(
+            dev,
+            "chunk_decay",
+            T,
+            elementwise(total),
+            [&src, &out, &total, &l32]
+        );
+        Ok(stored(dev, out))
+    })
+}
+
 /// `(I + A)^-1` for each `[n, n]` matrix of `a` (strictly lower triangular), one block of `n`
 /// threads each, both matrices in shared memory.
 pub fn unit_lower_inverse(a: Arg<'_>, n: usize) -> Result<CudaStorage> {

@@ -423,6 +423,19 @@ __device__ void scatter_add_rows(const T* grad, const uint32_t* ids, T* table, s
     }
 }
 
+// decay[m, i, j] = exp(min(cum[m, i] - cum[m, j], 0)) for j <= i, else 0: each of `rows`
+// cumulative log-decays of length l (a head's chunk) as its l x l matrix of what the state
+// loses between positions j and i, one thread per element.
+template <typename T>
+__device__ void chunk_decay(const T* cum, T* out, size_t total, uint32_t l) {
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
+        size_t j = e % l, i = (e / l) % l, m = e / ((size_t)l * l);
+        float v = 0.0f;
+        if (j <= i) v = expf(fminf(load(cum, m * l + i) - load(cum, m * l + j), 0.0f));
+        store(out, e, v);
+    }
+}
+
 // T = (I + A)^-1 for each n x n block of a (A strictly lower triangular: only j < i is read),
 // by forward substitution, T[i] = e_i - sum_{j<i} A[i, j] T[j]: one block of n threads per
 // matrix (thread c owns column c), both matrices in shared memory (2 n^2 floats), a row per
@@ -567,6 +580,9 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     extern "C" __global__ void strided_copy3_##NAME(const T* src, T* out, size_t n, uint32_t d1,          \
                                                     uint32_t d2, size_t s0, size_t s1, size_t s2) {    \
         strided_copy3(src, out, n, d1, d2, s0, s1, s2);                                                \
+    }                                                                                                  \
+    extern "C" __global__ void chunk_decay_##NAME(const T* cum, T* out, size_t total, uint32_t l) {     \
+        chunk_decay(cum, out, total, l);                                                               \
     }                                                                                                  \
     extern "C" __global__ void unit_lower_inverse_##NAME(const T* a, T* t, uint32_t n) {                \
         unit_lower_inverse(a, t, n);                                                                   \

@@ -31,6 +31,7 @@
 //! | `CausalConvSilu` (`conv.rs`) | a Gated DeltaNet layer's causal depthwise convolution and SiLU, f32 out | yes | `causal_conv_silu` | none (the target is frozen) |
 //! | `DeltaScan` (`scan.rs`) | the chunked Gated DeltaNet's pass over its chunks (the state carried across); checked, off the forward's path: 4.7 ms on an H100 where the matmuls per chunk take 2.9 | yes (the reference) | `delta_scan` | none (the target is frozen) |
 //! | `StridedCopy3` (`copy.rs`) | a 3-D view (transposed, narrowed) made contiguous, its strides kernel arguments (candle uploads them before each copy) | yes | `strided_copy3` | none (decoding) |
+//! | `ChunkDecay` (`scan.rs`) | each chunk's `[L, L]` decay matrix from its cumulative log-decays (the chunked Gated DeltaNet) | yes (the reference; the CPU path keeps the composed ops) | `chunk_decay` | none (the target is frozen) |
 //! | `UnitLowerInverse` (`scan.rs`) | `(I + A)^-1` per 64 x 64 strictly lower A (the chunked Gated DeltaNet's WY inverse), forward substitution in shared memory | yes (the reference; the CPU path keeps the squarings) | `unit_lower_inverse` | none (the target is frozen) |
 //! | `ScaleByHead` (`scan.rs`) | each head's elements times its scale (the Gated DeltaNet state times its chunk's decay, without a broadcast) | yes | `scale_by_head` | none (the target is frozen) |
 //! | flash attention ([`flash`]) | causal and block attention | no (composed ops) | `flash.cu`, bf16 | its own kernels |
@@ -277,8 +278,9 @@ pub use adamw::{AdamStep, adamw_update, sum_squares};
 pub use conv::causal_conv_silu;
 pub use copy::{contiguous3, keep_append, strided_copy3};
 pub use scan::{
-    ChunkOperands, delta_scan, delta_scan_chunks, delta_scan_matmuls, scale_by_head,
-    scale_by_head_kernel, unit_lower_inverse, unit_lower_inverse_kernel,
+    ChunkOperands, chunk_decay, chunk_decay_kernel, delta_scan, delta_scan_chunks,
+    delta_scan_matmuls, scale_by_head, scale_by_head_kernel, unit_lower_inverse,
+    unit_lower_inverse_kernel,
 };
 
 /// Set a device up for training and decoding before anything is allocated on it: on a GPU, the

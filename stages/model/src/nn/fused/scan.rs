@@ -176,15 +176,81 @@ fn scale_by_head_cpu(x: CpuArg<'_>, s: CpuArg<'_>) -> Result<CpuStorage> {
     by_float!(x.0.dtype(), "scale-by-head", go(x, s))
 }
 
-/// `(I + A)^-1` for each of the last two dimensions' `[n, n]` matrices of `a` (strictly lower
-/// triangular, f32): the chunked Gated DeltaNet's WY inverse. On a GPU one kernel (forward
-/// substitution in shared memory, `n` at most 64); on the CPU the composed squarings as they
-/// always ran, `(I - A)(I + A^2)(I + A^4)...` (A is nilpotent), bit for bit.
+/// The chunked Gated DeltaNet's decays: each row of the cumulative log-decays `cum` (`[.., l]`,
+/// f32) as the `[l, l]` matrix `exp(cum_i - cum_j)` for `j <= i`, 0 above the diagonal (what the
+/// state loses between positions j and i). On a GPU one kernel; on the CPU the composed ops as
+/// they always ran (the difference clamped at 0 before `exp`, then masked), bit for bit.
+pub fn chunk_decay(cum: &Tensor) -> Result<Tensor> {
+    if cum.device().is_cuda() {
+        return chunk_decay_kernel(cum);
+    }
+    let l = cum.dim(candle_core::D::Minus1)?;
+    let rows = Tensor::arange(0u32, l as u32, cum.device())?.reshape((l, 1))?;
+    let cols = Tensor::arange(0u32, l as u32, cum.device())?.reshape((1, l))?;
+    let lower = cols.broadcast_le(&rows)?.to_dtype(cum.dtype())?;
+    let diff = cum
+        .unsqueeze(candle_core::D::Minus1)?
+        .broadcast_sub(&cum.unsqueeze(candle_core::D::Minus2)?)?;
+    // Above the diagonal the difference is >= 0 and may overflow exp: clamp, then mask.
+    diff.minimum(0f32)?.exp()?.broadcast_mul(&lower)
+}
+
+/// [`chunk_decay`]'s op on any device (the CPU form is the kernel's arithmetic, in f64).
+pub fn chunk_decay_kernel(cum: &Tensor) -> Result<Tensor> {
+    let l = cum.dim(candle_core::D::Minus1)?;
+    cum.contiguous()?.apply_op1_no_bwd(&ChunkDecay { l })
+}
+
+fused_op! {
+    /// Each row of cumulative log-decays as its lower-triangular decay matrix.
+    ChunkDecay { l: usize } = "chunk-decay", inputs(cum);
+    cpu(op) => {
+        let mut dims = cum.1.dims().to_vec();
+        dims.push(op.l);
+        Ok((chunk_decay_cpu(cum, op.l)?, dims.into()))
+    };
+    cuda(op) => {
+        let mut dims = cum.1.dims().to_vec();
+        dims.push(op.l);
+        Ok((super::cuda::chunk_decay(cum, op.l)?, dims.into()))
+    };
+}
+
+fn chunk_decay_cpu(cum: CpuArg<'_>, l: usize) -> Result<CpuStorage> {
+    fn go<T: candle_core::WithDType>(cum: CpuArg<'_>, l: usize) -> Result<CpuStorage> {
+        let cum = cpu::<T>(cum.0, cum.1)?;
+        let out: Vec<T> = cum
+            .chunks(l)
+            .flat_map(|row| {
+                (0..l * l).map(move |e| {
+                    let (i, j) = (e / l, e % l);
+                    T::from_f64(if j <= i {
+                        (row[i].to_f64() - row[j].to_f64()).min(0.0).exp()
+                    } else {
+                        0.0
+                    })
+                })
+            })
+            .collect();
+        Ok(T::to_cpu_storage_owned(out))
+    }
+    by_float!(cum.0.dtype(), "chunk-decay", go(cum, l))
+}
+
+/// `(I + A)^-1` for each of the last two dimensions' `[n, n]` matrices of `a` (f32; only its
+/// strictly lower triangle counts): the chunked Gated DeltaNet's WY inverse. On a GPU one
+/// kernel (forward substitution in shared memory, `n` at most 64, reading only the strictly
+/// lower triangle); on the CPU `a` masked to its strictly lower triangle, then the composed
+/// squarings as they always ran, `(I - A)(I + A^2)(I + A^4)...` (A is nilpotent), bit for bit.
 pub fn unit_lower_inverse(a: &Tensor) -> Result<Tensor> {
     let n = a.dim(candle_core::D::Minus1)?;
     if a.device().is_cuda() && n <= 64 {
         return unit_lower_inverse_kernel(a);
     }
+    let rows = Tensor::arange(0u32, n as u32, a.device())?.reshape((n, 1))?;
+    let cols = Tensor::arange(0u32, n as u32, a.device())?.reshape((1, n))?;
+    let strictly_lower = cols.broadcast_lt(&rows)?.to_dtype(a.dtype())?;
+    let a = a.broadcast_mul(&strictly_lower)?;
     let mut power = a.neg()?;
     let mut inverse = power.broadcast_add(&Tensor::eye(n, a.dtype(), a.device())?)?;
     let mut span = 2;

@@ -262,6 +262,25 @@ fn swiglu_and_its_gradients_match_the_composed_ops() {
     }
 }
 
+/// The decay matrices by the kernel's arithmetic are the composed ops' (to f32 rounding of
+/// `exp`), zero above the diagonal, one on it.
+#[test]
+fn chunk_decays_are_the_composed_ones() {
+    let g = (randn(&[2, 3, 16], 61).abs().unwrap() * -0.3)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let cum = g.cumsum(candle_core::D::Minus1).unwrap();
+    let got = chunk_decay_kernel(&cum).unwrap();
+    let want = chunk_decay(&cum).unwrap();
+    assert_eq!(got.dims(), &[2, 3, 16, 16]);
+    assert!(max_diff(&got, &want) < 1e-6, "{}", max_diff(&got, &want));
+    let m: Vec<Vec<f32>> = got.get(1).unwrap().get(2).unwrap().to_vec2().unwrap();
+    assert_eq!(m[3][3], 1.0);
+    assert_eq!(m[2][5], 0.0);
+    assert!(m[5][2] > 0.0 && m[5][2] < 1.0);
+}
+
 /// The WY inverse by forward substitution (the kernel's arithmetic) is the squarings' `(I +
 /// A)^-1`, and times `I + A` gives the identity.
 #[test]
