@@ -32,11 +32,11 @@
 # .assets/smollm2-drafter there and benched on 8 prompts a set, `verify: tree+lookup`.
 # The next: `pack-inputs BIN .gpu .assets/smollm2-drafter-h100-8200` (packed at the last
 # stop); `stash` for a, b, e, d, then c with `setup`, `probe fused | grep -E
-# "swiglu_packed|add_rms_norm|adamw|keep_append|unit_lower"`, `verify 300` and `round 300 128` (the
+# "swiglu_packed|add_rms_norm|adamw|keep_append|unit_lower|chunk_decay"`, `verify 300` and `round 300 128` (the
 # target's pass with its projections stacked, each add fused with its norm and the cache cut on
 # append: the launches cut, README "The eighth run"), `checks` (the training step against
-# PyTorch, AdamW now one kernel: issue 22), `hybrid 4 2048` (~140 s: the WY inverse now one
-# kernel, issue 23); then the whole sets,
+# PyTorch, AdamW now one kernel: issue 22), `hybrid 4 2048` (~140 s: the WY inverse and the
+# chunks' decays now a kernel each, issue 23); then the whole sets,
 # PIPE=pipelines/smollm2-full.yaml, one bench per set (~4 s a prompt for autoregressive, prompt
 # lookup and the graft, twice for MT-Bench: HumanEval and GSM8K fit one session: `run 560
 # --only bench_humaneval`, then `run 560 --only bench_gsm8k`, each resuming at its next prompt),
