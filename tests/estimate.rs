@@ -231,25 +231,40 @@ fn local_benchmark_files_are_counted_turn_by_turn() {
             .map(|i| format!("{{\"question_id\": {i}, \"turns\": [\"ask {i}\", \"and then?\"]}}\n"))
             .collect::<String>(),
     );
-    env.write(
-        "bench.yaml",
-        &(std::fs::read_to_string(env.path().join("story.yaml")).unwrap()
-            + "  single:\n    kind: download\n    params: {path: single.jsonl}\n  multi:\n    kind: download\n    params: {path: multi.jsonl}\n  copied:\n    kind: command\n    params: {run: 'true'}\n  bench:\n    kind: bench\n    inputs: [copied, single, multi]\n    params: {target: target-27b, prompts: 4, max_new_tokens: 100}\n"),
-    );
-    let e = json(
+    let e = story_with(
         &env,
-        &["bench.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+        "  single:\n    kind: download\n    params: {path: single.jsonl}\n  multi:\n    kind: download\n    params: {path: multi.jsonl}\n  copied:\n    kind: command\n    params: {run: 'true'}\n  bench:\n    kind: bench\n    inputs: [copied, single, multi]\n    params: {target: target-27b, prompts: 4, max_new_tokens: 100}\n",
     );
     assert_eq!(stage(&e, "single")["rows"]["value"], 5.0, "{e}");
     assert_eq!(stage(&e, "multi")["rows"]["value"], 3.0, "{e}");
     let b = stage(&e, "bench");
-    let expected = 10.0 * 100.0 * 64.0 * 0.000_19 * (1.0 + 1.3 + 1.5) / 3600.0;
-    let got = b["wall_hours"].as_f64().unwrap();
-    assert!(
-        (got / expected - 1.0).abs() < 1e-9,
-        "{got} vs {expected}: {b}"
+    assert_wall(
+        b,
+        10.0 * 100.0 * 64.0 * 0.000_19 * (1.0 + 1.3 + 1.5) / 3600.0,
     );
     assert!(b.to_string().contains("user turns counted"), "{b}");
+}
+
+/// The story's pipeline with `stages` (YAML, indented under `stages:`) added, estimated on
+/// 8xH200 with the pinned assumptions.
+fn story_with(env: &Env, stages: &str) -> Value {
+    env.write(
+        "bench.yaml",
+        &(std::fs::read_to_string(env.path().join("story.yaml")).unwrap() + stages),
+    );
+    json(
+        env,
+        &["bench.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+    )
+}
+
+/// A stage's wall-clock hours are `expected`.
+fn assert_wall(stage: &Value, expected: f64) {
+    let got = stage["wall_hours"].as_f64().unwrap();
+    assert!(
+        (got / expected - 1.0).abs() < 1e-9,
+        "{got} vs {expected}: {stage}"
+    );
 }
 
 /// A bench is sized from its prompts, its methods and the target's step: 10 prompts (the set's
@@ -258,21 +273,14 @@ fn local_benchmark_files_are_counted_turn_by_turn() {
 #[test]
 fn a_bench_is_sized_from_its_prompts_methods_and_target() {
     let env = story();
-    env.write(
-        "bench.yaml",
-        &(std::fs::read_to_string(env.path().join("story.yaml")).unwrap()
-            + "  gsm8k:\n    kind: download\n    params: {hf: openai/gsm8k, limit: 10}\n  bench:\n    kind: bench\n    inputs: [drafter, gsm8k]\n    params: {target: target-27b, prompts: 80, max_new_tokens: 100}\n"),
-    );
-    let e = json(
+    let e = story_with(
         &env,
-        &["bench.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+        "  gsm8k:\n    kind: download\n    params: {hf: openai/gsm8k, limit: 10}\n  bench:\n    kind: bench\n    inputs: [drafter, gsm8k]\n    params: {target: target-27b, prompts: 80, max_new_tokens: 100}\n",
     );
     let b = stage(&e, "bench");
-    let expected = 10.0 * 100.0 * 64.0 * 0.000_19 * (1.0 + 1.3 + 1.5) / 3600.0;
-    let got = b["wall_hours"].as_f64().unwrap();
-    assert!(
-        (got / expected - 1.0).abs() < 1e-9,
-        "{got} vs {expected}: {b}"
+    assert_wall(
+        b,
+        10.0 * 100.0 * 64.0 * 0.000_19 * (1.0 + 1.3 + 1.5) / 3600.0,
     );
     assert_eq!(b["gpus"], 1);
     // Endpoint mode is the servers' business.

@@ -509,17 +509,7 @@ fn fused(_args: &[String]) -> Result<()> {
             .broadcast_mul(&lower))?;
         let ten = |f: &dyn Fn() -> Result<Tensor>| ten_in_a_row(&device, f);
         let (got, ms) = ten(&|| Ok(fused::unit_lower_inverse_kernel(&a)?))?;
-        let (want, ms_squarings) = ten(&|| {
-            let mut power = a.neg()?;
-            let mut inverse = power.broadcast_add(&Tensor::eye(n, DType::F32, &device)?)?;
-            let mut span = 2;
-            while span < n {
-                power = power.matmul(&power)?;
-                inverse = (&inverse + inverse.matmul(&power)?)?;
-                span *= 2;
-            }
-            Ok(inverse)
-        })?;
+        let (want, ms_squarings) = ten(&|| Ok(fused::unit_lower_inverse_squarings(&a)?))?;
         println!(
             "{}",
             serde_json::json!({"phase": "fused", "check": "unit_lower_inverse", "dtype": "F32",
@@ -535,15 +525,7 @@ fn fused(_args: &[String]) -> Result<()> {
             .cumsum(candle_core::D::Minus1)?
             .to_device(&device)?;
         let (got, ms) = ten(&|| Ok(fused::chunk_decay_kernel(&cum)?))?;
-        let (want, ms_composed) = ten(&|| {
-            let rows = Tensor::arange(0u32, n as u32, &device)?.reshape((n, 1))?;
-            let cols = Tensor::arange(0u32, n as u32, &device)?.reshape((1, n))?;
-            let lower = cols.broadcast_le(&rows)?.to_dtype(DType::F32)?;
-            let diff = cum
-                .unsqueeze(candle_core::D::Minus1)?
-                .broadcast_sub(&cum.unsqueeze(candle_core::D::Minus2)?)?;
-            Ok(diff.minimum(0f32)?.exp()?.broadcast_mul(&lower)?)
-        })?;
+        let (want, ms_composed) = ten(&|| Ok(fused::chunk_decay_composed(&cum)?))?;
         println!(
             "{}",
             serde_json::json!({"phase": "fused", "check": "chunk_decay", "dtype": "F32",

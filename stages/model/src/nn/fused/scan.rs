@@ -184,6 +184,12 @@ pub fn chunk_decay(cum: &Tensor) -> Result<Tensor> {
     if cum.device().is_cuda() {
         return chunk_decay_kernel(cum);
     }
+    chunk_decay_composed(cum)
+}
+
+/// [`chunk_decay`] as composed candle ops, on any device: the CPU's path, and what the GPU
+/// check (`train_probe fused`) holds the kernel to.
+pub fn chunk_decay_composed(cum: &Tensor) -> Result<Tensor> {
     let l = cum.dim(candle_core::D::Minus1)?;
     let rows = Tensor::arange(0u32, l as u32, cum.device())?.reshape((l, 1))?;
     let cols = Tensor::arange(0u32, l as u32, cum.device())?.reshape((1, l))?;
@@ -247,6 +253,13 @@ pub fn unit_lower_inverse(a: &Tensor) -> Result<Tensor> {
     if a.device().is_cuda() && n <= 64 {
         return unit_lower_inverse_kernel(a);
     }
+    unit_lower_inverse_squarings(a)
+}
+
+/// [`unit_lower_inverse`] by the squarings, on any device: the CPU's path, and what the GPU
+/// check (`train_probe fused`) holds the kernel to.
+pub fn unit_lower_inverse_squarings(a: &Tensor) -> Result<Tensor> {
+    let n = a.dim(candle_core::D::Minus1)?;
     let rows = Tensor::arange(0u32, n as u32, a.device())?.reshape((n, 1))?;
     let cols = Tensor::arange(0u32, n as u32, a.device())?.reshape((1, n))?;
     let strictly_lower = cols.broadcast_lt(&rows)?.to_dtype(a.dtype())?;
