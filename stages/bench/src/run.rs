@@ -77,12 +77,11 @@ pub struct TurnResult {
     pub committed: u64,
 }
 
-/// Running totals for one method on one set: its turns' figures summed, and its prompts.
+/// Running totals for one method on one set: its figures summed turn by turn, and its prompts.
 #[derive(Default)]
 struct Totals {
     prompts: u64,
     identical: u64,
-    sum: Figures,
     /// Per turn: the figures summed and the prompts that had it.
     by_turn: Vec<(Figures, u64)>,
 }
@@ -162,14 +161,34 @@ impl Totals {
         self.identical += u64::from(same);
     }
 
+    /// Turn `turn` of a prompt decoded.
+    fn turn_done(&mut self, turn: usize, f: &Figures) {
+        if self.by_turn.len() <= turn {
+            self.by_turn.resize_with(turn + 1, Default::default);
+        }
+        self.by_turn[turn].0.add(f);
+        self.by_turn[turn].1 += 1;
+    }
+
+    /// Every turn's figures summed.
+    fn sum(&self) -> Figures {
+        let mut all = Figures::default();
+        for (f, _) in &self.by_turn {
+            all.add(f);
+        }
+        all
+    }
+
     /// Output tokens per second, prefill included.
     fn tokens_per_second(&self) -> f64 {
-        self.sum.tokens as f64 / self.sum.seconds.max(1e-9)
+        let f = self.sum();
+        f.tokens as f64 / f.seconds.max(1e-9)
     }
 
     /// Milliseconds per round, proposing and verifying together, mean.
     fn round_ms(&self) -> f64 {
-        self.sum.decode_seconds * 1e3 / self.sum.rounds.max(1) as f64
+        let f = self.sum();
+        f.decode_seconds * 1e3 / f.rounds.max(1) as f64
     }
 
     fn result(
@@ -178,7 +197,7 @@ impl Totals {
         greedy: bool,
         step_ms: Option<f64>,
     ) -> MethodResult {
-        let f = &self.sum;
+        let f = &self.sum();
         let tps = self.tokens_per_second();
         let rounds = f.rounds.max(1) as f64;
         MethodResult {
@@ -225,7 +244,7 @@ enum Method {
     },
     Drafter(std::rc::Rc<Drafter>),
     /// A drafter verified as a tree of its top `width` tokens per position, `budget` nodes,
-    /// with prompt lookup's continuation grafted on when `lookup` (its n-gram) is above 0.
+    /// with prompt lookup's continuations grafted on when `lookup` (its n-gram) is above 0.
     DrafterTree {
         drafter: std::rc::Rc<Drafter>,
         width: usize,
@@ -547,12 +566,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             };
             for (t, (figures, same)) in totals.iter_mut().zip(&done.methods) {
                 for (turn, f) in figures.iter().enumerate() {
-                    t.sum.add(f);
-                    if t.by_turn.len() <= turn {
-                        t.by_turn.resize_with(turn + 1, Default::default);
-                    }
-                    t.by_turn[turn].0.add(f);
-                    t.by_turn[turn].1 += 1;
+                    t.turn_done(turn, f);
                 }
                 t.prompt_done(*same);
             }

@@ -499,23 +499,17 @@ fn fused(_args: &[String]) -> Result<()> {
     // the device (f32), and both times.
     {
         let n = 64;
-        let strictly_lower: Vec<f32> = (0..n * n)
-            .map(|e| if e % n < e / n { 1.0 } else { 0.0 })
-            .collect();
-        let lower = Tensor::from_vec(strictly_lower, (n, n), &device)?;
         let a = (init
             .normal(&[48, 32, n, n], 0.05, DType::F32, &cpu)?
             .to_device(&device)?
-            .broadcast_mul(&lower))?;
-        let ten = |f: &dyn Fn() -> Result<Tensor>| ten_in_a_row(&device, f);
-        let (got, ms) = ten(&|| Ok(fused::unit_lower_inverse_kernel(&a)?))?;
-        let (want, ms_squarings) = ten(&|| Ok(fused::unit_lower_inverse_squarings(&a)?))?;
-        println!(
-            "{}",
-            serde_json::json!({"phase": "fused", "check": "unit_lower_inverse", "dtype": "F32",
-                "device": format!("{device:?}"), "max_abs_diff": worst(&got, &want)?,
-                "ms": ms, "ms_squarings": ms_squarings})
-        );
+            .broadcast_mul(&fused::lower_triangle(n, true, DType::F32, &device)?))?;
+        compare(
+            &device,
+            "unit_lower_inverse",
+            DType::F32,
+            &|| Ok(fused::unit_lower_inverse_kernel(&a)?),
+            &|| Ok(fused::unit_lower_inverse_squarings(&a)?),
+        )?;
         // The same chunks' decay matrices from cumulative log-decays: the kernel against the
         // composed ops on the device.
         let cum = init
@@ -524,14 +518,13 @@ fn fused(_args: &[String]) -> Result<()> {
             .neg()?
             .cumsum(candle_core::D::Minus1)?
             .to_device(&device)?;
-        let (got, ms) = ten(&|| Ok(fused::chunk_decay_kernel(&cum)?))?;
-        let (want, ms_composed) = ten(&|| Ok(fused::chunk_decay_composed(&cum)?))?;
-        println!(
-            "{}",
-            serde_json::json!({"phase": "fused", "check": "chunk_decay", "dtype": "F32",
-                "device": format!("{device:?}"), "max_abs_diff": worst(&got, &want)?,
-                "ms": ms, "ms_composed": ms_composed})
-        );
+        compare(
+            &device,
+            "chunk_decay",
+            DType::F32,
+            &|| Ok(fused::chunk_decay_kernel(&cum)?),
+            &|| Ok(fused::chunk_decay_composed(&cum)?),
+        )?;
     }
     // A decoding cache cut to a tree's path and the next pass's keys appended, in one copy (3
     // heads of 64 over 332 positions, 300 plus a path of 5 kept, 9 appended): against
@@ -547,24 +540,21 @@ fn fused(_args: &[String]) -> Result<()> {
             .to_device(&device)?;
         let kept: Vec<u32> = (0..300).chain([300, 302, 307, 315, 331]).collect();
         let keep = Tensor::new(kept.as_slice(), &device)?;
-        let ten = |f: &dyn Fn() -> Result<Tensor>| ten_in_a_row(&device, f);
-        let (got, ms) = ten(&|| Ok(fused::keep_append(&past, &keep, &added)?))?;
-        let (want, ms_apart) =
-            ten(&|| Ok(Tensor::cat(&[&past.index_select(&keep, 1)?, &added], 1)?))?;
-        println!(
-            "{}",
-            serde_json::json!({"phase": "fused", "check": "keep_append", "dtype": format!("{dtype:?}"),
-                "device": format!("{device:?}"), "max_abs_diff": worst(&got, &want)?,
-                "ms": ms, "ms_apart": ms_apart})
-        );
+        compare(
+            &device,
+            "keep_append",
+            dtype,
+            &|| Ok(fused::keep_append(&past, &keep, &added)?),
+            &|| Ok(Tensor::cat(&[&past.index_select(&keep, 1)?, &added], 1)?),
+        )?;
     }
     // A residual's add and the next RMSNorm in one kernel (SmolLM2's 576 wide, 1 and 64 rows):
     // against the add and candle's RMSNorm on the device (the sum exact, the norm to rounding).
     for dtype in [DType::F32, DType::BF16] {
         for rows in [1, 64] {
-            let mut on = |seed: &[usize], s: f64| -> Result<Tensor> {
+            let mut on = |shape: &[usize], s: f64| -> Result<Tensor> {
                 Ok(init
-                    .normal(seed, s, DType::F32, &cpu)?
+                    .normal(shape, s, DType::F32, &cpu)?
                     .to_dtype(dtype)?
                     .to_device(&device)?)
             };
@@ -602,20 +592,18 @@ fn fused(_args: &[String]) -> Result<()> {
                 .normal(&[rows, 2 * 1536], 2.0, DType::F32, &cpu)?
                 .to_dtype(dtype)?
                 .to_device(&device)?;
-            let ten = |f: &dyn Fn() -> Result<Tensor>| ten_in_a_row(&device, f);
-            let (got, ms) = ten(&|| Ok(fused::swiglu_packed(&gu)?))?;
-            let (want, ms_apart) = ten(&|| {
-                Ok(fused::swiglu(
-                    &gu.narrow(1, 0, 1536)?.contiguous()?,
-                    &gu.narrow(1, 1536, 1536)?.contiguous()?,
-                )?)
-            })?;
-            println!(
-                "{}",
-                serde_json::json!({"phase": "fused", "check": format!("swiglu_packed_{rows}"), "dtype": format!("{dtype:?}"),
-                    "device": format!("{device:?}"), "max_abs_diff": worst(&got.to_device(&cpu)?, &want.to_device(&cpu)?)?,
-                    "ms": ms, "ms_apart": ms_apart})
-            );
+            compare(
+                &device,
+                &format!("swiglu_packed_{rows}"),
+                dtype,
+                &|| Ok(fused::swiglu_packed(&gu)?),
+                &|| {
+                    Ok(fused::swiglu(
+                        &gu.narrow(1, 0, 1536)?.contiguous()?,
+                        &gu.narrow(1, 1536, 1536)?.contiguous()?,
+                    )?)
+                },
+            )?;
         }
     }
     // The Gated DeltaNet state times each head's chunk decay (48 heads of 128 x 128): the kernel
@@ -827,6 +815,26 @@ fn median_after_warmup(repeats: usize, mut f: impl FnMut() -> Result<f64>) -> Re
 /// The last output and the mean milliseconds of `f` over ten runs in a row after a warm-up,
 /// the device synchronised at the ends only: the launches and any uploads as a decoding pass
 /// meets them.
+/// A kernel against its reference on the device (`train_probe fused`): both timed ten in a
+/// row, and one line with the largest difference and both times.
+fn compare(
+    device: &Device,
+    check: &str,
+    dtype: DType,
+    kernel: &dyn Fn() -> Result<Tensor>,
+    reference: &dyn Fn() -> Result<Tensor>,
+) -> Result<()> {
+    let (got, ms) = ten_in_a_row(device, kernel)?;
+    let (want, ms_reference) = ten_in_a_row(device, reference)?;
+    println!(
+        "{}",
+        serde_json::json!({"phase": "fused", "check": check, "dtype": format!("{dtype:?}"),
+            "device": format!("{device:?}"), "max_abs_diff": worst(&got, &want)?,
+            "ms": ms, "ms_reference": ms_reference})
+    );
+    Ok(())
+}
+
 fn ten_in_a_row(device: &Device, f: &dyn Fn() -> Result<Tensor>) -> Result<(Tensor, f64)> {
     f()?;
     device.synchronize()?;

@@ -343,8 +343,8 @@ impl DeltaNet {
         // (A^CHUNK = 0) and (I + A)^-1 = sum of (-A)^j = (I - A)(I + A^2)(I + A^4)...: on the
         // CPU five squarings and five products of 64 x 64 matrices for every chunk and head at
         // once, where forward substitution as composed ops took 64 dependent row steps; on a
-        // GPU forward substitution as one kernel (`fused::unit_lower_inverse`).
-        // On a GPU one kernel, forward substitution per chunk and head in shared memory.
+        // GPU forward substitution as one kernel, per chunk and head in shared memory
+        // (`fused::unit_lower_inverse`).
         let inverse = fused::unit_lower_inverse(&a)?;
         // The two right-hand sides solved apart: each result whole, not a part of a wider one.
         // `values` chunk-major underneath, since the pass subtracts from each chunk's slice.

@@ -41,9 +41,9 @@ pub enum Proposer<'a> {
         width: usize,
         /// Nodes per tree, the root (the round's first token) included.
         budget: usize,
-        /// Above 0: prompt lookup's continuation (matching the history's last `lookup` tokens,
-        /// down to 1) grafted onto the tree as one more path ([`Tree::graft`]), within the
-        /// budget. The two guess differently: the drafter what the target tends to say, the
+        /// Above 0: prompt lookup's continuations (matching the history's last `lookup`
+        /// tokens, down to 1; up to [`LOOKUP_PATHS`], [`ngram_lookups`]) grafted onto the tree
+        /// as more paths ([`Tree::graft`]), within the budget. The two guess differently: the drafter what the target tends to say, the
         /// lookup what it is copying (a function's signature, the answer a second turn
         /// revises), and the target's pass checks both at once.
         lookup: usize,

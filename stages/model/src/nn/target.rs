@@ -96,20 +96,11 @@ pub(super) enum Mlp {
 
 impl Mlp {
     fn dense(gate: Linear, up: Linear, down: Linear) -> Result<Self> {
-        let (gate, up, gate_up) = match (&gate, &up) {
-            (Linear::Dense(g), Linear::Dense(u))
-                if g.dtype() == u.dtype() && g.dims() == u.dims() =>
-            {
-                let f = g.dim(0)?;
-                let packed = Tensor::cat(&[g, u], 0)?;
-                (
-                    Linear::Dense(packed.narrow(0, 0, f)?),
-                    Linear::Dense(packed.narrow(0, f, f)?),
-                    Some(Linear::Dense(packed)),
-                )
-            }
-            _ => (gate, up, None),
-        };
+        let ([gate, up], gate_up) = stacked([gate, up])?;
+        // The packed SwiGLU splits each row in halves: gate's and up's widths must match.
+        let gate_up = gate_up.filter(|_| {
+            matches!((&gate, &up), (Linear::Dense(g), Linear::Dense(u)) if g.dims() == u.dims())
+        });
         Ok(Self::Dense {
             gate,
             up,
@@ -117,6 +108,33 @@ impl Mlp {
             gate_up,
         })
     }
+}
+
+/// Dense projections of one input stacked into one weight `[their outputs, H]`, each part
+/// returned as a view of it in its place (no second copy): one matmul where there were `N`.
+/// The parts as they are, and no stack, when any is quantized or their dtypes differ.
+fn stacked<const N: usize>(parts: [Linear; N]) -> Result<([Linear; N], Option<Linear>)> {
+    let weights: Vec<&Tensor> = parts
+        .iter()
+        .filter_map(|p| match p {
+            Linear::Dense(w) => Some(w),
+            Linear::Quantized(_) => None,
+        })
+        .collect();
+    if weights.len() != N || weights.iter().any(|w| w.dtype() != weights[0].dtype()) {
+        return Ok((parts, None));
+    }
+    let packed = Tensor::cat(&weights, 0)?;
+    let mut views = Vec::with_capacity(N);
+    let mut at = 0;
+    for w in &weights {
+        let rows = w.dim(0)?;
+        views.push(Linear::Dense(packed.narrow(0, at, rows)?));
+        at += rows;
+    }
+    let views = <[Linear; N]>::try_from(views)
+        .map_err(|_| candle_core::Error::Msg("stacked: one view per part".into()))?;
+    Ok((views, Some(Linear::Dense(packed))))
 }
 
 /// A mixture-of-experts MLP (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next): each token goes to its
@@ -242,20 +260,11 @@ impl Attention {
         k_norm: Option<Tensor>,
         gated: bool,
     ) -> Result<Self> {
-        let (q, k, v, qkv) = match (&q, &k, &v) {
-            (Linear::Dense(wq), Linear::Dense(wk), Linear::Dense(wv))
-                if !gated && wq.dtype() == wk.dtype() && wk.dtype() == wv.dtype() =>
-            {
-                let (nq, nk, nv) = (wq.dim(0)?, wk.dim(0)?, wv.dim(0)?);
-                let packed = Tensor::cat(&[wq, wk, wv], 0)?;
-                (
-                    Linear::Dense(packed.narrow(0, 0, nq)?),
-                    Linear::Dense(packed.narrow(0, nq, nk)?),
-                    Linear::Dense(packed.narrow(0, nq + nk, nv)?),
-                    Some(Linear::Dense(packed)),
-                )
-            }
-            _ => (q, k, v, None),
+        // A gated layer's queries hold each head's gate too: not stacked.
+        let ([q, k, v], qkv) = if gated {
+            ([q, k, v], None)
+        } else {
+            stacked([q, k, v])?
         };
         Ok(Self {
             q,

@@ -357,20 +357,6 @@ pub fn adamw_fused(
     s: &AdamStep,
 ) -> Result<()> {
     use candle_core::Storage;
-    let cuda = |t: &candle_core::Tensor, what: &str| -> Result<()> {
-        if !t.device().is_cuda() {
-            bail!("adamw-fused: the {what} is on {:?}", t.device());
-        }
-        Ok(())
-    };
-    for (t, what) in [
-        (p, "parameter"),
-        (g, "gradient"),
-        (m, "first moment"),
-        (v, "second moment"),
-    ] {
-        cuda(t, what)?;
-    }
     if g.dtype() != p.dtype() || m.dtype() != DType::F32 || v.dtype() != DType::F32 {
         bail!(
             "adamw-fused: a {:?} parameter, {:?} gradient, {:?} / {:?} moments",
@@ -389,7 +375,13 @@ pub fn adamw_fused(
     let (Storage::Cuda(ps), Storage::Cuda(gs), Storage::Cuda(ms), Storage::Cuda(vs)) =
         (&*ps, &*gs, &*ms, &*vs)
     else {
-        bail!("adamw-fused: tensors off the GPU");
+        bail!(
+            "adamw-fused: the parameter, gradient and moments are on {:?}, {:?}, {:?}, {:?}, not all on the GPU",
+            p.device(),
+            g.device(),
+            m.device(),
+            v.device()
+        );
     };
     let (rp, rg, rm, rv) = (span(pl)?, span(gl)?, span(ml)?, span(vl)?);
     let n = rp.len();

@@ -279,8 +279,8 @@ pub use conv::causal_conv_silu;
 pub use copy::{contiguous3, keep_append, strided_copy3};
 pub use scan::{
     ChunkOperands, chunk_decay, chunk_decay_composed, chunk_decay_kernel, delta_scan,
-    delta_scan_chunks, delta_scan_matmuls, scale_by_head, scale_by_head_kernel, unit_lower_inverse,
-    unit_lower_inverse_kernel, unit_lower_inverse_squarings,
+    delta_scan_chunks, delta_scan_matmuls, lower_triangle, scale_by_head, scale_by_head_kernel,
+    unit_lower_inverse, unit_lower_inverse_kernel, unit_lower_inverse_squarings,
 };
 
 /// Set a device up for training and decoding before anything is allocated on it: on a GPU, the

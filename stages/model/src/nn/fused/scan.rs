@@ -191,14 +191,30 @@ pub fn chunk_decay(cum: &Tensor) -> Result<Tensor> {
 /// check (`train_probe fused`) holds the kernel to.
 pub fn chunk_decay_composed(cum: &Tensor) -> Result<Tensor> {
     let l = cum.dim(candle_core::D::Minus1)?;
-    let rows = Tensor::arange(0u32, l as u32, cum.device())?.reshape((l, 1))?;
-    let cols = Tensor::arange(0u32, l as u32, cum.device())?.reshape((1, l))?;
-    let lower = cols.broadcast_le(&rows)?.to_dtype(cum.dtype())?;
+    let lower = lower_triangle(l, false, cum.dtype(), cum.device())?;
     let diff = cum
         .unsqueeze(candle_core::D::Minus1)?
         .broadcast_sub(&cum.unsqueeze(candle_core::D::Minus2)?)?;
     // Above the diagonal the difference is >= 0 and may overflow exp: clamp, then mask.
     diff.minimum(0f32)?.exp()?.broadcast_mul(&lower)
+}
+
+/// An `[n, n]` mask of ones on and below the diagonal (`strict`: below it only), zeros above,
+/// built on `device`.
+pub fn lower_triangle(
+    n: usize,
+    strict: bool,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    let rows = Tensor::arange(0u32, n as u32, device)?.reshape((n, 1))?;
+    let cols = Tensor::arange(0u32, n as u32, device)?.reshape((1, n))?;
+    let keep = if strict {
+        cols.broadcast_lt(&rows)?
+    } else {
+        cols.broadcast_le(&rows)?
+    };
+    keep.to_dtype(dtype)
 }
 
 /// [`chunk_decay`]'s op on any device (the CPU form is the kernel's arithmetic, in f64).
@@ -260,10 +276,7 @@ pub fn unit_lower_inverse(a: &Tensor) -> Result<Tensor> {
 /// check (`train_probe fused`) holds the kernel to.
 pub fn unit_lower_inverse_squarings(a: &Tensor) -> Result<Tensor> {
     let n = a.dim(candle_core::D::Minus1)?;
-    let rows = Tensor::arange(0u32, n as u32, a.device())?.reshape((n, 1))?;
-    let cols = Tensor::arange(0u32, n as u32, a.device())?.reshape((1, n))?;
-    let strictly_lower = cols.broadcast_lt(&rows)?.to_dtype(a.dtype())?;
-    let a = a.broadcast_mul(&strictly_lower)?;
+    let a = a.broadcast_mul(&lower_triangle(n, true, a.dtype(), a.device())?)?;
     let mut power = a.neg()?;
     let mut inverse = power.broadcast_add(&Tensor::eye(n, a.dtype(), a.device())?)?;
     let mut span = 2;

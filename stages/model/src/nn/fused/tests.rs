@@ -287,11 +287,9 @@ fn chunk_decays_are_the_composed_ones() {
 fn forward_substitution_inverts_a_unit_lower_triangular_matrix() {
     let n = 64;
     let a = (randn(&[3, 2, n, n], 51) * 0.1).unwrap();
-    let strictly_lower: Vec<f64> = (0..n * n)
-        .map(|e| if e % n < e / n { 1.0 } else { 0.0 })
-        .collect();
-    let lower = Tensor::from_vec(strictly_lower, (n, n), &Device::Cpu).unwrap();
-    let a = a.broadcast_mul(&lower).unwrap();
+    let a = a
+        .broadcast_mul(&lower_triangle(n, true, DType::F64, &Device::Cpu).unwrap())
+        .unwrap();
     let got = unit_lower_inverse_kernel(&a).unwrap();
     let want = unit_lower_inverse(&a).unwrap();
     assert!(max_diff(&got, &want) < 1e-9, "{}", max_diff(&got, &want));
