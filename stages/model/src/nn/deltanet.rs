@@ -96,9 +96,60 @@ pub struct DeltaState {
     pub recurrent: Tensor,
 }
 
+/// The layer's input projections of some rows `[n, ..]`, in the input's dtype: made once for
+/// every sequence of a batch (one matmul per weight, [`DeltaNet::project`]), then cut per
+/// sequence ([`Projections::rows`]) for the recurrence, which is per sequence.
+pub struct Projections {
+    /// `[n, conv_dim]`: the convolution's input (queries, keys, values).
+    qkv: Tensor,
+    /// `[n, value_heads * value_dim]`: the output gate.
+    z: Tensor,
+    /// `[n, value_heads]`: the write strength and the decay's inputs.
+    b: Tensor,
+    a: Tensor,
+}
+
+impl Projections {
+    /// Rows `at..at + n`.
+    pub fn rows(&self, at: usize, n: usize) -> Result<Self> {
+        Ok(Self {
+            qkv: self.qkv.narrow(0, at, n)?,
+            z: self.z.narrow(0, at, n)?,
+            b: self.b.narrow(0, at, n)?,
+            a: self.a.narrow(0, at, n)?,
+        })
+    }
+
+    /// Its rows.
+    pub fn len(&self) -> Result<usize> {
+        self.qkv.dim(0)
+    }
+
+    /// The input's dtype.
+    pub fn dtype(&self) -> DType {
+        self.qkv.dtype()
+    }
+
+    /// Where its rows lie.
+    pub fn device(&self) -> &Device {
+        self.qkv.device()
+    }
+}
+
+/// How [`DeltaNet::gates`] lays out its per-head quantities: one sequence's heads first
+/// (`[value_heads, n, d]`, the chunked form's and the stepping loop's layout), or each row an
+/// independent sequence (`[n * value_heads, 1, d]`: one step of a batch, whose rows' heads are
+/// stepped as one stack of `n * value_heads` heads).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    HeadsFirst,
+    Rows,
+}
+
 /// The per-token quantities of a call, f32, heads first: queries and keys `[value_heads, n,
 /// key_dim]` (normalised, queries scaled, key heads repeated per value head), values `[value_heads,
 /// n, value_dim]`, `g` and `beta` `[value_heads, n]`; and the gate `z` `[n, value_heads, value_dim]`.
+/// (In [`Layout::Rows`] the first two dims are `[n * value_heads, 1]` instead.)
 struct Mixed {
     q: Tensor,
     k: Tensor,
@@ -106,8 +157,6 @@ struct Mixed {
     g: Tensor,
     beta: Tensor,
     z: Tensor,
-    /// The convolution's inputs with the carried ones before them `[kernel - 1 + n, conv_dim]`.
-    conv_inputs: Tensor,
 }
 
 fn softplus(x: &Tensor) -> Result<Tensor> {
@@ -136,15 +185,30 @@ impl DeltaNet {
         })
     }
 
-    /// Projections, convolution and gates of `x` `[n, H]` after `state`: the tokens of one
-    /// sequence (`windows` `None`), or a tree's nodes, `windows` then holding each node's
-    /// convolution inputs (`kernel` rows of the carried-then-new inputs, oldest first:
-    /// [`tree_windows`]).
-    fn mix(&self, x: &Tensor, state: &DeltaState, windows: Option<&[u32]>) -> Result<Mixed> {
+    /// The input projections of `x` `[n, H]`, one matmul per weight for all its rows.
+    pub fn project(&self, x: &Tensor) -> Result<Projections> {
+        Ok(Projections {
+            qkv: self.qkv.forward(x)?,
+            z: self.z.forward(x)?,
+            b: self.b.forward(x)?,
+            a: self.a.forward(x)?,
+        })
+    }
+
+    /// Convolution and gates of one sequence's projected rows `p` after `state`: its tokens
+    /// (`windows` `None`), or a tree's nodes, `windows` then holding each node's convolution
+    /// inputs (`kernel` rows of the carried-then-new inputs, oldest first: [`tree_windows`]).
+    /// Also the carried-then-new convolution inputs `[kernel - 1 + n, conv_dim]`, from which
+    /// the states after the call take theirs.
+    fn mix(
+        &self,
+        p: &Projections,
+        state: &DeltaState,
+        windows: Option<&[u32]>,
+    ) -> Result<(Mixed, Tensor)> {
         let s = &self.shape;
-        let n = x.dim(0)?;
-        let qkv = self.qkv.forward(x)?;
-        let conv_inputs = Tensor::cat(&[&state.conv.to_dtype(qkv.dtype())?, &qkv], 0)?;
+        let n = p.len()?;
+        let conv_inputs = Tensor::cat(&[&state.conv.to_dtype(p.dtype())?, &p.qkv], 0)?;
         let conv = match windows {
             // Depthwise and causal: output t is the sum over the kernel's taps j of
             // w[:, j] * input[t + j] in the carried-then-new sequence, then SiLU; one fused
@@ -152,26 +216,55 @@ impl DeltaNet {
             None => fused::causal_conv_silu(&conv_inputs, &self.conv)?,
             // A node's taps read its own window: its ancestors, then the carried inputs.
             Some(windows) => {
-                let w = self.conv.to_dtype(DType::F32)?;
-                let conv = conv_inputs
-                    .to_dtype(DType::F32)?
-                    .index_select(&Tensor::new(windows, x.device())?, 0)?
-                    .reshape((n, s.kernel, s.conv_dim()))?
-                    .broadcast_mul(&w.t()?.unsqueeze(0)?)?
-                    .sum(1)?;
-                candle_nn::ops::silu(&conv)?
+                let windows =
+                    conv_inputs.index_select(&Tensor::new(windows, p.qkv.device())?, 0)?;
+                self.convolve_windows(&windows.reshape((n, s.kernel, s.conv_dim()))?)?
             }
         };
+        Ok((self.gates(p, &conv, Layout::HeadsFirst)?, conv_inputs))
+    }
+
+    /// The depthwise convolution of each row's window `[n, kernel, conv_dim]` (oldest first),
+    /// then SiLU: `[n, conv_dim]` (f32).
+    fn convolve_windows(&self, windows: &Tensor) -> Result<Tensor> {
+        let w = self.conv.to_dtype(DType::F32)?;
+        let conv = windows
+            .to_dtype(DType::F32)?
+            .broadcast_mul(&w.t()?.unsqueeze(0)?)?
+            .sum(1)?;
+        candle_nn::ops::silu(&conv)
+    }
+
+    /// Queries, keys, values, decays and write strengths from the convolution's output `conv`
+    /// `[n, conv_dim]` (f32) and the projections `p`, laid out as `layout` says.
+    fn gates(&self, p: &Projections, conv: &Tensor, layout: Layout) -> Result<Mixed> {
+        let s = &self.shape;
+        let n = p.len()?;
         let kw = s.key_heads * s.key_dim;
         let repeat = s.value_heads / s.key_heads;
-        // [n, key_heads, key_dim] -> [value_heads, n, key_dim], each key head repeated for the
+        // [n, value_heads, d] in the layout asked: heads first, or rows of independent heads.
+        let arrange = |t: Tensor, d: usize| -> Result<Tensor> {
+            match layout {
+                Layout::HeadsFirst => t.transpose(0, 1)?.contiguous(),
+                Layout::Rows => t.contiguous()?.reshape((n * s.value_heads, 1, d)),
+            }
+        };
+        // [n, value_heads] gates: `[value_heads, n]` or `[n * value_heads, 1]`.
+        let arrange_gate = |t: Tensor| -> Result<Tensor> {
+            match layout {
+                Layout::HeadsFirst => t.t()?.contiguous(),
+                Layout::Rows => t.reshape((n * s.value_heads, 1)),
+            }
+        };
+        // [n, key_heads, key_dim] -> [n, value_heads, key_dim], each key head repeated for the
         // value heads it serves.
-        let heads_first = |t: Tensor| -> Result<Tensor> {
-            t.reshape((n, s.key_heads, 1, s.key_dim))?
-                .broadcast_as((n, s.key_heads, repeat, s.key_dim))?
-                .reshape((n, s.value_heads, s.key_dim))?
-                .transpose(0, 1)?
-                .contiguous()
+        let repeated = |t: Tensor| -> Result<Tensor> {
+            arrange(
+                t.reshape((n, s.key_heads, 1, s.key_dim))?
+                    .broadcast_as((n, s.key_heads, repeat, s.key_dim))?
+                    .reshape((n, s.value_heads, s.key_dim))?,
+                s.key_dim,
+            )
         };
         // Queries scaled by 1 / sqrt(key_dim) as they are normalised.
         let q = l2_normalise(
@@ -186,57 +279,51 @@ impl DeltaNet {
                 .reshape((n, s.key_heads, s.key_dim))?,
             1.0,
         )?;
-        let v = conv
-            .narrow(1, 2 * kw, s.value_heads * s.value_dim)?
-            .reshape((n, s.value_heads, s.value_dim))?
-            .transpose(0, 1)?
-            .contiguous()?;
-        let beta = candle_nn::ops::sigmoid(&self.b.forward(x)?.to_dtype(DType::F32)?)?
-            .t()?
-            .contiguous()?;
-        let a = self
-            .a
-            .forward(x)?
-            .to_dtype(DType::F32)?
-            .broadcast_add(&self.dt_bias.to_dtype(DType::F32)?)?;
-        let g = softplus(&a)?
-            .broadcast_mul(&self.decay_rate)?
-            .t()?
-            .contiguous()?;
-        let z = self
-            .z
-            .forward(x)?
-            .reshape((n, s.value_heads, s.value_dim))?;
+        let v = arrange(
+            conv.narrow(1, 2 * kw, s.value_heads * s.value_dim)?
+                .reshape((n, s.value_heads, s.value_dim))?,
+            s.value_dim,
+        )?;
+        let beta = arrange_gate(candle_nn::ops::sigmoid(&p.b.to_dtype(DType::F32)?)?)?;
+        let a =
+            p.a.to_dtype(DType::F32)?
+                .broadcast_add(&self.dt_bias.to_dtype(DType::F32)?)?;
+        let g = arrange_gate(softplus(&a)?.broadcast_mul(&self.decay_rate)?)?;
+        let z = p.z.reshape((n, s.value_heads, s.value_dim))?;
         Ok(Mixed {
-            q: heads_first(q.reshape((n, kw))?)?,
-            k: heads_first(k.reshape((n, kw))?)?,
+            q: repeated(q)?,
+            k: repeated(k)?,
             v,
             g,
             beta,
             z,
-            conv_inputs,
         })
     }
 
-    /// The gated norm and the output projection of `o` `[value_heads, n, value_dim]` (f32).
-    fn finish(&self, o: &Tensor, z: &Tensor, dtype: DType) -> Result<Tensor> {
+    /// The gated norm of the recurrence's output `o` `[n, value_heads, value_dim]` (f32, rows
+    /// first) with the gate `z` `[n, value_heads, value_dim]`: `[n, value_heads * value_dim]`
+    /// in `dtype`, what the output projection ([`Self::out`]) takes.
+    fn gated(&self, o: &Tensor, z: &Tensor, dtype: DType) -> Result<Tensor> {
         let s = &self.shape;
-        let n = o.dim(1)?;
+        let n = o.dim(0)?;
         // RMSNorm per head, then gated by silu(z): two fused passes (`silu(z) * normed` is
         // SwiGLU's gate), where composed it was nine.
-        let o = o.transpose(0, 1)?.contiguous()?;
-        let normed = fused::rms_norm(&o, &self.norm.to_dtype(DType::F32)?, self.eps)?;
+        let normed = fused::rms_norm(&o.contiguous()?, &self.norm.to_dtype(DType::F32)?, self.eps)?;
         let gated = fused::swiglu(&z.to_dtype(DType::F32)?, &normed)?;
-        self.out.forward(
-            &gated
-                .reshape((n, s.value_heads * s.value_dim))?
-                .to_dtype(dtype)?,
-        )
+        gated
+            .reshape((n, s.value_heads * s.value_dim))?
+            .to_dtype(dtype)
     }
 
-    /// The convolution's carried inputs after the first `t` new tokens.
-    fn conv_after(&self, m: &Mixed, t: usize) -> Result<Tensor> {
-        m.conv_inputs.narrow(0, t, self.shape.kernel - 1)
+    /// The output projection of gated rows ([`Self::gated`]; a batch's sequences' rows stacked,
+    /// one matmul for all): `[n, H]`.
+    pub fn out(&self, gated: &Tensor) -> Result<Tensor> {
+        self.out.forward(gated)
+    }
+
+    /// The convolution's carried inputs after the first `t` new tokens of `conv_inputs`.
+    fn conv_after(&self, conv_inputs: &Tensor, t: usize) -> Result<Tensor> {
+        conv_inputs.narrow(0, t, self.shape.kernel - 1)
     }
 
     /// The layer over `x` `[n, H]` after `state` (a fresh sequence: [`Self::empty_state`]), in
@@ -246,7 +333,18 @@ impl DeltaNet {
     /// ([`fused::delta_scan`], one block per head and 32 value columns) took 4.7
     /// (`train_probe fused`), so the kernel stays a checked alternative, not the path.
     pub fn forward(&self, x: &Tensor, state: &DeltaState) -> Result<(Tensor, DeltaState)> {
-        self.chunked(x, state, false, &mut |_| Ok(()))
+        let (gated, next) = self.forward_gated(&self.project(x)?, state)?;
+        Ok((self.out(&gated)?, next))
+    }
+
+    /// [`Self::forward`] from projected rows, up to the output projection ([`Self::gated`]'s
+    /// rows).
+    pub fn forward_gated(
+        &self,
+        p: &Projections,
+        state: &DeltaState,
+    ) -> Result<(Tensor, DeltaState)> {
+        self.chunked(p, state, false, &mut |_| Ok(()))
     }
 
     /// [`Self::forward`], the pass over the chunks fused or as matmuls per chunk; `lap` is told
@@ -254,13 +352,13 @@ impl DeltaNet {
     /// norm with the output projection).
     fn chunked(
         &self,
-        x: &Tensor,
+        p: &Projections,
         state: &DeltaState,
         fused_scan: bool,
         lap: &mut dyn FnMut(&'static str) -> Result<()>,
     ) -> Result<(Tensor, DeltaState)> {
-        let n = x.dim(0)?;
-        let m = self.mix(x, state, None)?;
+        let n = p.len()?;
+        let (m, conv_inputs) = self.mix(p, state, None)?;
         lap("mix")?;
         let operands = self.prepare(&m, n)?;
         lap("prepare")?;
@@ -272,14 +370,14 @@ impl DeltaNet {
         };
         lap("scan")?;
         let state_s = state_s.contiguous()?;
-        let o = o.narrow(1, 0, n)?;
-        let out = self.finish(&o, &m.z, x.dtype())?;
+        let o = o.narrow(1, 0, n)?.transpose(0, 1)?;
+        let gated = self.gated(&o, &m.z, p.dtype())?;
         lap("finish")?;
         let next = DeltaState {
-            conv: self.conv_after(&m, n)?,
+            conv: self.conv_after(&conv_inputs, n)?,
             recurrent: state_s,
         };
-        Ok((out, next))
+        Ok((gated, next))
     }
 
     /// [`Self::forward`]'s phases over `x` from `state`, each timed with the device
@@ -295,12 +393,19 @@ impl DeltaNet {
         let mut times = Vec::with_capacity(4);
         device.synchronize()?;
         let mut clock = std::time::Instant::now();
-        self.chunked(x, state, false, &mut |phase| {
+        let p = self.project(x)?;
+        let (gated, _) = self.chunked(&p, state, false, &mut |phase| {
             device.synchronize()?;
             times.push((phase, clock.elapsed().as_secs_f64()));
             clock = std::time::Instant::now();
             Ok(())
         })?;
+        // The output projection belongs to the last phase.
+        self.out(&gated)?;
+        device.synchronize()?;
+        if let Some((_, last)) = times.last_mut() {
+            *last += clock.elapsed().as_secs_f64();
+        }
         Ok(times)
     }
 
@@ -372,8 +477,18 @@ impl DeltaNet {
     /// The layer over `x` `[n, H]` after `state`, token by token; the output `[n, H]` and the
     /// state after every token (entry t: after token t).
     pub fn steps(&self, x: &Tensor, state: &DeltaState) -> Result<(Tensor, Vec<DeltaState>)> {
-        let n = x.dim(0)?;
-        let m = self.mix(x, state, None)?;
+        let (gated, states) = self.steps_gated(&self.project(x)?, state)?;
+        Ok((self.out(&gated)?, states))
+    }
+
+    /// [`Self::steps`] from projected rows, up to the output projection.
+    pub fn steps_gated(
+        &self,
+        p: &Projections,
+        state: &DeltaState,
+    ) -> Result<(Tensor, Vec<DeltaState>)> {
+        let n = p.len()?;
+        let (m, conv_inputs) = self.mix(p, state, None)?;
         let mut s = state.recurrent.clone();
         let mut outs = Vec::with_capacity(n);
         let mut states = Vec::with_capacity(n);
@@ -382,12 +497,56 @@ impl DeltaNet {
             (o, s) = step(&s, &m, t)?;
             outs.push(o);
             states.push(DeltaState {
-                conv: self.conv_after(&m, t + 1)?,
+                conv: self.conv_after(&conv_inputs, t + 1)?,
                 recurrent: s.clone(),
             });
         }
-        let o = Tensor::cat(&outs, 1)?;
-        Ok((self.finish(&o, &m.z, x.dtype())?, states))
+        let o = Tensor::cat(&outs, 1)?.transpose(0, 1)?;
+        Ok((self.gated(&o, &m.z, p.dtype())?, states))
+    }
+
+    /// One token for each of a batch's sequences: row b of the projected rows `p` `[batch, ..]`
+    /// after `states[b]`. The rows' heads are stepped as one stack of `batch * value_heads`
+    /// heads (their states stacked, one copy), so a batch's step is the few launches of one
+    /// sequence's, not that many per sequence; the convolution reads each row's carried inputs
+    /// and its own. The gated rows `[batch, ..]` (as [`Self::steps_gated`] gives each alone) and
+    /// the state after each row (views into the batch's stacked state).
+    pub fn step_batch_gated(
+        &self,
+        p: &Projections,
+        states: &[&DeltaState],
+    ) -> Result<(Tensor, Vec<DeltaState>)> {
+        let sh = &self.shape;
+        let batch = p.len()?;
+        if states.len() != batch {
+            candle_core::bail!("{batch} rows for {} Gated DeltaNet states", states.len());
+        }
+        // [batch, kernel, conv_dim]: each row's carried inputs, then its own.
+        let carried: Vec<Tensor> = states
+            .iter()
+            .map(|st| st.conv.to_dtype(p.dtype()))
+            .collect::<Result<_>>()?;
+        let windows = Tensor::cat(&[&Tensor::stack(&carried, 0)?, &p.qkv.unsqueeze(1)?], 1)?;
+        let conv = self.convolve_windows(&windows)?;
+        let m = self.gates(p, &conv, Layout::Rows)?;
+        let recurrent: Vec<&Tensor> = states.iter().map(|st| &st.recurrent).collect();
+        let stacked = Tensor::stack(&recurrent, 0)?.reshape((
+            batch * sh.value_heads,
+            sh.key_dim,
+            sh.value_dim,
+        ))?;
+        let (o, after) = step(&stacked, &m, 0)?;
+        let after = after.reshape((batch, sh.value_heads, sh.key_dim, sh.value_dim))?;
+        let next = (0..batch)
+            .map(|b| {
+                Ok(DeltaState {
+                    conv: windows.get(b)?.narrow(0, 1, sh.kernel - 1)?,
+                    recurrent: after.get(b)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let o = o.reshape((batch, sh.value_heads, sh.value_dim))?;
+        Ok((self.gated(&o, &m.z, p.dtype())?, next))
     }
 
     /// The layer over a tree of tokens `x` `[n, H]` after `state` (`parents[i] < i` for every
@@ -400,7 +559,18 @@ impl DeltaNet {
         parents: &[usize],
         state: &DeltaState,
     ) -> Result<(Tensor, Vec<DeltaState>)> {
-        let n = x.dim(0)?;
+        let (gated, states) = self.tree_gated(&self.project(x)?, parents, state)?;
+        Ok((self.out(&gated)?, states))
+    }
+
+    /// [`Self::tree`] from projected rows, up to the output projection.
+    pub fn tree_gated(
+        &self,
+        p: &Projections,
+        parents: &[usize],
+        state: &DeltaState,
+    ) -> Result<(Tensor, Vec<DeltaState>)> {
+        let n = p.len()?;
         if parents.len() != n {
             candle_core::bail!("a tree of {n} nodes with {} parents", parents.len());
         }
@@ -412,7 +582,7 @@ impl DeltaNet {
         }
         let kernel = self.shape.kernel;
         let windows = tree_windows(parents, kernel);
-        let m = self.mix(x, state, Some(&windows))?;
+        let (m, conv_inputs) = self.mix(p, state, Some(&windows))?;
         let mut recurrent: Vec<Tensor> = Vec::with_capacity(n);
         let mut outs = Vec::with_capacity(n);
         for t in 0..n {
@@ -425,7 +595,7 @@ impl DeltaNet {
             outs.push(o);
             recurrent.push(s);
         }
-        let device = x.device();
+        let device = conv_inputs.device();
         let states = recurrent
             .into_iter()
             .enumerate()
@@ -434,13 +604,13 @@ impl DeltaNet {
                 // `kernel - 1` rows.
                 let kept = Tensor::new(&windows[t * kernel + 1..(t + 1) * kernel], device)?;
                 Ok(DeltaState {
-                    conv: m.conv_inputs.index_select(&kept, 0)?,
+                    conv: conv_inputs.index_select(&kept, 0)?,
                     recurrent,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let o = Tensor::cat(&outs, 1)?;
-        Ok((self.finish(&o, &m.z, x.dtype())?, states))
+        let o = Tensor::cat(&outs, 1)?.transpose(0, 1)?;
+        Ok((self.gated(&o, &m.z, p.dtype())?, states))
     }
 }
 
@@ -521,6 +691,44 @@ mod tests {
 
     use crate::nn::testing::max_diff;
 
+    /// A batch's step (each row one token of its own sequence, after its own state) gives each
+    /// row what stepping its sequence alone gives, output and state, from states that differ.
+    #[test]
+    fn a_batch_step_is_each_sequence_stepped_alone() {
+        let d = layer(5);
+        let cpu = Device::Cpu;
+        let mut init = super::super::drafter::Init::new(11);
+        let fresh = d.empty_state(DType::F32, &cpu).unwrap();
+        // Three sequences with histories of 0, 2 and 9 tokens.
+        let states: Vec<DeltaState> = [0usize, 2, 9]
+            .iter()
+            .map(|&n| match n {
+                0 => fresh.clone(),
+                n => {
+                    let x = init.normal(&[n, 16], 1.0, DType::F32, &cpu).unwrap();
+                    d.steps(&x, &fresh).unwrap().1.pop().unwrap()
+                }
+            })
+            .collect();
+        let x = init.normal(&[3, 16], 1.0, DType::F32, &cpu).unwrap();
+        let p = d.project(&x).unwrap();
+        let refs: Vec<&DeltaState> = states.iter().collect();
+        let (gated, after) = d.step_batch_gated(&p, &refs).unwrap();
+        let batched = d.out(&gated).unwrap();
+        for (b, state) in states.iter().enumerate() {
+            let (alone, next) = d.steps(&x.narrow(0, b, 1).unwrap(), state).unwrap();
+            let row = batched.narrow(0, b, 1).unwrap();
+            assert!(
+                max_diff(&row, &alone) < 1e-5,
+                "row {b}: {}",
+                max_diff(&row, &alone)
+            );
+            assert!(max_diff(&after[b].recurrent, &next[0].recurrent) < 1e-6);
+            assert_eq!(max_diff(&after[b].conv, &next[0].conv), 0.0);
+        }
+        assert!(d.step_batch_gated(&p, &refs[..2]).is_err());
+    }
+
     /// The chunked form equals the token-by-token one, over several chunks and a ragged end, from
     /// a fresh state and from a carried one; and a sequence cut in two and resumed from the
     /// first half's state gives the same outputs and state as in one call.
@@ -572,9 +780,9 @@ mod tests {
         let (_, carried) = d.forward(&x.narrow(0, 150, 50).unwrap(), &fresh).unwrap();
         for state in [&fresh, &carried] {
             for n in [1, 64, 70, 150] {
-                let x = x.narrow(0, 0, n).unwrap();
-                let (want, want_state) = d.chunked(&x, state, false, &mut |_| Ok(())).unwrap();
-                let (got, got_state) = d.chunked(&x, state, true, &mut |_| Ok(())).unwrap();
+                let p = d.project(&x.narrow(0, 0, n).unwrap()).unwrap();
+                let (want, want_state) = d.chunked(&p, state, false, &mut |_| Ok(())).unwrap();
+                let (got, got_state) = d.chunked(&p, state, true, &mut |_| Ok(())).unwrap();
                 assert_eq!(got.dims(), want.dims());
                 assert!(
                     max_diff(&got, &want) < 1e-5,

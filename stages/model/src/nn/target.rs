@@ -13,7 +13,7 @@ use candle_core::quantized::{QMatMul, gguf_file};
 use candle_core::{DType, Device, Tensor};
 
 use super::Result;
-use super::deltanet::{DeltaNet, DeltaShape, DeltaState};
+use super::deltanet::{DeltaNet, DeltaShape, DeltaState, Projections};
 use super::fused::contiguous3;
 use super::ops::Linear;
 
@@ -1105,16 +1105,30 @@ impl Target {
             };
             let mixed = match &layer.mixer {
                 Mixer::Attention(a) => self.attend(a, i, &h, seqs, &rows, rotary)?,
+                // The projections of every sequence's rows in one matmul each, and the output
+                // projection likewise; the recurrence between them per sequence, or, where
+                // each of several sequences brings one token (a batch's decoding step), as one
+                // stack of their heads.
                 Mixer::Delta(d) => {
-                    let mut outs = Vec::with_capacity(seqs.len());
-                    for (s, (at, n, ..)) in seqs.iter_mut().zip(&rows) {
-                        outs.push(delta_layer(d, i, &h.narrow(0, *at, *n)?, s)?);
-                    }
-                    if outs.len() == 1 {
-                        outs.pop().expect("one")
+                    let p = d.project(&h)?;
+                    let gated = if seqs.len() > 1
+                        && seqs
+                            .iter()
+                            .all(|s| s.ids.len() == 1 && s.parents.is_none() && s.cache.is_some())
+                    {
+                        delta_step_batch(d, i, &p, seqs)?
                     } else {
-                        Tensor::cat(&outs, 0)?
-                    }
+                        let mut outs = Vec::with_capacity(seqs.len());
+                        for (s, (at, n, ..)) in seqs.iter_mut().zip(&rows) {
+                            outs.push(delta_layer(d, i, &p.rows(*at, *n)?, s)?);
+                        }
+                        if outs.len() == 1 {
+                            outs.pop().expect("one")
+                        } else {
+                            Tensor::cat(&outs, 0)?
+                        }
+                    };
+                    d.out(&gated)?
                 }
             };
             let (sum, h) = add_norm(&x, &mixed, &layer.ffn_norm, c.eps)?;
@@ -1288,31 +1302,19 @@ type SeqRows = (usize, usize, usize, Tensor, Tensor, Option<Tensor>);
 /// chunked form and keep only the state at the end (a prefill).
 const STEPPED_UP_TO: usize = 16;
 
-/// Layer `i`'s Gated DeltaNet over one sequence's rows `h`, after its cache's state (a fresh one
-/// without a cache, or an empty cache), recording the states the cache can be cropped to.
-fn delta_layer(d: &DeltaNet, i: usize, h: &Tensor, s: &mut Seq<'_>) -> Result<Tensor> {
-    let n = h.dim(0)?;
+/// Layer `i`'s Gated DeltaNet over one sequence's projected rows `p`, after its cache's state (a
+/// fresh one without a cache, or an empty cache), recording the states the cache can be cropped
+/// to; the gated rows, before the output projection.
+fn delta_layer(d: &DeltaNet, i: usize, p: &Projections, s: &mut Seq<'_>) -> Result<Tensor> {
+    let n = p.len()?;
     let Some(cache) = s.cache.as_mut() else {
-        let fresh = d.empty_state(h.dtype(), h.device())?;
-        return Ok(d.forward(h, &fresh)?.0);
+        let fresh = d.empty_state(p.dtype(), p.device())?;
+        return Ok(d.forward_gated(p, &fresh)?.0);
     };
     let past = cache.len;
-    let before = match cache.layers[i].take() {
-        Some(Slot::Delta(mut kept)) => match kept.pop() {
-            Some((at, state)) if at == past => state,
-            _ => candle_core::bail!("layer {i}: no Gated DeltaNet state at position {past}"),
-        },
-        Some(Slot::Kv(..)) => {
-            candle_core::bail!("layer {i}: a key/value slot in a Gated DeltaNet layer")
-        }
-        Some(Slot::DeltaTree { .. }) => candle_core::bail!(
-            "layer {i}: the last pass was a tree; keep one path of it (`KvCache::keep_path`) before extending"
-        ),
-        None if past == 0 => d.empty_state(h.dtype(), h.device())?,
-        None => candle_core::bail!("layer {i}: no Gated DeltaNet state at position {past}"),
-    };
+    let before = delta_state_before(d, i, cache, p)?;
     if let Some(parents) = s.parents {
-        let (out, nodes) = d.tree(h, parents, &before)?;
+        let (out, nodes) = d.tree_gated(p, parents, &before)?;
         cache.layers[i] = Some(Slot::DeltaTree {
             past,
             before,
@@ -1321,7 +1323,7 @@ fn delta_layer(d: &DeltaNet, i: usize, h: &Tensor, s: &mut Seq<'_>) -> Result<Te
         return Ok(out);
     }
     let (out, kept) = if n <= STEPPED_UP_TO {
-        let (out, states) = d.steps(h, &before)?;
+        let (out, states) = d.steps_gated(p, &before)?;
         let kept = std::iter::once((past, before))
             .chain(
                 states
@@ -1332,11 +1334,60 @@ fn delta_layer(d: &DeltaNet, i: usize, h: &Tensor, s: &mut Seq<'_>) -> Result<Te
             .collect();
         (out, kept)
     } else {
-        let (out, end) = d.forward(h, &before)?;
+        let (out, end) = d.forward_gated(p, &before)?;
         (out, vec![(past, before), (past + n, end)])
     };
     cache.layers[i] = Some(Slot::Delta(kept));
     Ok(out)
+}
+
+/// Layer `i`'s Gated DeltaNet over a batch's decoding step: one token for each sequence (rows of
+/// `p`), every one with a cache; their heads stepped as one stack
+/// ([`DeltaNet::step_batch_gated`]). Each cache keeps the states before and after its token, as
+/// [`delta_layer`] would.
+fn delta_step_batch(
+    d: &DeltaNet,
+    i: usize,
+    p: &Projections,
+    seqs: &mut [Seq<'_>],
+) -> Result<Tensor> {
+    let mut before = Vec::with_capacity(seqs.len());
+    for s in seqs.iter_mut() {
+        let cache = s.cache.as_mut().expect("the caller checked every cache");
+        before.push((cache.len, delta_state_before(d, i, cache, p)?));
+    }
+    let states: Vec<&DeltaState> = before.iter().map(|(_, st)| st).collect();
+    let (out, after) = d.step_batch_gated(p, &states)?;
+    for ((s, (past, st)), next) in seqs.iter_mut().zip(before).zip(after) {
+        let cache = s.cache.as_mut().expect("the caller checked every cache");
+        cache.layers[i] = Some(Slot::Delta(vec![(past, st), (past + 1, next)]));
+    }
+    Ok(out)
+}
+
+/// The state layer `i` of `cache` holds at its end (taken out of it; a fresh one for an empty
+/// cache), or why there is none.
+fn delta_state_before(
+    d: &DeltaNet,
+    i: usize,
+    cache: &mut KvCache,
+    p: &Projections,
+) -> Result<DeltaState> {
+    let past = cache.len;
+    Ok(match cache.layers[i].take() {
+        Some(Slot::Delta(mut kept)) => match kept.pop() {
+            Some((at, state)) if at == past => state,
+            _ => candle_core::bail!("layer {i}: no Gated DeltaNet state at position {past}"),
+        },
+        Some(Slot::Kv(..)) => {
+            candle_core::bail!("layer {i}: a key/value slot in a Gated DeltaNet layer")
+        }
+        Some(Slot::DeltaTree { .. }) => candle_core::bail!(
+            "layer {i}: the last pass was a tree; keep one path of it (`KvCache::keep_path`) before extending"
+        ),
+        None if past == 0 => d.empty_state(p.dtype(), p.device())?,
+        None => candle_core::bail!("layer {i}: no Gated DeltaNet state at position {past}"),
+    })
 }
 
 /// Model types of hybrid targets (Gated DeltaNet and gated attention): Qwen3.5's, in a
