@@ -2,6 +2,7 @@
 """Batched greedy decoding in transformers, the shapes `train_probe decode` runs, same machine.
 
     python3 bench/decode_reference.py HF_FOLDER [--batch 512] [--prompt 300] [--steps 32]
+        [--dtypes float32,bfloat16] [--caches dynamic,static]
 
 The peer of generate's candle backend: `model.generate` on `--batch` prompts of `--prompt`
 random ids (the ids `train_probe decode` draws), greedy, `--steps` new tokens and no stopping
@@ -21,18 +22,20 @@ def main():
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")
+    ap.add_argument("--caches", default="dynamic,static", help="comma-separated: dynamic, static")
     a = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [getattr(torch, d) for d in a.dtypes.split(",")]:
         model = AutoModelForCausalLM.from_pretrained(a.folder, dtype=dtype).to(device).eval()
         vocab = model.config.vocab_size
         ids = torch.tensor([[(i * 7919 + b * 104729 + 13) % vocab for i in range(a.prompt)]
                             for b in range(a.batch)], device=device)
         mask = torch.ones_like(ids)
-        for cache in (None, "static"):
+        for cache in [None if c == "dynamic" else c for c in a.caches.split(",")]:
             def run(new):
                 kw = {"cache_implementation": cache} if cache else {}
                 if device == "cuda":

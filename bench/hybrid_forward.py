@@ -36,6 +36,21 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
 import qwen3_5_reference as q  # noqa: E402
 
 
+def widths_27b(layers):
+    """A Qwen3.5 text config at Qwen3.5-27B's layer widths with `layers` layers in its pattern
+    (three Gated DeltaNet, then one attention; at least one attention layer) and a vocabulary of
+    1,024 (the layers are what is measured)."""
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    if "full_attention" not in kinds:
+        kinds[-1] = "full_attention"
+    return dict(q.CONFIG, vocab_size=1024, hidden_size=5120, intermediate_size=17408,
+                num_hidden_layers=layers, num_attention_heads=24, num_key_value_heads=4,
+                head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+                linear_num_key_heads=16, linear_num_value_heads=48, layer_types=kinds,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                 "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]})
+
+
 def layer_outputs(model, ids):
     """Every decoder layer's output over `ids` `[1, n]`, each `[n, hidden]` f32 on the host
     (forward hooks, one forward under no_grad)."""
@@ -82,15 +97,7 @@ def main():
     import torch
     from transformers import Qwen3_5ForCausalLM
 
-    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(a.layers)]
-    if "full_attention" not in kinds:
-        kinds[-1] = "full_attention"
-    config = dict(q.CONFIG, vocab_size=1024, hidden_size=5120, intermediate_size=17408,
-                  num_hidden_layers=a.layers, num_attention_heads=24, num_key_value_heads=4,
-                  head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
-                  linear_num_key_heads=16, linear_num_value_heads=48, layer_types=kinds,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                                   "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]})
+    config = widths_27b(a.layers)
     with tempfile.TemporaryDirectory() as d:
         from safetensors.numpy import save_file
 

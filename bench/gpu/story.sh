@@ -30,8 +30,17 @@
 # x3; `stash; setup; run 535 --only drafter` (pipelines/smollm2.yaml's max_steps 2800, cut);
 # `run 340 --only drafter; bring-back` (resumed, done); the new drafter copied over
 # .assets/smollm2-drafter there and benched on 8 prompts a set, `verify: tree+lookup`.
-# The next: `pack-inputs BIN .gpu .assets/smollm2-drafter-h100-8200` (packed at the last
-# stop); `stash` for a, b, e, d, then c with `setup`, `probe fused | grep -E
+# The trained drafters lived in .assets/ (git-ignored) and were lost with the machine they were
+# on (2026-12-06: the 8,200-step drafter, README "The eighth run", is gone; its bench results
+# and metrics are in bench/results/). So: commit each drafter `bring-back` brings, its
+# exported `drafter/` folder (config.json + model.safetensors, 24 MB in bf16), to
+# bench/results/drafters/smollm2/, and pack INIT from there.
+# The next, with no drafter to start from: `pack-inputs BIN .gpu "" bench/results/smollm2-h100-expansion/store-small.tar.gz`
+# (the completions seed the store: nothing generated again); `stash` for a, b, e, d, then c with
+# `setup`; `train-fit 540 drafter` and again while the machine is warm (about 3.2 steps/s on an
+# H100: 8,200 steps are ~43 min, more than one session's 30, so two sessions, resuming from
+# the committed checkpoint-free export via `init:`); `bring-back`; commit the drafter. Then,
+# as planned before: `probe fused | grep -E
 # "swiglu_packed|add_rms_norm|adamw|keep_append|unit_lower|chunk_decay"`, `verify 300` and `round 300 128` (the
 # target's pass with its projections stacked, each add fused with its norm and the cache cut on
 # append: the launches cut, README "The eighth run"), `checks` (the training step against

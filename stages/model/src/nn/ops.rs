@@ -446,8 +446,11 @@ impl BlockGeometry {
     }
 }
 
-/// Inputs with at most this many rows take the weights-first product.
-const FEW_ROWS: usize = 16;
+/// Inputs with at most this many rows take the weights-first product on the CPU: a hybrid
+/// target's batched decoding step at Qwen3.5-27B's widths (`train_probe decode`, 2 cores) took
+/// 0.59-0.66 s at 32 rows against 0.87-0.91 with `x @ W^T`, and 1.15-1.26 s against
+/// 1.43-1.50 at 64 (it was 16).
+const FEW_ROWS: usize = 64;
 
 /// A bias-free linear layer: dense weights (trainable or frozen) or quantized (frozen).
 #[derive(Clone, Debug)]
@@ -468,6 +471,13 @@ impl Linear {
             // strided copy per projection (15 us each on an H100 in a verification pass, more
             // than the matmul): one row needs none (its transpose is already contiguous).
             Self::Dense(w) => match x.dims() {
+                // One row goes in as two: the gemm crate takes a one-column product on one
+                // thread, two columns on all of them (a hybrid target's decoding step at
+                // Qwen3.5-27B's widths, one sequence, 2 cores: 0.16-0.18 s against 0.24).
+                [1, _] if !x.device().is_cuda() => {
+                    let two = Tensor::cat(&[x, x], 0)?;
+                    w.matmul(&two.t()?)?.narrow(1, 0, 1)?.t()?.contiguous()
+                }
                 [n, _] if *n == 1 || (*n <= FEW_ROWS && !x.device().is_cuda()) => {
                     w.matmul(&x.t()?)?.t()?.contiguous()
                 }
