@@ -21,7 +21,8 @@ logits of decoding it one token at a time after a prefix (the recurrent form wit
 `moe`, `next` and `qwen3_moe` do the same for a tiny `qwen3_5_moe_text` model (the experts and
 router of Qwen3.5-MoE on the same hybrid layers), a tiny `qwen3_next` one and a tiny `qwen3_moe`
 one (dense attention, experts without a shared one, a dense layer among them); `write-kind KIND
-DIR` writes one of them (numpy only, the published per-expert layout)."""
+DIR` writes one of them (numpy only, the published per-expert layout), and `write-gguf qwen3_moe
+FILE [--f16 | --q8_0]` the tiny Qwen3-MoE as llama.cpp's `qwen3moe` GGUF (numpy and the `gguf` package)."""
 import json
 import os
 import sys
@@ -228,8 +229,72 @@ def saved(kind, folder, out):
         json.dump(result, f)
 
 
+def write_gguf(kind, path, dtype="f32"):
+    """The tiny model of `kind` (only `qwen3_moe`: llama.cpp's `qwen3moe` architecture) as a GGUF
+    file, the same numpy draws as `write-kind` puts in safetensors, under llama.cpp's tensor
+    names: each layer's experts stacked into one `[experts, rows, cols]` tensor per projection
+    (`ffn_{gate,up,down}_exps`), the router as `ffn_gate_inp`, a dense layer's MLP as
+    `ffn_{gate,up,down}`. `dtype` `f16` stores the matrices in f16, `q8_0` those whose rows fill
+    32-value blocks in Q8_0 (the norms stay f32)."""
+    import gguf
+
+    assert kind == "qwen3_moe", kind
+    c = kind_config(kind)
+    hf = tensors(c)
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(c["rope_theta"])
+    w.add_expert_count(c["num_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    def put(name, a):
+        if a.ndim > 1 and dtype == "f16":
+            w.add_tensor(name, a.astype(np.float16))
+        elif a.ndim > 1 and dtype == "q8_0" and a.shape[-1] % 32 == 0:
+            # Rows of whole 32-value blocks only (the rest stay f32, as llama.cpp's own
+            # quantizer leaves a tensor whose rows do not fill its blocks).
+            q = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+        else:
+            w.add_tensor(name, a)
+
+    put("token_embd.weight", hf["model.embed_tokens.weight"])
+    put("output_norm.weight", hf["model.norm.weight"])
+    put("output.weight", hf["lm_head.weight"])
+    for i in range(c["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for ours, theirs in [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                             ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+                             ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                             ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")]:
+            put(b + ours + ".weight", hf[p + theirs + ".weight"])
+        if p + "mlp.gate.weight" in hf:
+            put(b + "ffn_gate_inp.weight", hf[p + "mlp.gate.weight"])
+            for ours, theirs in [("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")]:
+                put(b + f"ffn_{ours}_exps.weight", np.stack(
+                    [hf[p + f"mlp.experts.{e}.{theirs}.weight"] for e in range(c["num_experts"])]))
+        else:
+            for ours, theirs in [("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")]:
+                put(b + f"ffn_{ours}.weight", hf[p + f"mlp.{theirs}.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "write-kind":
+    if sys.argv[1] == "write-gguf":
+        # write-gguf KIND FILE [--f16 | --q8_0]
+        write_gguf(sys.argv[2], sys.argv[3], next((a[2:] for a in sys.argv[4:] if a.startswith("--")), "f32"))
+    elif sys.argv[1] == "write-kind":
         write(sys.argv[3], config=kind_config(sys.argv[2]))
     elif sys.argv[1] == "write":
         # `--vocab N`: another vocabulary size (a real tokenizer's, for pipeline tests).

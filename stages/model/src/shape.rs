@@ -439,11 +439,31 @@ impl ModelShape {
                 _ => None,
             })
             .ok_or_else(|| StageError::new(format!("`{shown}` says nothing of its vocabulary")))?;
+        // llama.cpp's Qwen3-MoE (`qwen3moe`): routed experts, no shared one; `ffn` is then one
+        // expert's width, as for a Hugging Face config.
+        let experts = match (int("expert_count"), int("expert_used_count")) {
+            (Some(count), Some(per_token)) => Some(Experts {
+                count,
+                per_token,
+                shared_ffn: 0,
+            }),
+            _ => None,
+        };
+        let ffn = if experts.is_some() {
+            need("expert_feed_forward_length")?
+        } else {
+            need("feed_forward_length")?
+        };
         Ok(Self {
-            family: arch.clone(),
+            // The Hugging Face `model_type` of the same model.
+            family: if arch == "qwen3moe" {
+                "qwen3_moe".into()
+            } else {
+                arch.clone()
+            },
             hidden,
             layers: need("block_count")?,
-            ffn: need("feed_forward_length")?,
+            ffn,
             heads,
             kv_heads: int("attention.head_count_kv").unwrap_or(heads),
             head_dim: int("attention.key_length").unwrap_or(hidden / heads),
@@ -451,7 +471,7 @@ impl ModelShape {
             tied_embeddings: !header.tensors.iter().any(|(n, _)| n == "output.weight"),
             exact_parameters: Some(header.parameters()),
             linear: None,
-            experts: None,
+            experts,
             source: ShapeSource::Gguf(path.to_owned()),
         })
     }

@@ -298,3 +298,53 @@ fn a_qwen3_next_target_matches_transformers() {
 fn a_qwen3_moe_target_matches_transformers() {
     matches_saved_reference("qwen3_moe", "qwen3_moe");
 }
+
+/// The same tiny Qwen3-MoE as a llama.cpp `qwen3moe` GGUF file (`qwen3_5_reference.py
+/// write-gguf`: the same draws, each layer's experts stacked in one tensor per projection, the
+/// dense layer under the dense names), loaded from GGUF: transformers' logits and every layer
+/// as from the Hugging Face folder; stored in f16 or Q8_0, within their rounding of the f32
+/// file's.
+#[test]
+fn a_qwen3_moe_gguf_target_matches_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/support/qwen3_5_reference.py");
+    let write = |name: &str, extra: &[&str]| -> PathBuf {
+        let file = dir.path().join(name);
+        let out = Command::new("python3")
+            .arg(&script)
+            .args(["write-gguf", "qwen3_moe"])
+            .arg(&file)
+            .args(extra)
+            .output()
+            .expect("python3 runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        file
+    };
+    let file = write("q.gguf", &[]);
+    let target = Target::load(&file, &Device::Cpu).unwrap();
+    assert_eq!(target.config.family, "qwen3_moe");
+    // `estimate` sizes it as the folder: one expert's width, 6 experts, 2 a token.
+    let shape = dflash_model::shape::ModelShape::from_gguf(&file).unwrap();
+    assert_eq!((shape.family.as_str(), shape.ffn), ("qwen3_moe", 24));
+    let experts = shape.experts.expect("experts");
+    assert_eq!((experts.count, experts.per_token), (6, 2));
+    let prompts = reference("qwen3_moe_reference.json")["prompts"].clone();
+    for p in prompts.as_array().unwrap() {
+        matches_prompt(&target, p, "qwen3moe GGUF");
+    }
+    let ids: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 96).collect();
+    let logits = |t: &Target| rows(&t.extend(&ids, &mut KvCache::default(), &[]).unwrap().0);
+    let full = logits(&target);
+    // Stored in f16, and in Q8_0 (the stacked experts cut at whole blocks): near, not equal
+    // (2.1e-4 and 3.7e-3 when written; an expert cut at the wrong bytes is off by whole units).
+    for (name, flag, within) in [("q16.gguf", "--f16", 2e-3), ("q8.gguf", "--q8_0", 2e-2)] {
+        let other = Target::load(&write(name, &[flag]), &Device::Cpu).unwrap();
+        let d = max_diff(&logits(&other), &full);
+        assert!(d > 0.0 && d < within, "{flag} file against f32: {d}");
+    }
+}

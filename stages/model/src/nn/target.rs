@@ -348,9 +348,9 @@ impl Target {
             .and_then(|v| v.to_string().ok())
             .cloned()
             .unwrap_or_default();
-        if arch != "llama" && arch != "qwen3" {
+        if !matches!(arch.as_str(), "llama" | "qwen3" | "qwen3moe") {
             candle_core::bail!(
-                "{}: architecture `{arch}`; the train stage's targets are `llama` and `qwen3`",
+                "{}: architecture `{arch}`; the train stage's GGUF targets are `llama`, `qwen3` and `qwen3moe` (hybrids and other MoE targets load from Hugging Face folders)",
                 path.display()
             );
         }
@@ -361,8 +361,29 @@ impl Target {
         };
         let hidden = get("embedding_length")?.to_u32()? as usize;
         let heads = get("attention.head_count")?.to_u32()? as usize;
+        // Qwen3-MoE: each sparse layer routes a token to `expert_used_count` of `expert_count`
+        // experts, their weights renormalised over those (llama.cpp's `qwen3moe` does so unless
+        // the file says otherwise).
+        let experts = match (get("expert_count"), get("expert_used_count")) {
+            (Ok(count), Ok(used)) => Some((count.to_u32()? as usize, used.to_u32()? as usize)),
+            _ if arch == "qwen3moe" => {
+                candle_core::bail!(
+                    "{}: a `qwen3moe` file without `{arch}.expert_count` and `{arch}.expert_used_count`",
+                    path.display()
+                )
+            }
+            _ => None,
+        };
+        let renormalise = get("expert_weights_norm")
+            .and_then(|v| v.to_bool())
+            .unwrap_or(true);
         let config = TargetConfig {
-            family: arch.clone(),
+            // The Hugging Face `model_type` of the same model.
+            family: if arch == "qwen3moe" {
+                "qwen3_moe".into()
+            } else {
+                arch.clone()
+            },
             hidden,
             layers: get("block_count")?.to_u32()? as usize,
             heads,
@@ -370,13 +391,14 @@ impl Target {
             head_dim: get("attention.key_length")
                 .and_then(|v| v.to_u32())
                 .map_or(hidden / heads, |v| v as usize),
-            ffn: get("feed_forward_length")?.to_u32()? as usize,
+            // A MoE file may have no dense layer, so no dense width.
+            ffn: get("feed_forward_length").map_or(Ok(0), |v| v.to_u32())? as usize,
             vocab: 0,
             eps: f64::from(get("attention.layer_norm_rms_epsilon")?.to_f32()?),
             rope_theta: get("rope.freq_base")
                 .and_then(|v| v.to_f32())
                 .map_or(10_000.0, f64::from),
-            qk_norm: arch == "qwen3",
+            qk_norm: arch.starts_with("qwen3"),
             context: get("context_length")
                 .map_or(2048, |v| v.to_u32().map_or(2048, |c| c as usize)),
             hybrid: None,
@@ -389,19 +411,20 @@ impl Target {
             .map(|t| t.shape.elem_count() * 4)
             .sum();
         let dequantize_all = f32_bytes < DENSE_BELOW_BYTES;
-        let mut tensor = |name: &str| content.tensor(&mut file, name, device);
-        let embed_q = tensor("token_embd.weight")?;
+        // Each tensor read onto `on` (the experts go through the host to be cut apart).
+        let mut tensor = |name: &str, on: &Device| content.tensor(&mut file, name, on);
+        let embed_q = tensor("token_embd.weight", device)?;
         let embed = embed_q.dequantize(device)?;
-        let lm_head = match tensor("output.weight") {
+        let lm_head = match tensor("output.weight", device) {
             Ok(t) => t.dequantize(device)?,
             Err(_) => embed.clone(),
         };
         drop(embed_q);
-        let norm = tensor("output_norm.weight")?.dequantize(device)?;
+        let norm = tensor("output_norm.weight", device)?.dequantize(device)?;
         let mut layers = Vec::with_capacity(config.layers);
         for i in 0..config.layers {
             let mut q = |n: &str| -> Result<Linear> {
-                let t = tensor(&format!("blk.{i}.{n}.weight"))?;
+                let t = tensor(&format!("blk.{i}.{n}.weight"), device)?;
                 if dequantize_all {
                     Ok(Linear::Dense(t.dequantize(device)?))
                 } else {
@@ -409,8 +432,47 @@ impl Target {
                 }
             };
             let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
-            let (gate, up, down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
-            let mut dense = |n: &str| tensor(&format!("blk.{i}.{n}.weight"))?.dequantize(device);
+            // A sparse layer has a router; a dense one (Qwen3-MoE's `mlp_only_layers`) not.
+            let router = format!("blk.{i}.ffn_gate_inp.weight");
+            let mlp = match experts.filter(|_| content.tensor_infos.contains_key(&router)) {
+                None => Mlp::dense(q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?)?,
+                Some((count, top_k)) => {
+                    // Stacked per projection, `[experts, rows, cols]`: cut into one matrix per
+                    // expert, each quantized as stored (or dense f32 for a small model).
+                    let mut parts = Vec::with_capacity(3);
+                    for n in ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] {
+                        let name = format!("blk.{i}.{n}.weight");
+                        let stacked = tensor(&name, &Device::Cpu)?;
+                        let mut per_expert = Vec::with_capacity(count);
+                        for e in expert_slices(&stacked, count, device)
+                            .map_err(|e| e.context(format!("{}: {name}", path.display())))?
+                        {
+                            per_expert.push(if dequantize_all {
+                                Linear::Dense(e.dequantize(device)?)
+                            } else {
+                                Linear::Quantized(QMatMul::from_qtensor(e)?)
+                            });
+                        }
+                        parts.push(per_expert);
+                    }
+                    let [gates, ups, downs] = <[Vec<Linear>; 3]>::try_from(parts)
+                        .map_err(|_| candle_core::Error::Msg("three expert projections".into()))?;
+                    Mlp::Experts(Moe {
+                        router: Linear::Dense(tensor(&router, device)?.dequantize(device)?),
+                        experts: gates
+                            .into_iter()
+                            .zip(ups)
+                            .zip(downs)
+                            .map(|((g, u), d)| (g, u, d))
+                            .collect(),
+                        top_k,
+                        renormalise,
+                        shared: None,
+                    })
+                }
+            };
+            let mut dense =
+                |n: &str| tensor(&format!("blk.{i}.{n}.weight"), device)?.dequantize(device);
             layers.push(Layer {
                 attn_norm: dense("attn_norm")?,
                 mixer: Mixer::Attention(Attention::new(
@@ -431,7 +493,7 @@ impl Target {
                     false,
                 )?),
                 ffn_norm: dense("ffn_norm")?,
-                mlp: Mlp::dense(gate, up, down)?,
+                mlp,
             });
         }
         let config = TargetConfig {
@@ -1388,6 +1450,34 @@ fn delta_state_before(
         None if past == 0 => d.empty_state(p.dtype(), p.device())?,
         None => candle_core::bail!("layer {i}: no Gated DeltaNet state at position {past}"),
     })
+}
+
+/// A GGUF tensor of experts stacked `[experts, rows, cols]` (loaded on the CPU) as one
+/// `[rows, cols]` tensor per expert on `device`, each in the stored type: an expert's bytes are
+/// a contiguous run of whole blocks when its matrix fills whole blocks, which is checked.
+fn expert_slices(
+    stacked: &candle_core::quantized::QTensor,
+    experts: usize,
+    device: &Device,
+) -> Result<Vec<candle_core::quantized::QTensor>> {
+    use candle_core::quantized::{QStorage, QTensor};
+    let (count, rows, cols) = stacked.shape().dims3()?;
+    let dtype = stacked.dtype();
+    if count != experts || (rows * cols) % dtype.block_size() != 0 {
+        candle_core::bail!(
+            "experts stacked as {:?} in {dtype:?} (blocks of {}), where {experts} experts of whole blocks were expected",
+            stacked.shape().dims(),
+            dtype.block_size()
+        );
+    }
+    let bytes = stacked.data()?;
+    let each = bytes.len() / count;
+    (0..count)
+        .map(|e| {
+            let part = std::borrow::Cow::Borrowed(&bytes[e * each..(e + 1) * each]);
+            QTensor::new(QStorage::from_data(part, device, dtype)?, (rows, cols))
+        })
+        .collect()
 }
 
 /// Model types of hybrid targets (Gated DeltaNet and gated attention): Qwen3.5's, in a
