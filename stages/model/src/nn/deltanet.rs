@@ -14,7 +14,7 @@
 //! `beta_t = sigmoid(b_t)` projected from the input too. The output is RMS-normed per head,
 //! gated by `silu(z_t)` and projected back to the hidden size.
 //!
-//! Two forms of the same recurrence:
+//! Forms of the same recurrence:
 //! - [`DeltaNet::forward`] over a whole sequence (prefill, training's target pass) takes it in
 //!   chunks of 64 tokens: within a chunk the updates are folded into matmuls (the "UT
 //!   transform": a unit lower-triangular system solved by forward substitution), and only the
@@ -24,6 +24,12 @@
 //! - [`DeltaNet::tree`] steps a tree of tokens (tree verification): each node from its parent's
 //!   state, its convolution over its own ancestors, so every root-to-node path gets exactly what
 //!   [`DeltaNet::steps`] would give that path as a sequence.
+//! - [`DeltaNet::step_batch_gated`] steps one token of each of a batch's sequences, their heads
+//!   stacked as one (generation's decoding step).
+//!
+//! Each form also comes split at the projections ([`DeltaNet::project`], the `*_gated` forms,
+//! [`DeltaNet::out`]), so a batch's rows go through the input and output projections together,
+//! one matmul per weight, and only the recurrence is per sequence.
 //!
 //! The state is per layer, not per token: its memory does not grow with the context.
 
@@ -315,8 +321,8 @@ impl DeltaNet {
             .to_dtype(dtype)
     }
 
-    /// The output projection of gated rows ([`Self::gated`]; a batch's sequences' rows stacked,
-    /// one matmul for all): `[n, H]`.
+    /// The output projection of gated rows (the recurrence's output, RMS-normed per head and
+    /// gated by `silu(z)`; a batch's sequences' rows stacked, one matmul for all): `[n, H]`.
     pub fn out(&self, gated: &Tensor) -> Result<Tensor> {
         self.out.forward(gated)
     }
@@ -337,8 +343,8 @@ impl DeltaNet {
         Ok((self.out(&gated)?, next))
     }
 
-    /// [`Self::forward`] from projected rows, up to the output projection ([`Self::gated`]'s
-    /// rows).
+    /// [`Self::forward`] from projected rows, up to the output projection (the gated rows
+    /// [`Self::out`] takes).
     pub fn forward_gated(
         &self,
         p: &Projections,
