@@ -14,7 +14,8 @@
 #     ".gpu/e", ".gpu/d" when packed, then ".gpu/c") and runs `stash`, which keeps it in /tmp; the calls follow
 #     each other while the machine is warm (30 s), the last one runs `setup` and can go on;
 #   - `checks` runs the training kernels' checks and the step against PyTorch (issue 22);
-#     `hybrid [LAYERS] [TOKENS]` a hybrid target's forward against transformers (issue 23);
+#     `hybrid [LAYERS] [TOKENS]` a hybrid target's forward against transformers (issue 23),
+#     `hybrid-decode` its batched decoding against transformers' `generate`;
 #     `decode [BATCH] [PROMPT] [STEPS]` generate's batched decoding against transformers'
 #     (generation bounds the story's data: 4,813 tokens/s for a 135M model on an H100);
 #   - `run SECONDS` runs the pipeline into a store under /tmp (kept while the machine is warm)
@@ -38,9 +39,11 @@
 # The next, with no drafter to start from: `pack-inputs BIN .gpu "" bench/results/smollm2-h100-expansion/store-small.tar.gz`
 # (the completions seed the store: nothing generated again); `stash` for a, b, e, d, then c with
 # `setup`; `train-fit 540 drafter` and again while the machine is warm (about 3.2 steps/s on an
-# H100: 8,200 steps are ~43 min, more than one session's 30, so two sessions, resuming from
-# the committed checkpoint-free export via `init:`); `bring-back`; commit the drafter. Then,
-# as planned before: `probe fused | grep -E
+# H100: 8,200 steps are ~43 min, more than one session's 30, so two sessions; the second
+# starts from the first's committed drafter, `pack-inputs ... INIT`, whose `init:` takes the
+# weights and starts the optimizer afresh, as the 8,200-step drafter was made from the 5,400);
+# `bring-back`; commit the drafter. Then, as planned before (and `hybrid-decode`, issue 23's
+# batched decoding on a GPU): `probe fused | grep -E
 # "swiglu_packed|add_rms_norm|adamw|keep_append|unit_lower|chunk_decay"`, `verify 300` and `round 300 128` (the
 # target's pass with its projections stacked, each add fused with its norm and the cache cut on
 # append: the launches cut, README "The eighth run"), `checks` (the training step against
@@ -264,6 +267,15 @@ hybrid)
             --layers "${1:-4}" --tokens "${2:-2048}" --repeats 5 | tee -a "$OUT/hybrid_forward.jsonl"
     done
     ;;
+hybrid-decode)
+    # There: a hybrid target's batched decoding (LAYERS layers at Qwen3.5-27B's widths, BATCHES
+    # comma-separated, PROMPT tokens, STEPS steps), dflash (`train_probe decode`, bf16) against
+    # transformers' `generate` (bf16, flash-linear-attention's kernels from the stash), same call.
+    cuda_env
+    PYTHONPATH=$STASH/site python3 bench/hybrid_decode.py --device cuda --probe $STASH/train_probe \
+        --layers "${1:-4}" --batch "${2:-1,8,64}" --prompt "${3:-300}" --steps "${4:-16}" \
+        2>&1 | grep -v Warning | tee -a "$OUT/hybrid_decode.jsonl"
+    ;;
 decode)
     # There: generate's batched decoding (the candle backend) against transformers' `generate`
     # on the same shapes (BATCH prompts of PROMPT tokens, STEPS steps), same call.
@@ -365,7 +377,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac
