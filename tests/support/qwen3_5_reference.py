@@ -229,7 +229,7 @@ def saved(kind, folder, out):
         json.dump(result, f)
 
 
-def write_gguf(kind, path, dtype="f32"):
+def write_gguf(kind, path, dtype="f32", all_sparse=False):
     """The tiny model of `kind` (only `qwen3_moe`: llama.cpp's `qwen3moe` architecture) as a GGUF
     file, the same numpy draws as `write-kind` puts in safetensors, under llama.cpp's tensor
     names: each layer's experts stacked into one `[experts, rows, cols]` tensor per projection
@@ -240,8 +240,15 @@ def write_gguf(kind, path, dtype="f32"):
 
     assert kind == "qwen3_moe", kind
     c = kind_config(kind)
+    if all_sparse:
+        # llama.cpp's `qwen3moe` wants a router in every layer (as the published Qwen3-MoE
+        # models have): other draws, no dense layer, and a vocabulary llama.cpp can read.
+        c = dict(c, mlp_only_layers=[])
     hf = tensors(c)
     w = gguf.GGUFWriter(path, "qwen3moe")
+    if all_sparse:
+        w.add_tokenizer_model("none")
+        w.add_vocab_size(c["vocab_size"])
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
@@ -292,8 +299,17 @@ def write_gguf(kind, path, dtype="f32"):
 
 if __name__ == "__main__":
     if sys.argv[1] == "write-gguf":
-        # write-gguf KIND FILE [--f16 | --q8_0]
-        write_gguf(sys.argv[2], sys.argv[3], next((a[2:] for a in sys.argv[4:] if a.startswith("--")), "f32"))
+        # write-gguf KIND FILE [--f16 | --q8_0] [--all-sparse]
+        flags = [a[2:] for a in sys.argv[4:] if a.startswith("--")]
+        write_gguf(sys.argv[2], sys.argv[3], next((f for f in flags if f != "all-sparse"), "f32"),
+                   "all-sparse" in flags)
+    elif sys.argv[1] == "llama-cpp-logits":
+        # llama-cpp-logits FILE OUT: llama.cpp's logits for PROMPTS[0][:40] (llama-cpp-python).
+        from llama_cpp import Llama
+        m = Llama(sys.argv[2], logits_all=True, verbose=False, n_ctx=256)
+        m.eval(PROMPTS[0][:40])
+        with open(sys.argv[3], "w") as f:
+            json.dump({"ids": PROMPTS[0][:40], "logits": [[float(x) for x in row] for row in m.scores[:40]]}, f)
     elif sys.argv[1] == "write-kind":
         write(sys.argv[3], config=kind_config(sys.argv[2]))
     elif sys.argv[1] == "write":

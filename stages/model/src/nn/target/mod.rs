@@ -30,7 +30,8 @@ const DENSE_BELOW_BYTES: usize = 1 << 30;
 /// The target's dimensions.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TargetConfig {
-    /// `llama` or `qwen3`.
+    /// The Hugging Face `model_type`: `llama`, `qwen3`, `qwen3_moe`, or a hybrid's
+    /// ([`is_hybrid_family`]).
     pub family: String,
     /// Hidden size H.
     pub hidden: usize,
