@@ -34,8 +34,10 @@
 # The trained drafters lived in .assets/ (git-ignored) and were lost with the machine they were
 # on (2026-12-06: the 8,200-step drafter, README "The eighth run", is gone; its bench results
 # and metrics are in bench/results/). So: commit each drafter `bring-back` brings, its
-# exported `drafter/` folder (config.json + model.safetensors, 24 MB in bf16), to
-# bench/results/drafters/smollm2/, and pack INIT from there.
+# exported `drafter/` folder (config.json + model.safetensors, 24 MB in bf16), with
+# `keep-drafter DIR NAME`: to the `drafters` branch, not main, since every device call carries
+# main's whole tree (18 MB of the 64 MiB; 24 MB more would cost two more calls for the model);
+# `pack-inputs BIN .gpu drafters:NAME SEED` packs it as INIT.
 # The next, with no drafter to start from: `pack-inputs BIN .gpu "" bench/results/smollm2-h100-expansion/store-small.tar.gz`
 # (the completions seed the store: nothing generated again); `stash` for a, b, e, d, then c with
 # `setup`; `train-fit 540 drafter` and again while the machine is warm (about 3.2 steps/s on an
@@ -119,7 +121,12 @@ pack-inputs)
     # INIT and SEED travel in a fourth part, `d` (the binaries fill most of `c`): one more
     # `stash` call before the one that runs `setup`.
     if [ -n "$init" ]; then
-        mkdir -p "$pack"/d/init && cp "$init"/config.json "$init"/model.safetensors "$pack"/d/init/
+        mkdir -p "$pack"/d/init
+        case $init in
+        # A drafter `keep-drafter` committed to the `drafters` branch.
+        drafters:*) git archive drafters "${init#drafters:}" | tar -x --strip-components=1 -C "$pack"/d/init ;;
+        *) cp "$init"/config.json "$init"/model.safetensors "$pack"/d/init/ ;;
+        esac
     fi
     if [ -n "$seed" ]; then
         # A store folder, or a `seed.tar.gz` / `store-small.tar.gz` that `bring-back` brought
@@ -143,6 +150,28 @@ pack-inputs)
         [ $total -lt $((63 * 1024 * 1024)) ] ||
             echo "warning: $pack/$p and the working tree ($tree bytes) are $total bytes, over what one call carries (64 MiB)" >&2
     done
+    ;;
+keep-drafter)
+    # Here: commit an exported drafter folder (config.json + model.safetensors, and its
+    # training.json / metrics when given) as NAME/ on the `drafters` branch, which holds
+    # drafters only and shares no history with main; the working tree and index stay as they
+    # are. `git archive drafters NAME | tar -x` gets it back.
+    dir=${1:?an exported drafter folder}
+    name=${2:?a name, e.g. smollm2-2800}
+    export GIT_INDEX_FILE=$(mktemp -u)
+    parent=$(git rev-parse -q --verify refs/heads/drafters || true)
+    [ -z "$parent" ] || git read-tree drafters
+    git ls-tree -r --name-only ${parent:-HEAD} -- "$name" | grep -q . && [ -n "$parent" ] &&
+        { echo "drafters:$name exists; drafters are never replaced: choose another name" >&2; exit 1; }
+    for f in "$dir"/*; do
+        [ -f "$f" ] || continue
+        git update-index --add --cacheinfo 100644,$(git hash-object -w "$f"),"$name/$(basename "$f")"
+    done
+    tree=$(git write-tree)
+    commit=$(git commit-tree $tree ${parent:+-p $parent} -m "drafter $name")
+    git update-ref refs/heads/drafters $commit ${parent:-""}
+    rm -f "$GIT_INDEX_FILE"
+    git ls-tree -r -l drafters -- "$name"
     ;;
 stash)
     # There: keep what this call carried (the working tree's .gpu/ is replaced by the next call).
@@ -377,7 +406,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT [SEED]] | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT|drafters:NAME [SEED]] | keep-drafter DIR NAME | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac
