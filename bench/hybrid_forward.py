@@ -170,6 +170,7 @@ def main():
         # pass over them, the output), to aim a kernel at the largest.
         phases = {l["layer"]: l["ms"] for l in lines if l.get("phase") == "delta_phases"}
         ours = probe["seconds"]
+        kinds = config["layer_types"]
         result = {"layers": kinds, "tokens": a.tokens, "device": a.device,
                   "threads": os.cpu_count(), "dtype": str(dtype).replace("torch.", ""),
                   "dflash_dtype": probe.get("dtype"), "transformers": transformers.__version__,
