@@ -38,19 +38,20 @@
 # `keep-drafter DIR NAME`: to the `drafters` branch, not main, since every device call carries
 # main's whole tree (18 MB of the 64 MiB; 24 MB more would cost two more calls for the model);
 # `pack-inputs BIN .gpu drafters:NAME SEED` packs it as INIT.
-# The next, with no drafter to start from: `pack-inputs BIN .gpu "" bench/results/smollm2-h100-expansion/store-small.tar.gz`
-# (the completions seed the store: nothing generated again); `stash` for a, b, e, d, then c with
-# `setup`; `train-fit 540 drafter` and again while the machine is warm (about 3.2 steps/s on an
-# H100: 8,200 steps are ~43 min, more than one session's 30, so two sessions; the second
-# starts from the first's committed drafter, `pack-inputs ... INIT`, whose `init:` takes the
-# weights and starts the optimizer afresh, as the 8,200-step drafter was made from the 5,400);
-# `bring-back`; commit the drafter. Then, as planned before (and `hybrid-decode`, issue 23's
-# batched decoding on a GPU): `probe fused | grep -E
-# "swiglu_packed|add_rms_norm|adamw|keep_append|unit_lower|chunk_decay"`, `verify 300` and `round 300 128` (the
-# target's pass with its projections stacked, each add fused with its norm and the cache cut on
-# append: the launches cut, README "The eighth run"), `checks` (the training step against
-# PyTorch, AdamW now one kernel: issue 22), `hybrid 4 2048` (~140 s: the WY inverse and the
-# chunks' decays now a kernel each, issue 23); then the whole sets,
+# The ninth run (2026-12-06, README "The ninth run") trained it again from the committed
+# completions: 2,800 steps, `drafters:smollm2-2800` (held-out tau per round 2.11). The next:
+# `pack-inputs BIN .gpu drafters:smollm2-2800 bench/results/smollm2-h100-expansion/store-small.tar.gz`
+# (INIT and SEED in `d`; move files between parts so that each stays under 64 MiB with the
+# tree: the ninth run sent four, `a` the model's first part and dflash.xz, `b` the second with
+# the seed, wheels and sets, `e` the third, `c` ShareGPT and train_probe.xz); `stash` for each,
+# the last with `setup`; `run 500 --only drafter` and `run 470 --only drafter` (`init:` from
+# INIT, the optimizer afresh: 2,800 more steps, ~800 s at 3.5 steps/s), `bring-back`,
+# `keep-drafter /tmp/keep/NAME smollm2-5600` here (the drafter folder plus training.json and
+# metrics.jsonl); then `run 420 --only bench` benches it on 12 prompts a set beside the
+# eighth run's figures (5,400 steps: 4.36 / 4.20 / 4.77).
+# Done in the ninth run: `probe fused`, `checks`, `hybrid 4 2048`, `hybrid-decode 4 1,8,64 300
+# 16` (bench/results/smollm2-h100-ninth/). Still to run: `verify 300` and `round 300 128` (the
+# target's pass with its launches cut, README "The eighth run"); then the whole sets,
 # PIPE=pipelines/smollm2-full.yaml, one bench per set (~4 s a prompt for autoregressive, prompt
 # lookup and the graft, twice for MT-Bench: HumanEval and GSM8K fit one session: `run 560
 # --only bench_humaneval`, then `run 560 --only bench_gsm8k`, each resuming at its next prompt),
