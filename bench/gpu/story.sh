@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Runs pipelines/smollm2.yaml on the GPU machine (the `device` tool: no Rust, no network, 64 MiB
 # carried per call, everything forgotten once the machine goes idle). The data flow:
-#   - here, `bench/gpu/story.sh pack-inputs BIN .gpu [INIT [SEED]]` fills .gpu/a, .gpu/b,
-#     .gpu/e and .gpu/c (`.gpu/` is in .git/info/exclude): the SmolLM2 GGUF split in three (98
-#     MB is over one call's 64 MiB, with the working tree beside it), then the CUDA build of dflash and `train_probe` (xz), ShareGPT (xz),
-#     the benchmark sets, the wheels (the reference package, gguf, flash-linear-attention);
-#     given INIT (an exported drafter/ folder, 24 MB), that drafter, which the run then starts
-#     from (train's `init:`), and given SEED (a store folder, or a `store-small.tar.gz` that
-#     `bring-back` brought and was committed: bench/results/smollm2-h100-expansion/ has both
-#     batches' completions), its whole small artifacts, both in .gpu/d; `setup` unpacks the
-#     seed into the run's store, so what an earlier session generated is cached;
-#   - each call carries one part (the device tool's `carry: [".gpu/a"]`, then ".gpu/b",
-#     ".gpu/e", ".gpu/d" when packed, then ".gpu/c") and runs `stash`, which keeps it in /tmp; the calls follow
-#     each other while the machine is warm (30 s), the last one runs `setup` and can go on;
+#   - here, `bench/gpu/story.sh pack-inputs BIN .gpu [INIT [SEED]]` fills .gpu/1, .gpu/2, ...
+#     (`.gpu/` is in .git/info/exclude), one folder a call: the SmolLM2 GGUF (98 MB) cut to
+#     what a call has room for beside the working tree (43 MB with the committed drafter), the
+#     CUDA build of dflash and `train_probe` (xz), ShareGPT (xz), the benchmark sets, the wheels
+#     (the reference package, gguf, flash-linear-attention); given INIT (an exported drafter/
+#     folder: on main, it travels with the tree and is not packed again; `drafters:NAME`, or
+#     any other folder, is packed), the drafter the run starts from (train's `init:`); given
+#     SEED (a store folder, or a `store-small.tar.gz` that `bring-back` brought and was
+#     committed: bench/results/smollm2-h100-expansion/ has both batches' completions), its whole
+#     small artifacts, which `setup` unpacks into the run's store, so what an earlier session
+#     generated is cached. It prints the parts (seven with the drafter on main);
+#   - each call carries one part (the device tool's `carry: [".gpu/1"]`, then ".gpu/2", ...) and
+#     runs `stash`, which keeps it in /tmp; the calls follow each other while the machine is
+#     warm (30 s: about 6 s of device time each), the last one runs `setup` and can go on;
 #   - `checks` runs the training kernels' checks and the step against PyTorch (issue 22);
 #     `hybrid [LAYERS] [TOKENS]` a hybrid target's forward against transformers (issue 23),
 #     `hybrid-decode` its batched decoding against transformers' `generate`;
@@ -35,15 +37,15 @@
 # on (2026-12-06: the 8,200-step drafter, README "The eighth run", is gone; its bench results
 # and metrics are in bench/results/). So: commit each drafter `bring-back` brings, its
 # exported `drafter/` folder (config.json + model.safetensors, 24 MB in bf16), with
-# `keep-drafter DIR NAME`: to the `drafters` branch, not main, since every device call carries
-# main's whole tree (18 MB of the 64 MiB; 24 MB more would cost two more calls for the model);
-# `pack-inputs BIN .gpu drafters:NAME SEED` packs it as INIT.
+# `keep-drafter DIR NAME`: to the `drafters` branch (every drafter, its metrics too), and the
+# one worth showing on main, bench/results/drafters/ (one at a time: every device call carries
+# main's tree, and each 24 MB on main costs about three more calls for the model);
+# `pack-inputs BIN .gpu drafters:NAME SEED` packs a branch's drafter as INIT.
 # The ninth run (2026-12-06, README "The ninth run") trained it again from the committed
-# completions: 2,800 steps, `drafters:smollm2-2800` (held-out tau per round 2.11). The next:
-# `pack-inputs BIN .gpu drafters:smollm2-2800 bench/results/smollm2-h100-expansion/store-small.tar.gz`
-# (INIT and SEED in `d`; move files between parts so that each stays under 64 MiB with the
-# tree: the ninth run sent four, `a` the model's first part and dflash.xz, `b` the second with
-# the seed, wheels and sets, `e` the third, `c` ShareGPT and train_probe.xz); `stash` for each,
+# completions: 2,800 steps (held-out tau per round 2.11), committed on main as
+# bench/results/drafters/smollm2-2800 (the quickstart benches it) and on the drafters branch.
+# The next: `pack-inputs BIN .gpu bench/results/drafters/smollm2-2800
+# bench/results/smollm2-h100-expansion/store-small.tar.gz` (seven parts); `stash` for each,
 # the last with `setup`; `run 500 --only drafter` and `run 470 --only drafter` (`init:` from
 # INIT, the optimizer afresh: 2,800 more steps, ~800 s at 3.5 steps/s), `bring-back`,
 # `keep-drafter /tmp/keep/NAME smollm2-5600` here (the drafter folder plus training.json and
@@ -91,66 +93,85 @@ cuda_env() {
 }
 case $cmd in
 pack-inputs)
-    # Here: fill PACK/{a,b,c} from a CUDA build and .assets/; INIT (optional, or ""): a drafter
-    # folder (config.json + model.safetensors) for the run to start from; SEED (optional): a
-    # store whose objects the run's store starts with.
+    # Here: fill PACK/1, PACK/2, ... (one folder a call) from a CUDA build and .assets/; INIT
+    # (optional, or ""): a drafter folder (config.json + model.safetensors) for the run to
+    # start from, `drafters:NAME` for one on the `drafters` branch; SEED (optional): a store,
+    # or a `store-small.tar.gz` / `seed.tar.gz` that `bring-back` brought, whose objects the
+    # run's store starts with.
     bin=${1:?the CUDA build of dflash}
     pack=${2:?a folder outside the clone}
     init=${3:-}
     seed=${4:-}
-    # The model in three parts of 33 MB (a, b and e): each travels beside the working tree,
-    # whose committed results (18 MB and growing) left half of the model over the 64 MiB.
-    rm -rf "$pack" && mkdir -p "$pack"/a "$pack"/b "$pack"/c "$pack"/e
-    split -n 3 -d .assets/SmolLM2-135M-Instruct.Q4_1.gguf "$pack"/gguf.part-
-    mv "$pack"/gguf.part-00 "$pack"/a/ && mv "$pack"/gguf.part-01 "$pack"/b/
-    mv "$pack"/gguf.part-02 "$pack"/e/
-    strip -o /tmp/dflash-cuda "$bin" && xz -T2 -6 -c /tmp/dflash-cuda > "$pack"/c/dflash.xz
-    # The kernel checks (`train_probe`, built beside BIN with `--example train_probe`), if built;
-    # in `c`, since `a`, `b` and `e` hold the model.
+    rm -rf "$pack" && mkdir -p "$pack"/files
+    files=$pack/files
+    strip -o /tmp/dflash-cuda "$bin" && xz -T2 -6 -c /tmp/dflash-cuda > "$files"/dflash.xz
+    # The kernel checks (`train_probe`, built beside BIN with `--example train_probe`), if built.
     probe_bin=$(dirname "$bin")/examples/train_probe
     if [ -x "$probe_bin" ]; then
-        strip -o /tmp/train-probe-cuda "$probe_bin" && xz -T2 -6 -c /tmp/train-probe-cuda > "$pack"/c/train_probe.xz
+        strip -o /tmp/train-probe-cuda "$probe_bin" && xz -T2 -6 -c /tmp/train-probe-cuda > "$files"/train_probe.xz
     fi
-    xz -T2 -6 -c .assets/sharegpt.json > "$pack"/c/sharegpt.json.xz
-    cp .assets/HumanEval.jsonl.gz .assets/gsm8k.jsonl .assets/mt-bench.jsonl "$pack"/c/
+    xz -T2 -6 -c .assets/sharegpt.json > "$files"/sharegpt.json.xz
+    cp .assets/HumanEval.jsonl.gz .assets/gsm8k.jsonl .assets/mt-bench.jsonl "$files"/
     # The reference package (dflash==0.1.0), gguf, and the flash-linear-attention kernels that
     # transformers runs a hybrid's Gated DeltaNet with on a GPU (`hybrid`): wheels from PyPI.
     ls .whl/dflash-0.1.0-*.whl >/dev/null 2>&1 ||
         pip download -q --no-deps -d .whl dflash==0.1.0 gguf==0.19.0 flash-linear-attention==0.6.0 \
             fla-core==0.6.0 einops==0.8.1
-    cp .whl/*.whl "$pack"/c/
-    # INIT and SEED travel in a fourth part, `d` (the binaries fill most of `c`): one more
-    # `stash` call before the one that runs `setup`.
+    cp .whl/*.whl "$files"/
     if [ -n "$init" ]; then
-        mkdir -p "$pack"/d/init
-        case $init in
-        # A drafter `keep-drafter` committed to the `drafters` branch.
-        drafters:*) git archive drafters "${init#drafters:}" | tar -x --strip-components=1 -C "$pack"/d/init ;;
-        *) cp "$init"/config.json "$init"/model.safetensors "$pack"/d/init/ ;;
-        esac
+        if [ "${init#drafters:}" = "$init" ] && git ls-files --error-unmatch "$init/model.safetensors" >/dev/null 2>&1; then
+            # Committed on main: it travels with the tree already; `setup` copies it from there.
+            echo "$init" > "$files"/init-path
+        else
+            mkdir -p "$files"/init
+            case $init in
+            # A drafter `keep-drafter` committed to the `drafters` branch.
+            drafters:*) git archive drafters "${init#drafters:}" | tar -x --strip-components=1 -C "$files"/init ;;
+            *) cp "$init"/config.json "$init"/model.safetensors "$files"/init/ ;;
+            esac
+        fi
     fi
     if [ -n "$seed" ]; then
-        # A store folder, or a `seed.tar.gz` / `store-small.tar.gz` that `bring-back` brought
-        # (and was committed).
-        part=d && mkdir -p "$pack"/d
         if [ -f "$seed" ]; then
-            cp "$seed" "$pack"/$part/store-seed.tar.gz
+            cp "$seed" "$files"/store-seed.tar.gz
         else
             # Whole artifacts only (a manifest without its blobs would fail the run there).
             rm -rf /tmp/seed-store
             "${DFLASH:-target/release/dflash}" copy --from "$seed" --to /tmp/seed-store --max-file-bytes 4M
-            tar -czf "$pack"/$part/store-seed.tar.gz -C /tmp/seed-store .
+            tar -czf "$files"/store-seed.tar.gz -C /tmp/seed-store .
         fi
     fi
-    # Each part travels with the working tree (the tracked files: the committed results too).
+    # Each call carries its part beside the working tree (the tracked files: the committed
+    # results and drafter too), 64 MiB in all: the model is cut to what one call has room for,
+    # then the largest files first into the first part with room (the fewest calls).
     tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s+=$1} END {print s}')
-    du -sb "$pack"/*/
-    for p in a b c d e; do
-        [ -d "$pack"/$p ] || continue
-        total=$(( $(du -sb "$pack"/$p | cut -f1) + tree ))
-        [ $total -lt $((63 * 1024 * 1024)) ] ||
-            echo "warning: $pack/$p and the working tree ($tree bytes) are $total bytes, over what one call carries (64 MiB)" >&2
-    done
+    room=$(( 63 * 1024 * 1024 - tree ))
+    [ $room -gt $((8 * 1024 * 1024)) ] || { echo "the working tree ($tree bytes) leaves under 8 MiB a call" >&2; exit 1; }
+    split -b $room -d -a 2 .assets/SmolLM2-135M-Instruct.Q4_1.gguf "$files"/gguf.part-
+    python3 - "$files" "$pack" $room <<'PY'
+import os, shutil, sys
+files, pack, room = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def size(p):
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(p) for f in fs) if os.path.isdir(p) else os.path.getsize(p)
+items = sorted(os.listdir(files), key=lambda n: -size(os.path.join(files, n)))
+parts = []
+for name in items:
+    n = size(os.path.join(files, name))
+    if n > room:
+        sys.exit(f"{name} ({n} bytes) is over what one call has room for ({room})")
+    for part in parts:
+        if part[0] + n <= room:
+            part[0] += n; part[1].append(name); break
+    else:
+        parts.append([n, [name]])
+for i, (n, names) in enumerate(parts, 1):
+    os.makedirs(os.path.join(pack, str(i)))
+    for name in names:
+        shutil.move(os.path.join(files, name), os.path.join(pack, str(i), name))
+    print(f"{pack}/{i}: {n} bytes: {' '.join(sorted(names))}")
+PY
+    rmdir "$files"
+    echo "the working tree: $tree bytes; carry each part in turn (\".gpu/1\", ...) with \`stash\`, the last with \`setup\`"
     ;;
 keep-drafter)
     # Here: commit an exported drafter folder (config.json + model.safetensors, and its
@@ -178,14 +199,13 @@ stash)
     # There: keep what this call carried (the working tree's .gpu/ is replaced by the next call).
     mkdir -p $STASH
     for d in .gpu/*/; do cp -r "$d". $STASH/; done
-    [ -d $STASH/a ] && mv $STASH/a/* $STASH/ && rmdir $STASH/a
     ls -la $STASH
     ;;
 setup)
     # There: the model, ShareGPT and the benchmark sets in .assets/, the binary in /tmp.
     mkdir -p $STASH/assets
     [ -f $STASH/assets/SmolLM2-135M-Instruct.Q4_1.gguf ] ||
-        cat $STASH/gguf.part-0* > $STASH/assets/SmolLM2-135M-Instruct.Q4_1.gguf
+        cat $STASH/gguf.part-* > $STASH/assets/SmolLM2-135M-Instruct.Q4_1.gguf
     [ -f $STASH/assets/sharegpt.json ] || xz -dc $STASH/sharegpt.json.xz > $STASH/assets/sharegpt.json
     cp -n $STASH/HumanEval.jsonl.gz $STASH/gsm8k.jsonl $STASH/mt-bench.jsonl $STASH/assets/
     [ -x $STASH/dflash ] || { xz -dc $STASH/dflash.xz > $STASH/dflash && chmod +x $STASH/dflash; }
@@ -197,6 +217,11 @@ setup)
     ls $STASH/*.whl >/dev/null 2>&1 && pip install -q --no-deps --target $STASH/site $STASH/*.whl || true
     if [ -d $STASH/init ] && [ ! -d $STASH/assets/smollm2-drafter ]; then
         cp -r $STASH/init $STASH/assets/smollm2-drafter
+    fi
+    # INIT committed on main: from this call's working tree.
+    if [ -f $STASH/init-path ] && [ ! -d $STASH/assets/smollm2-drafter ]; then
+        mkdir -p $STASH/assets/smollm2-drafter
+        cp "$(cat $STASH/init-path)"/config.json "$(cat $STASH/init-path)"/model.safetensors $STASH/assets/smollm2-drafter/
     fi
     # An earlier session's store objects (content-addressed: the stages they hold are cached).
     if [ -f $STASH/store-seed.tar.gz ] && [ ! -d $STORE/manifests ]; then
