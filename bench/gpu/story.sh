@@ -3,15 +3,14 @@
 # carried per call, everything forgotten once the machine goes idle). The data flow:
 #   - here, `bench/gpu/story.sh pack-inputs BIN .gpu [INIT [SEED]]` fills .gpu/1, .gpu/2, ...
 #     (`.gpu/` is in .git/info/exclude), one folder a call: the SmolLM2 GGUF (98 MB) cut to
-#     what a call has room for beside the working tree (43 MB with the committed drafter), the
+#     what a call has room for beside the working tree (14 MB), the
 #     CUDA build of dflash and `train_probe` (xz), ShareGPT (xz), the benchmark sets, the wheels
 #     (the reference package, gguf, flash-linear-attention); given INIT (an exported drafter/
-#     folder: on main, it travels with the tree and is not packed again; `drafters:NAME`, or
-#     any other folder, is packed), the drafter the run starts from (train's `init:`); given
+#     folder, or `drafters:NAME`), the drafter the run starts from (train's `init:`); given
 #     SEED (a store folder, or a `store-small.tar.gz` that `bring-back` brought and was
-#     committed: bench/results/smollm2-h100-expansion/ has both batches' completions), its whole
+#     kept: `drafters:smollm2-expansion-seed` has both batches' completions), its whole
 #     small artifacts, which `setup` unpacks into the run's store, so what an earlier session
-#     generated is cached. It prints the parts (seven with the drafter on main);
+#     generated is cached. It prints the parts (four for the story's run);
 #   - each call carries one part (the device tool's `carry: [".gpu/1"]`, then ".gpu/2", ...) and
 #     runs `stash`, which keeps it in /tmp; the calls follow each other while the machine is
 #     warm (30 s: about 6 s of device time each), the last one runs `setup` and can go on;
@@ -37,15 +36,14 @@
 # on (2026-12-06: the 8,200-step drafter, README "The eighth run", is gone; its bench results
 # and metrics are in bench/results/). So: commit each drafter `bring-back` brings, its
 # exported `drafter/` folder (config.json + model.safetensors, 24 MB in bf16), with
-# `keep-drafter DIR NAME`: to the `drafters` branch (every drafter, its metrics too), and the
-# one worth showing on main, bench/results/drafters/ (one at a time: every device call carries
-# main's tree, and each 24 MB on main costs about three more calls for the model);
-# `pack-inputs BIN .gpu drafters:NAME SEED` packs a branch's drafter as INIT.
+# `keep-drafter DIR NAME`: to the `drafters` branch (every drafter, its metrics too; the seed
+# stores as well), not main's tree: model and data files are not committed there, and every
+# device call carries main's tree; `scripts/fetch-assets` extracts the branch into
+# .assets/drafters/; `pack-inputs BIN .gpu drafters:NAME drafters:SEED` packs from it.
 # The ninth run (2026-12-06, README "The ninth run") trained it again from the committed
-# completions: 2,800 steps (held-out tau per round 2.11), committed on main as
-# bench/results/drafters/smollm2-2800 (the quickstart benches it) and on the drafters branch.
-# The next: `pack-inputs BIN .gpu bench/results/drafters/smollm2-2800
-# bench/results/smollm2-h100-expansion/store-small.tar.gz` (seven parts); `stash` for each,
+# completions: 2,800 steps (held-out tau per round 2.11), `drafters:smollm2-2800`
+# (pipelines/smollm2-cpu.yaml benches it on a CPU). The next: `pack-inputs BIN .gpu
+# drafters:smollm2-2800 drafters:smollm2-expansion-seed` (four parts); `stash` for each,
 # the last with `setup`; `run 500 --only drafter` and `run 470 --only drafter` (`init:` from
 # INIT, the optimizer afresh: 2,800 more steps, ~800 s at 3.5 steps/s), `bring-back`,
 # `keep-drafter /tmp/keep/NAME smollm2-5600` here (the drafter folder plus training.json and
@@ -119,20 +117,21 @@ pack-inputs)
             fla-core==0.6.0 einops==0.8.1
     cp .whl/*.whl "$files"/
     if [ -n "$init" ]; then
-        if [ "${init#drafters:}" = "$init" ] && git ls-files --error-unmatch "$init/model.safetensors" >/dev/null 2>&1; then
-            # Committed on main: it travels with the tree already; `setup` copies it from there.
-            echo "$init" > "$files"/init-path
-        else
-            mkdir -p "$files"/init
-            case $init in
-            # A drafter `keep-drafter` committed to the `drafters` branch.
-            drafters:*) git archive drafters "${init#drafters:}" | tar -x --strip-components=1 -C "$files"/init ;;
-            *) cp "$init"/config.json "$init"/model.safetensors "$files"/init/ ;;
-            esac
-        fi
+        mkdir -p "$files"/init
+        case $init in
+        # A drafter `keep-drafter` committed to the `drafters` branch.
+        drafters:*) git archive drafters "${init#drafters:}" | tar -x --strip-components=1 -C "$files"/init ;;
+        *) cp "$init"/config.json "$init"/model.safetensors "$files"/init/ ;;
+        esac
     fi
     if [ -n "$seed" ]; then
-        if [ -f "$seed" ]; then
+        case $seed in
+        # A seed `keep-drafter` committed to the `drafters` branch: its one tar.gz.
+        drafters:*) git archive drafters "${seed#drafters:}" | tar -xO > "$files"/store-seed.tar.gz ;;
+        esac
+        if [ -f "$files"/store-seed.tar.gz ]; then
+            :
+        elif [ -f "$seed" ]; then
             cp "$seed" "$files"/store-seed.tar.gz
         else
             # Whole artifacts only (a manifest without its blobs would fail the run there).
@@ -142,7 +141,7 @@ pack-inputs)
         fi
     fi
     # Each call carries its part beside the working tree (the tracked files: the committed
-    # results and drafter too), 64 MiB in all: the model is cut to what one call has room for,
+    # results too), 64 MiB in all: the model is cut to what one call has room for,
     # then the largest files first into the first part with room (the fewest calls).
     tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s+=$1} END {print s}')
     room=$(( 63 * 1024 * 1024 - tree ))
@@ -217,11 +216,6 @@ setup)
     ls $STASH/*.whl >/dev/null 2>&1 && pip install -q --no-deps --target $STASH/site $STASH/*.whl || true
     if [ -d $STASH/init ] && [ ! -d $STASH/assets/smollm2-drafter ]; then
         cp -r $STASH/init $STASH/assets/smollm2-drafter
-    fi
-    # INIT committed on main: from this call's working tree.
-    if [ -f $STASH/init-path ] && [ ! -d $STASH/assets/smollm2-drafter ]; then
-        mkdir -p $STASH/assets/smollm2-drafter
-        cp "$(cat $STASH/init-path)"/config.json "$(cat $STASH/init-path)"/model.safetensors $STASH/assets/smollm2-drafter/
     fi
     # An earlier session's store objects (content-addressed: the stages they hold are cached).
     if [ -f $STASH/store-seed.tar.gz ] && [ ! -d $STORE/manifests ]; then
