@@ -565,6 +565,27 @@ fn multi_turn_sets_are_asked_turn_by_turn_and_formats_wrap_the_prompts() {
     }
 }
 
+/// Each method's tokens by (prompt id, method) in an exported bench's `sets/prompts.jsonl`,
+/// every pair once.
+fn tokens_by_prompt(dir: &std::path::Path) -> std::collections::BTreeMap<(String, String), Value> {
+    let mut seen = std::collections::BTreeMap::new();
+    for line in std::fs::read_to_string(dir.join("sets/prompts.jsonl"))
+        .unwrap()
+        .lines()
+    {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let at = (
+            v["id"].to_string(),
+            v["method"].as_str().unwrap().to_owned(),
+        );
+        assert!(
+            seen.insert(at, v["tokens"].clone()).is_none(),
+            "twice: {line}"
+        );
+    }
+    seen
+}
+
 /// A bench killed mid-set (kill -9, after some prompts) resumes at its next prompt: the prompts
 /// it kept are not decoded again, every prompt is in the artifact once, and each output is what
 /// an unstopped run decodes.
@@ -578,22 +599,7 @@ fn a_bench_killed_mid_set_resumes_at_its_next_prompt() {
         let dir = env.path().join("out");
         let o = env.dflash(&["export", "bench", "-p", "p.yaml", dir.to_str().unwrap()]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let mut seen = std::collections::BTreeMap::new();
-        for line in std::fs::read_to_string(dir.join("sets/prompts.jsonl"))
-            .unwrap()
-            .lines()
-        {
-            let v: Value = serde_json::from_str(line).unwrap();
-            let at = (
-                v["id"].to_string(),
-                v["method"].as_str().unwrap().to_owned(),
-            );
-            assert!(
-                seen.insert(at, v["tokens"].clone()).is_none(),
-                "twice: {line}"
-            );
-        }
-        seen
+        tokens_by_prompt(&dir)
     };
     let straight = Env::new();
     setup(&straight);
@@ -629,5 +635,81 @@ fn a_bench_killed_mid_set_resumes_at_its_next_prompt() {
     assert!(log.contains(&said), "{log}");
     let (a, b) = (outputs(&straight), outputs(&env));
     assert_eq!(a.len(), 12 * 4);
+    assert_eq!(a, b);
+}
+
+/// A bench cut mid-set on one machine resumes on another that reads the same store: every
+/// four prompts are committed as a shard, so with the first machine's resume folder gone
+/// (`dflash copy` to another store, the folder deleted) the rerun decodes only the prompts
+/// past the last committed four, and each output is what an unstopped run decodes.
+#[test]
+fn a_bench_cut_on_one_machine_resumes_from_the_store_on_another() {
+    let pipeline = PIPELINE.replace(
+        "prompts: 4, max_new_tokens: 24",
+        "prompts: 12, max_new_tokens: 64",
+    );
+    let outputs = |env: &Env, store: &str| {
+        let dir = env.path().join(format!("out-{store}"));
+        let o = env.dflash(&[
+            "export",
+            "bench",
+            "-p",
+            "p.yaml",
+            "--store",
+            store,
+            dir.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let mut groups: Vec<String> = support::env::walk(&dir.join("prompts/prompts"))
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        groups.sort();
+        (tokens_by_prompt(&dir), groups)
+    };
+    let straight = Env::new();
+    setup(&straight);
+    straight.write("p.yaml", &pipeline);
+    straight.run("p.yaml", 0);
+
+    let env = Env::new();
+    setup(&env);
+    env.write("p.yaml", &pipeline);
+    let o = env.dflash(&["run", "p.yaml", "--only", "trained", "--only", "untrained"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let groups_in_store = || {
+        support::env::walk(&env.path().join("cache/shards"))
+            .iter()
+            .filter(|p| p.to_string_lossy().contains("set-prompts-prompts-"))
+            .count()
+    };
+    let mut child = env.run_until("p.yaml", "no four prompts were committed", &|| {
+        groups_in_store() >= 1
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let committed = groups_in_store();
+    assert!(committed < 3, "the kill came after the set was done");
+
+    // Another machine: the store copied, the first machine's resume folder gone.
+    let o = env.dflash(&["copy", "--from", "cache", "--to", "other"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::remove_dir_all(env.path().join(".work/resume")).unwrap();
+    let (st, run) = env.run_with("p.yaml", &["--store", "other"], 0);
+    assert_eq!(st["bench"], "resumed");
+    let log = support::env::walk(&env.path().join(".work/logs"))
+        .into_iter()
+        .filter(|p| p.ends_with(format!("{}/bench.log", run["run_id"].as_str().unwrap())))
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .next()
+        .expect("the rerun's bench log");
+    let said = format!(
+        "prompts: {} of 12 prompts decoded by an earlier attempt, kept",
+        committed * 4
+    );
+    assert!(log.contains(&said), "{log}");
+    let (a, b) = (outputs(&straight, "cache"), outputs(&env, "other"));
+    assert_eq!(a.1, ["000000.json", "000004.json", "000008.json"]);
+    assert_eq!(a.0.len(), 12 * 4);
     assert_eq!(a, b);
 }

@@ -42,20 +42,20 @@
 # .assets/drafters/; `pack-inputs BIN .gpu drafters:NAME drafters:SEED` packs from it.
 # The ninth run (2026-12-06, README "The ninth run") trained it again from the committed
 # completions: 2,800 steps (held-out tau per round 2.11), `drafters:smollm2-2800`
-# (pipelines/smollm2-cpu.yaml benches it on a CPU). The next: `pack-inputs BIN .gpu
-# drafters:smollm2-2800 drafters:smollm2-expansion-seed` (four parts); `stash` for each,
-# the last with `setup`; `run 500 --only drafter` and `run 470 --only drafter` (`init:` from
-# INIT, the optimizer afresh: 2,800 more steps, ~800 s at 3.5 steps/s), `bring-back`,
-# `keep-drafter /tmp/keep/NAME smollm2-5600` here (the drafter folder plus training.json and
-# metrics.jsonl); then `run 420 --only bench` benches it on 12 prompts a set beside the
-# eighth run's figures (5,400 steps: 4.36 / 4.20 / 4.77).
+# (pipelines/smollm2-cpu.yaml benches it on a CPU). The tenth (README "The tenth run") trained
+# 2,800 more from it (`drafters:smollm2-5600`, held-out 2.48; `stash` x4 with `setup; run 500
+# --only drafter`, then `run 470 --only drafter; bring-back`: ~695 s), benched it on 12
+# prompts a set (`run 420 --only bench`, 152 s) and on all 164 HumanEval prompts
+# (`PIPE=pipelines/smollm2-full.yaml run 530 --only bench_humaneval`, 240 s, after copying the
+# new drafter over the stash's .assets/smollm2-drafter). The next: `pack-inputs BIN .gpu
+# drafters:smollm2-5600 drafters:smollm2-expansion-seed` (a CUDA build with the bench's
+# four-prompt shards); `stash` x4, the last with `setup`; then `PIPE=pipelines/smollm2-full.yaml
+# run 300 --only bench_gsm8k` (100 prompts, ~210 s) and `run 540 --only bench_mt_bench` (80
+# prompts of two turns; a cut set resumes from its committed shards, here or, after
+# `bring-back`, in a later session's SEED), `bring-back`.
 # Done in the ninth run: `probe fused`, `checks`, `hybrid 4 2048`, `hybrid-decode 4 1,8,64 300
 # 16` (bench/results/smollm2-h100-ninth/). Still to run: `verify 300` and `round 300 128` (the
-# target's pass with its launches cut, README "The eighth run"); then the whole sets,
-# PIPE=pipelines/smollm2-full.yaml, one bench per set (~4 s a prompt for autoregressive, prompt
-# lookup and the graft, twice for MT-Bench: HumanEval and GSM8K fit one session: `run 560
-# --only bench_humaneval`, then `run 560 --only bench_gsm8k`, each resuming at its next prompt),
-# then `bring-back` (its seed.tar.gz holds the finished sets for the next session's SEED).
+# target's pass with its launches cut, README "The eighth run").
 # PIPE=pipelines/smollm2-bench.yaml benches the stash's drafter (INIT) alone: a `command` stage
 # copies it into the store, so a drafter trained in one call (or session) is benched in another.
 

@@ -10,7 +10,8 @@
 //! method's reply to the one before, and `prompt_format` wraps HumanEval's and GSM8K's prompts
 //! in the reference harness's instructions, as z-lab's `benchmark.py` does. Each method's output
 //! tokens per prompt and turn go to `sets/<set>.jsonl`, so losslessness and tau can be checked
-//! from the artifact alone.
+//! from the artifact alone; `prompts/<set>/<first>.json` holds the same prompts four at a time
+//! as they were committed, so a cut run resumes from the store on any machine.
 //!
 //! Inputs are told apart by what they hold: a `train` artifact (a `drafter/` folder) is a
 //! method, anything else is a prompt set — conversations (`download`, `mix`) rendered with the

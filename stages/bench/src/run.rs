@@ -1,7 +1,8 @@
 //! The bench loop: load the target, the drafters and the prompt sets; decode every prompt with
-//! every method, interleaved per prompt (so drift in the machine's speed hits them alike); one
-//! shard per set, committed as it finishes, so a rerun after a crash redoes only unfinished
-//! sets; the results in `results.json`, the manifest and a table.
+//! every method, interleaved per prompt (so drift in the machine's speed hits them alike); a
+//! shard per four prompts and one per set, committed as they finish, so a rerun after a crash,
+//! here or on another machine reading the same store, redoes only unfinished prompts; the
+//! results in `results.json`, the manifest and a table.
 
 use std::collections::HashMap;
 
@@ -129,10 +130,15 @@ impl From<&Decoded> for Figures {
     }
 }
 
+/// Prompts committed to the store together, as one shard (`prompts/<set>/<first>.json` in the
+/// artifact): a set cut short loses at most this many prompts' work on another machine.
+const PROMPTS_A_COMMIT: usize = 4;
+
 /// One prompt done, every method: its lines for `sets/<set>.jsonl`, and per method (in order)
 /// each turn's figures and whether its output equals autoregressive decoding's. Kept in the
 /// stage's resume folder as soon as the prompt is done, so a set cut short (Ctrl-C, a call's
-/// time limit) resumes at its next prompt rather than its first (the set is the shard).
+/// time limit) resumes at its next prompt rather than its first, and committed to the store
+/// [`PROMPTS_A_COMMIT`] prompts at a time, so the resume outlives the machine.
 #[derive(Debug, Serialize, Deserialize)]
 struct PromptDone {
     lines: String,
@@ -535,42 +541,87 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         let kept = ctx.resume_dir.join(&shard);
         std::fs::create_dir_all(&kept)?;
         let mut resumed = 0usize;
-        for (i, prompt) in set.prompts.iter().enumerate() {
-            let file = kept.join(format!("prompt-{i:06}.json"));
-            let done = if let Some(kept) = PromptDone::read(&file, methods.len()) {
-                resumed += 1;
-                finished += methods.len() as u64;
-                kept
-            } else {
-                let done = asked.decode(
-                    ctx,
-                    prompt,
-                    rendering.as_mut(),
-                    &|m| settings(m, i),
-                    &mut |name| {
-                        finished += 1;
-                        ctx.progress.set(
-                            finished,
-                            Some(total),
-                            &format!(
-                                "{}: prompt {}/{} {name}",
-                                set.name,
-                                i + 1,
-                                set.prompts.len()
-                            ),
-                        );
-                    },
-                )?;
-                done.write(&file)?;
-                done
-            };
-            for (t, (figures, same)) in totals.iter_mut().zip(&done.methods) {
-                for (turn, f) in figures.iter().enumerate() {
-                    t.turn_done(turn, f);
+        let indexed: Vec<(usize, &sets::Prompt)> = set.prompts.iter().enumerate().collect();
+        for group in indexed.chunks(PROMPTS_A_COMMIT) {
+            let first = group[0].0;
+            let group_shard = format!("{shard}-prompts-{first:06}");
+            let group_file = format!("prompts/{}/{first:06}.json", set.name);
+            let stored = if done.contains(&group_shard) {
+                let bytes = ctx.shards.read(&group_shard, &group_file)?;
+                let group_done: Vec<PromptDone> = serde_json::from_slice(&bytes).map_err(|e| {
+                    StageError::new(format!("shard {group_shard} is unreadable: {e}"))
+                })?;
+                let whole = group_done.len() == group.len()
+                    && group_done.iter().all(|d| d.methods.len() == methods.len());
+                if !whole {
+                    return Err(StageError::new(format!(
+                        "shard {group_shard} holds {} prompts where {} were asked for",
+                        group_done.len(),
+                        group.len()
+                    )));
                 }
-                t.prompt_done(*same);
+                resumed += group.len();
+                finished += (group.len() * methods.len()) as u64;
+                Some(group_done)
+            } else {
+                None
+            };
+            let group_done = match stored {
+                Some(stored) => stored,
+                None => {
+                    let mut group_done = Vec::with_capacity(group.len());
+                    for &(i, prompt) in group {
+                        let file = kept.join(format!("prompt-{i:06}.json"));
+                        let done = if let Some(kept) = PromptDone::read(&file, methods.len()) {
+                            resumed += 1;
+                            finished += methods.len() as u64;
+                            kept
+                        } else {
+                            let done = asked.decode(
+                                ctx,
+                                prompt,
+                                rendering.as_mut(),
+                                &|m| settings(m, i),
+                                &mut |name| {
+                                    finished += 1;
+                                    ctx.progress.set(
+                                        finished,
+                                        Some(total),
+                                        &format!(
+                                            "{}: prompt {}/{} {name}",
+                                            set.name,
+                                            i + 1,
+                                            set.prompts.len()
+                                        ),
+                                    );
+                                },
+                            )?;
+                            done.write(&file)?;
+                            done
+                        };
+                        group_done.push(done);
+                    }
+                    // Into the store as soon as the group is done: a run cut on a machine
+                    // whose resume folder is then lost (a rented GPU, a CI runner) resumes
+                    // from here on any machine that reads the store.
+                    let root = ctx.scratch_dir.join(format!("shard-{group_shard}"));
+                    let path = root.join(&group_file);
+                    std::fs::create_dir_all(path.parent().expect("under root"))?;
+                    std::fs::write(&path, serde_json::to_vec(&group_done).expect("json"))?;
+                    ctx.shards.commit(&group_shard, &root)?;
+                    let _ = std::fs::remove_dir_all(&root);
+                    group_done
+                }
+            };
+            for done in &group_done {
+                for (t, (figures, same)) in totals.iter_mut().zip(&done.methods) {
+                    for (turn, f) in figures.iter().enumerate() {
+                        t.turn_done(turn, f);
+                    }
+                    t.prompt_done(*same);
+                }
+                lines.push_str(&done.lines);
             }
-            lines.push_str(&done.lines);
         }
         if resumed > 0 {
             say(&format!(
