@@ -7,13 +7,16 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
     python3 bench/flash_reference.py check flash.ptx
         Small and odd shapes, block mode (forward, dQ, dK, dV) and causal mode (forward),
         against autograd on float64 copies of the same bf16 inputs: the largest error of each,
-        relative to the reference's largest magnitude (JSON lines).
+        relative to the reference's largest magnitude, and whether the pipelined dK/dV kernel's
+        gradients equal the staged one's bit for bit (JSON lines).
     python3 bench/flash_reference.py speed flash.ptx [--anchors 512] [--seq 3072]
         The Qwen3-8B attention shapes of one training step (32 heads, 8 KV heads, d 128): the
         drafter's block attention forward + backward against SDPA under the dense block mask
         (what bench/train_reference.py runs), and the target's causal forward against SDPA with
         an additive causal mask (train_reference.py) and with is_causal (PyTorch's flash
-        kernel). Milliseconds, TFLOP/s and the ratios (JSON lines).
+        kernel); both dK/dV kernels (staged, pipelined); FlexAttention under torch.compile with
+        the same block mask, forward and backward. Milliseconds, TFLOP/s and the ratios (JSON
+        lines).
 """
 import argparse, ctypes, json, math, time
 
@@ -39,10 +42,13 @@ class Kernels:
         if rc != 0:
             raise RuntimeError(f"{what} failed with CUresult {rc}")
 
-    def launch(self, name, grid, block, args):
+    def launch(self, name, grid, block, args, shared=0):
         if name not in self.funcs:
             f = ctypes.c_void_p()
             self._ok(self.cu.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
+            if shared > 48 * 1024:
+                # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: past 48 KB a kernel must opt in.
+                self._ok(self.cu.cuFuncSetAttribute(f, 8, shared), f"{name}: shared memory {shared}")
             self.funcs[name] = f
         holders = []
         for a in args:
@@ -56,7 +62,7 @@ class Kernels:
                 holders.append(ctypes.c_int(a))
         params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        self._ok(self.cu.cuLaunchKernel(self.funcs[name], *grid, *block, 0, stream, params, None), name)
+        self._ok(self.cu.cuLaunchKernel(self.funcs[name], *grid, *block, shared, stream, params, None), name)
 
 
 def scales(d):
@@ -78,7 +84,13 @@ def forward(K, q, k1, v1, k2, v2, hi, past):
     return out, lse
 
 
-def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False):
+def dkv_pipelined_smem(group, d):
+    """flash_dkv_pipelined's dynamic shared memory (flash.rs's dkv_pipelined_smem)."""
+    ld = d + 8
+    return 2 * 64 * ld * 2 + 2 * 2 * group * ROWS * ld * 2 + 2 * 2 * group * ROWS * 4
+
+
+def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False, dkv="staged"):
     heads, m, d = q.shape
     kv, s1 = k1.shape[0], k1.shape[1]
     group = heads // kv
@@ -94,8 +106,9 @@ def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False):
     chunks = min(max((m // ROWS + 63) // 64, 1), 8)
     part_k = torch.empty(chunks, *k1.shape, device=q.device, dtype=torch.float32)
     part_v = torch.empty_like(part_k)
-    K.launch(f"flash_dkv_d{d}", (tiles, kv, chunks), (128, 1, 1),
-             [q, k1, v1, k2, v2, hi, dout, lse, delta, part_k, part_v, dk2, dv2, m, s1, group, scale2, scale])
+    name, shared = (f"flash_dkv_d{d}", 0) if dkv == "staged" else (f"flash_dkv_pipelined_d{d}", dkv_pipelined_smem(group, d))
+    K.launch(name, (tiles, kv, chunks), (128, 1, 1),
+             [q, k1, v1, k2, v2, hi, dout, lse, delta, part_k, part_v, dk2, dv2, m, s1, group, scale2, scale], shared)
     n = k1.numel()
     K.launch("flash_dkv_sum", (min((n + 255) // 256, 1 << 16), 1, 1), (256, 1, 1),
              [part_k, part_v, dk1, dv1, ctypes.c_uint64(n), chunks])
@@ -146,6 +159,7 @@ def randn(*shape):
 def check(K, args):
     torch.manual_seed(0)
     worst = 0.0
+    equal_all = True
     for heads, kv, d, s, blocks in [(4, 2, 64, 40, 3), (8, 2, 128, 200, 9), (32, 8, 128, 300, 12), (2, 2, 64, 64, 4)]:
         m = blocks * ROWS
         q, dout = randn(heads, m, d), randn(heads, m, d)
@@ -162,7 +176,13 @@ def check(K, args):
         for name, g, r in zip(["dq", "dk1", "dv1", "dk2", "dv2"], grads, ref):
             errs[name] = rel(g, r.grad)
         worst = max(worst, *errs.values())
-        print(json.dumps({"mode": "block", "heads": heads, "kv": kv, "d": d, "s": s, "blocks": blocks, **errs}))
+        # The pipelined dK/dV kernel sums the same products in the same order: equal bit for bit.
+        piped = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined")
+        same = all(torch.equal(a, b) for a, b in zip(grads[1:], piped[1:]))
+        worst = max(worst, *(rel(g, r.grad) for g, r in zip(piped[1:], ref[1:])))
+        print(json.dumps({"mode": "block", "heads": heads, "kv": kv, "d": d, "s": s, "blocks": blocks, **errs,
+                          "pipelined_dkv_equal": same}))
+        equal_all = equal_all and same
     for heads, kv, d, n, past in [(4, 2, 64, 37, 0), (32, 8, 128, 300, 0), (8, 8, 128, 5, 20), (4, 1, 64, 1, 33)]:
         q = randn(heads, n, d)
         k, v = randn(kv, past + n, d), randn(kv, past + n, d)
@@ -171,7 +191,7 @@ def check(K, args):
         errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
         worst = max(worst, *errs.values())
         print(json.dumps({"mode": "causal", "heads": heads, "kv": kv, "d": d, "n": n, "past": past, **errs}))
-    print(json.dumps({"worst": worst, "pass": worst < 2e-2}))
+    print(json.dumps({"worst": worst, "pipelined_dkv_equal": equal_all, "pass": worst < 2e-2 and equal_all}))
 
 
 def timed(f, reps=5):
@@ -201,6 +221,34 @@ def speed(K, args):
     out, lse = fw()
     res["dflash_block_bwd_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout))
     res["dflash_block_bwd_dq_only_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True))
+    res["dflash_block_bwd_pipelined_dkv_ms"] = timed(
+        lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined"))
+    res["dflash_dkv_staged_ms"] = res["dflash_block_bwd_ms"] - res["dflash_block_bwd_dq_only_ms"]
+    res["dflash_dkv_pipelined_ms"] = res["dflash_block_bwd_pipelined_dkv_ms"] - res["dflash_block_bwd_dq_only_ms"]
+    # FlexAttention under torch.compile with the block mask as a mask_mod: the block-sparse
+    # kernel a PyTorch user trains DFlash with (the issue's peer), forward and backward.
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def mask_mod(b, h, qi, ki):
+            blk = qi // ROWS
+            return ((ki < s) & (ki < anchors[blk])) | ((ki >= s) & ((ki - s) // ROWS == blk))
+
+        bm = create_block_mask(mask_mod, None, None, m, s + m, device="cuda")
+        flex = torch.compile(flex_attention)
+        fq = q.clone()[None].requires_grad_()
+        fk = torch.cat([k1, k2], 1)[None].clone().requires_grad_()
+        fv = torch.cat([v1, v2], 1)[None].clone().requires_grad_()
+
+        def flex_fb():
+            o = flex(fq, fk, fv, block_mask=bm, enable_gqa=True)
+            o.backward(dout[None])
+
+        res["torch_flex_block_fwd_bwd_ms"] = timed(flex_fb)
+        with torch.no_grad():
+            res["torch_flex_block_fwd_ms"] = timed(lambda: flex(fq, fk, fv, block_mask=bm, enable_gqa=True))
+    except Exception as e:  # an older torch, or no compiler: say so, time the rest
+        print(json.dumps({"metric": "torch_flex_error", "value": repr(e)[:300]}))
     # SDPA under the dense block mask, as the PyTorch reference step runs it.
     mask = dense_block_mask(anchors, s, m, q.device)
     additive = torch.zeros(m, s + m, device="cuda", dtype=torch.bfloat16).masked_fill(~mask, float("-inf"))
@@ -219,6 +267,10 @@ def speed(K, args):
     res["torch_block_fwd_bwd_ms"] = timed(fb)
     total = res["dflash_block_fwd_ms"] + res["dflash_block_bwd_ms"]
     res["block_ratio_torch_over_dflash"] = res["torch_block_fwd_bwd_ms"] / total
+    piped = res["dflash_block_fwd_ms"] + res["dflash_block_bwd_pipelined_dkv_ms"]
+    if "torch_flex_block_fwd_bwd_ms" in res:
+        res["block_ratio_flex_over_dflash"] = res["torch_flex_block_fwd_bwd_ms"] / total
+        res["block_ratio_flex_over_dflash_pipelined"] = res["torch_flex_block_fwd_bwd_ms"] / piped
     res["dflash_block_fwd_tflops"] = fwd_flops / res["dflash_block_fwd_ms"] / 1e9
     res["dflash_block_bwd_tflops"] = 2.5 * fwd_flops / res["dflash_block_bwd_ms"] / 1e9
     # Agreement at this shape (bf16 SDPA against the kernels).

@@ -53,6 +53,8 @@
 # run 300 --only bench_gsm8k` (100 prompts, ~210 s) and `run 540 --only bench_mt_bench` (80
 # prompts of two turns; a cut set resumes from its committed shards, here or, after
 # `bring-back`, in a later session's SEED), `bring-back`.
+# `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
+# pack-inputs packs) beside the staged one and FlexAttention, then the step with each.
 # Done in the ninth run: `probe fused`, `checks`, `hybrid 4 2048`, `hybrid-decode 4 1,8,64 300
 # 16` (bench/results/smollm2-h100-ninth/). Still to run: `verify 300` and `round 300 128` (the
 # target's pass with its launches cut, README "The eighth run").
@@ -108,6 +110,10 @@ pack-inputs)
     if [ -x "$probe_bin" ]; then
         strip -o /tmp/train-probe-cuda "$probe_bin" && xz -T2 -6 -c /tmp/train-probe-cuda > "$files"/train_probe.xz
     fi
+    # The flash kernels' PTX as the build compiled it (`flash`: bench/flash_reference.py
+    # launches it on PyTorch's tensors).
+    ptx=$(ls -t "$(dirname "$bin")"/build/dflash-model-*/out/flash.ptx 2>/dev/null | head -1)
+    [ -z "$ptx" ] || cp "$ptx" "$files"/flash.ptx
     xz -T2 -6 -c .assets/sharegpt.json > "$files"/sharegpt.json.xz
     cp .assets/HumanEval.jsonl.gz .assets/gsm8k.jsonl .assets/mt-bench.jsonl "$files"/
     # The reference package (dflash==0.1.0), gguf, and the flash-linear-attention kernels that
@@ -378,6 +384,20 @@ probe)
     # time: `probe speed --preset smollm2 --head dflash2 ...`).
     cuda_env
     $STASH/train_probe "$@"
+    ;;
+flash)
+    # There: the drafter's block attention (issue 22): the build's flash PTX checked against
+    # autograd in f64 (both dK/dV kernels, the pipelined one bit for bit equal to the staged
+    # one), timed beside SDPA and FlexAttention under torch.compile, then the training step with
+    # the pipelined dK/dV kernel (`DFLASH_FLASH_DKV=pipelined`; `checks` times the default).
+    cuda_env
+    {
+        python3 bench/flash_reference.py check $STASH/flash.ptx
+        python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512
+        DFLASH_FLASH_DKV=pipelined $STASH/train_probe flash
+        $STASH/train_probe speed --anchors 512
+        DFLASH_FLASH_DKV=pipelined $STASH/train_probe speed --anchors 512
+    } 2>&1 | tee "$OUT/flash.txt"
     ;;
 checks)
     # There: the training kernels on this GPU (issue 22), before anything trains with them:

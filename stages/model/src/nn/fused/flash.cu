@@ -527,6 +527,154 @@ __device__ void flash_dkv(const bf16* q, const bf16* k1, const bf16* v1, const b
     }
 }
 
+// flash_dkv with the rows' loads overlapped: the same grid, the same outputs, the same
+// products in the same order (so the same sums), but each row tile's queries, output
+// gradients, lse and delta for all `group` heads are staged at once, with cp.async, into one of
+// two buffers while the other buffer's row tile is multiplied: one barrier per row tile where
+// flash_dkv has two per row tile and head, each after a load that nothing overlaps. Shared
+// memory is dynamic (dkv_pipelined_smem bytes, past the 48 KB a static array may use): the key
+// tile, then two buffers of group * 16 rows of q and dout, then two of group * 16 lse and delta.
+template <int D>
+__device__ void flash_dkv_pipelined(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2,
+                                    const uint32_t* hi, const bf16* dout, const float* lse, const float* delta,
+                                    float* part_k, float* part_v, bf16* dk2, bf16* dv2, int m, int s1, int group,
+                                    float scale2, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int LD = D + PAD;
+    int rows = group * ROWS;  // rows of one buffer: every head of the group, one row tile
+    bf16* ks = reinterpret_cast<bf16*>(smem);
+    bf16* vs = ks + KT * LD;
+    bf16* qb = vs + KT * LD;        // [2][rows * LD]
+    bf16* db = qb + 2 * rows * LD;  // [2][rows * LD]
+    float* lb = reinterpret_cast<float*>(db + 2 * rows * LD);  // [2][rows]
+    float* dlb = lb + 2 * rows;                                 // [2][rows]
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int kv = blockIdx.y;
+    int tiles1 = (s1 + KT - 1) / KT;
+    bool second = (int)blockIdx.x >= tiles1;
+    if (second && blockIdx.z > 0) return;  // uniform over the block
+    int key0 = (second ? blockIdx.x - tiles1 : blockIdx.x) * KT;
+    int keys = second ? m : s1;
+    const bf16* kh = (second ? k2 + (size_t)kv * m * D : k1 + (size_t)kv * s1 * D);
+    const bf16* vh = (second ? v2 + (size_t)kv * m * D : v1 + (size_t)kv * s1 * D);
+    stage<D>(ks, kh, key0, KT, keys);
+    stage<D>(vs, vh, key0, KT, keys);
+    int mine = key0 + warp * ROWS;  // this warp's first key
+    float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
+    int row_tiles = m / ROWS;
+    int chunk = (row_tiles + gridDim.z - 1) / gridDim.z;
+    int t_first = second ? key0 / ROWS : blockIdx.z * chunk;
+    int t_end = min(second ? key0 / ROWS + KT / ROWS : t_first + chunk, row_tiles);
+    // The next row tile after `t` that sees any of the tile's keys (uniform over the block).
+    auto next_open = [&](int t) {
+        for (int u = t + 1; u < t_end; u++)
+            if (second || (int)hi[u] > key0) return u;
+        return t_end;
+    };
+    // Stage row tile t of every head into buffer `buf` (q and dout by cp.async, lse and delta
+    // by plain loads: both are complete for the block after the barrier that follows).
+    auto issue = [&](int t, int buf) {
+        for (int h = 0; h < group; h++) {
+            size_t head = (size_t)kv * group + h;
+            stage_async<D>(qb + (buf * rows + h * ROWS) * LD, q + head * m * D, t * ROWS, ROWS, m);
+            stage_async<D>(db + (buf * rows + h * ROWS) * LD, dout + head * m * D, t * ROWS, ROWS, m);
+        }
+        for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+            size_t at = ((size_t)kv * group + i / ROWS) * m + t * ROWS + i % ROWS;
+            lb[buf * rows + i] = lse[at];
+            dlb[buf * rows + i] = delta[at];
+        }
+    };
+    int t = next_open(t_first - 1);
+    if (t < t_end) issue(t, 0);
+    async_commit();
+    for (int buf = 0; t < t_end; buf ^= 1) {
+        int next = next_open(t);
+        // The other buffer was last read before the barrier that ended the previous iteration.
+        if (next < t_end) issue(next, buf ^ 1);
+        async_commit();
+        async_wait<1>();
+        __syncthreads();
+        int open_hi = second ? 0 : (int)hi[t];
+        bool active = second ? (mine / ROWS == t) : (mine < open_hi && mine < keys);
+        if (active) {
+            for (int h = 0; h < group; h++) {
+                const bf16* qs = qb + (buf * rows + h * ROWS) * LD;
+                const bf16* ds = db + (buf * rows + h * ROWS) * LD;
+                const float* ls = lb + buf * rows + h * ROWS;
+                const float* dl = dlb + buf * rows + h * ROWS;
+                // S^T: 16 keys x 16 rows.
+                float st[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+                float dpt[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+                for (int k = 0; k < D / 16; k++) {
+                    uint32_t ka[4], va[4];
+                    load_a(ka, ks + warp * ROWS * LD, LD, k * 16, ROWS);
+                    load_a(va, vs + warp * ROWS * LD, LD, k * 16, ROWS);
+#pragma unroll
+                    for (int n = 0; n < 2; n++) {
+                        uint32_t b0, b1;
+                        load_b_rows(b0, b1, qs, LD, n * 8, k * 16);
+                        mma(st[n], ka, b0, b1);
+                        load_b_rows(b0, b1, ds, LD, n * 8, k * 16);
+                        mma(dpt[n], va, b0, b1);
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        int key = mine + g + (e >= 2 ? 8 : 0), col = n * 8 + 2 * c + (e & 1);
+                        bool open = second ? true : key < open_hi;
+                        float p = open ? exp2f(st[n][e] * scale2 - ls[col]) : 0.f;
+                        st[n][e] = p;
+                        dpt[n][e] = p * (dpt[n][e] - dl[col]);
+                    }
+                uint32_t pa[4] = {pack(st[0][0], st[0][1]), pack(st[0][2], st[0][3]), pack(st[1][0], st[1][1]),
+                                  pack(st[1][2], st[1][3])};
+                uint32_t sa[4] = {pack(dpt[0][0], dpt[0][1]), pack(dpt[0][2], dpt[0][3]),
+                                  pack(dpt[1][0], dpt[1][1]), pack(dpt[1][2], dpt[1][3])};
+#pragma unroll
+                for (int n = 0; n < D / 8; n++) {
+                    uint32_t b0, b1;
+                    load_b_cols(b0, b1, ds, LD, 0, n * 8);
+                    mma(dva[n], pa, b0, b1);
+                    load_b_cols(b0, b1, qs, LD, 0, n * 8);
+                    mma(dka[n], sa, b0, b1);
+                }
+            }
+        }
+        __syncthreads();  // the next iteration's issue writes the buffer read here
+        t = next;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int key = mine + g + 8 * h;
+        if (key >= keys) continue;
+        size_t at = ((size_t)kv * keys + key) * D;
+        if (second) {
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                *reinterpret_cast<uint32_t*>(dk2 + at + n * 8 + 2 * c) =
+                    pack(dka[n][2 * h] * scale, dka[n][2 * h + 1] * scale);
+                *reinterpret_cast<uint32_t*>(dv2 + at + n * 8 + 2 * c) = pack(dva[n][2 * h], dva[n][2 * h + 1]);
+            }
+        } else {
+            at += (size_t)blockIdx.z * gridDim.y * s1 * D;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                *reinterpret_cast<float2*>(part_k + at + n * 8 + 2 * c) =
+                    make_float2(dka[n][2 * h] * scale, dka[n][2 * h + 1] * scale);
+                *reinterpret_cast<float2*>(part_v + at + n * 8 + 2 * c) = make_float2(dva[n][2 * h], dva[n][2 * h + 1]);
+            }
+        }
+    }
+}
+
 // dk1 and dv1: the sums of flash_dkv's `chunks` partials of `n` elements each.
 __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf16* dv1, size_t n, int chunks) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -561,6 +709,13 @@ __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf1
                                               float scale2, float scale) {                                         \
         flash_dkv<D>(q, k1, v1, k2, v2, hi, dout, lse, delta, part_k, part_v, dk2, dv2, m, s1, group, scale2,      \
                      scale);                                                                                        \
+    }                                                                                                               \
+    extern "C" __global__ void flash_dkv_pipelined_d##D(                                                            \
+        const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2, const uint32_t* hi,          \
+        const bf16* dout, const float* lse, const float* delta, float* part_k, float* part_v, bf16* dk2, bf16* dv2, \
+        int m, int s1, int group, float scale2, float scale) {                                                      \
+        flash_dkv_pipelined<D>(q, k1, v1, k2, v2, hi, dout, lse, delta, part_k, part_v, dk2, dv2, m, s1, group,    \
+                               scale2, scale);                                                                      \
     }
 
 FLASH_KERNELS(64)

@@ -128,6 +128,47 @@ mod cuda {
         row_tiles.div_ceil(64).clamp(1, 8)
     }
 
+    /// The dynamic shared memory `flash_dkv_pipelined` takes for this group and head size: the
+    /// key tile's keys and values, two buffers of a row tile's q and dout for every head of
+    /// the group, two of their lse and delta (flash.cu says why).
+    fn dkv_pipelined_smem(group: usize, d: usize) -> usize {
+        let ld = d + 8;
+        2 * KEY_TILE * ld * 2 + 2 * 2 * group * ROWS * ld * 2 + 2 * 2 * group * ROWS * 4
+    }
+
+    /// The dK/dV kernel to launch and its dynamic shared memory: `flash_dkv_pipelined` when
+    /// `DFLASH_FLASH_DKV=pipelined` asks for it (until a GPU session has timed and checked it
+    /// against `flash_dkv`, whose sums it must equal bit for bit) and the device lets a block
+    /// have that much shared memory; `flash_dkv` otherwise.
+    fn dkv_kernel(dev: &CudaDevice, group: usize, d: usize) -> Result<(CudaFunction, u32)> {
+        use candle_core::cuda_backend::cudarc::driver::sys::{
+            CUdevice_attribute, CUfunction_attribute,
+        };
+        static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let asked = *ASKED
+            .get_or_init(|| std::env::var("DFLASH_FLASH_DKV").is_ok_and(|v| v == "pipelined"));
+        let bytes = dkv_pipelined_smem(group, d);
+        if asked {
+            let most = dev
+                .cuda_stream()
+                .context()
+                .attribute(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
+                .w()?;
+            if bytes <= most.max(0) as usize {
+                let f = kernel(dev, "flash_dkv_pipelined", d)?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .w()?;
+                return Ok((f, bytes as u32));
+            }
+        }
+        Ok((kernel(dev, "flash_dkv", d)?, 0))
+    }
+
     fn kernel(dev: &CudaDevice, name: &str, d: usize) -> Result<CudaFunction> {
         Ok(dev
             .get_or_load_custom_func(&format!("{name}_d{d}"), "dflash_flash", PTX)?
@@ -319,7 +360,8 @@ mod cuda {
         };
         let group = heads / kv;
         let (m32, s32, g32, (scale, scale2)) = (m as i32, s as i32, group as i32, scales(d));
-        let (fq, fkv) = (kernel(&dev, "flash_dq", d)?, kernel(&dev, "flash_dkv", d)?);
+        let fq = kernel(&dev, "flash_dq", d)?;
+        let (fkv, fkv_smem) = dkv_kernel(&dev, group, d)?;
         let fsum = dev
             .get_or_load_custom_func("flash_dkv_sum", "dflash_flash", PTX)?
             .into_cuda_function();
@@ -348,7 +390,7 @@ mod cuda {
                     chunks as u32,
                 ),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: fkv_smem,
             };
             // SAFETY: reads as above plus delta; writes chunks*kv*s*d of part_k/part_v (every
             // chunk writes all of its keys) and kv*m*d of dbk/dbv.
