@@ -565,6 +565,31 @@ fn multi_turn_sets_are_asked_turn_by_turn_and_formats_wrap_the_prompts() {
     }
 }
 
+/// Two runs of `pipeline` (`p.yaml`): one whole (what an unstopped run decodes), one with only
+/// the drafters trained, its bench still to run.
+fn unstopped_and_ready(pipeline: &str) -> (Env, Env) {
+    let straight = Env::new();
+    setup(&straight);
+    straight.write("p.yaml", pipeline);
+    straight.run("p.yaml", 0);
+    let env = Env::new();
+    setup(&env);
+    env.write("p.yaml", pipeline);
+    let o = env.dflash(&["run", "p.yaml", "--only", "trained", "--only", "untrained"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (straight, env)
+}
+
+/// The bench stage's log of run `run` (its `dflash run --json` record).
+fn bench_log(env: &Env, run: &Value) -> String {
+    support::env::walk(&env.path().join(".work/logs"))
+        .into_iter()
+        .filter(|p| p.ends_with(format!("{}/bench.log", run["run_id"].as_str().unwrap())))
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .next()
+        .expect("the run's bench log")
+}
+
 /// Each method's tokens by (prompt id, method) in an exported bench's `sets/prompts.jsonl`,
 /// every pair once.
 fn tokens_by_prompt(dir: &std::path::Path) -> std::collections::BTreeMap<(String, String), Value> {
@@ -601,16 +626,7 @@ fn a_bench_killed_mid_set_resumes_at_its_next_prompt() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         tokens_by_prompt(&dir)
     };
-    let straight = Env::new();
-    setup(&straight);
-    straight.write("p.yaml", &pipeline);
-    straight.run("p.yaml", 0);
-
-    let env = Env::new();
-    setup(&env);
-    env.write("p.yaml", &pipeline);
-    let o = env.dflash(&["run", "p.yaml", "--only", "trained", "--only", "untrained"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (straight, env) = unstopped_and_ready(&pipeline);
     let resume = env.path().join(".work/resume");
     let kept = || {
         support::env::walk(&resume)
@@ -625,12 +641,7 @@ fn a_bench_killed_mid_set_resumes_at_its_next_prompt() {
     assert!(before < 12, "the kill came after the set was done");
     let (st, run) = env.run("p.yaml", 0);
     assert_eq!(st["bench"], "ran");
-    let log = support::env::walk(&env.path().join(".work/logs"))
-        .into_iter()
-        .filter(|p| p.ends_with(format!("{}/bench.log", run["run_id"].as_str().unwrap())))
-        .map(|p| std::fs::read_to_string(p).unwrap())
-        .next()
-        .expect("the rerun's bench log");
+    let log = bench_log(&env, &run);
     let said = format!("prompts: {before} of 12 prompts decoded by an earlier attempt, kept");
     assert!(log.contains(&said), "{log}");
     let (a, b) = (outputs(&straight), outputs(&env));
@@ -667,16 +678,7 @@ fn a_bench_cut_on_one_machine_resumes_from_the_store_on_another() {
         groups.sort();
         (tokens_by_prompt(&dir), groups)
     };
-    let straight = Env::new();
-    setup(&straight);
-    straight.write("p.yaml", &pipeline);
-    straight.run("p.yaml", 0);
-
-    let env = Env::new();
-    setup(&env);
-    env.write("p.yaml", &pipeline);
-    let o = env.dflash(&["run", "p.yaml", "--only", "trained", "--only", "untrained"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (straight, env) = unstopped_and_ready(&pipeline);
     let groups_in_store = || {
         support::env::walk(&env.path().join("cache/shards"))
             .iter()
@@ -697,12 +699,7 @@ fn a_bench_cut_on_one_machine_resumes_from_the_store_on_another() {
     std::fs::remove_dir_all(env.path().join(".work/resume")).unwrap();
     let (st, run) = env.run_with("p.yaml", &["--store", "other"], 0);
     assert_eq!(st["bench"], "resumed");
-    let log = support::env::walk(&env.path().join(".work/logs"))
-        .into_iter()
-        .filter(|p| p.ends_with(format!("{}/bench.log", run["run_id"].as_str().unwrap())))
-        .map(|p| std::fs::read_to_string(p).unwrap())
-        .next()
-        .expect("the rerun's bench log");
+    let log = bench_log(&env, &run);
     let said = format!(
         "prompts: {} of 12 prompts decoded by an earlier attempt, kept",
         committed * 4
