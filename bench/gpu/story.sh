@@ -48,11 +48,13 @@
 # prompts a set (`run 420 --only bench`, 152 s) and on all 164 HumanEval prompts
 # (`PIPE=pipelines/smollm2-full.yaml run 530 --only bench_humaneval`, 240 s, after copying the
 # new drafter over the stash's .assets/smollm2-drafter). The next: `pack-inputs BIN .gpu
-# drafters:smollm2-5600 drafters:smollm2-expansion-seed` (a CUDA build with the bench's
-# four-prompt shards); `stash` x4, the last with `setup`; then `PIPE=pipelines/smollm2-full.yaml
-# run 300 --only bench_gsm8k` (100 prompts, ~210 s) and `run 540 --only bench_mt_bench` (80
-# prompts of two turns; a cut set resumes from its committed shards, here or, after
-# `bring-back`, in a later session's SEED), `bring-back`.
+# drafters:smollm2-5600 drafters:smollm2-full-seed` (a CUDA build with the bench's four-prompt
+# shards; the seed is that run's store, HumanEval's whole set benched in it, so the full
+# pipeline's run finds it cached and its report holds the three sets); `stash` for each part,
+# the last with `setup`; `flash` (issue 22); then `PIPE=pipelines/smollm2-full.yaml run 300
+# --only bench_gsm8k` (100 prompts, ~210 s) and `PIPE=... run 540 --only bench_mt_bench` (80
+# prompts of two turns, ~400 s; a cut set resumes from its committed shards, here or, after
+# `PIPE=... bring-back`, in a later session's SEED), `PIPE=... bring-back`.
 # `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
 # pack-inputs packs) beside the staged one and FlexAttention, then the step with each.
 # Done in the ninth run: `probe fused`, `checks`, `hybrid 4 2048`, `hybrid-decode 4 1,8,64 300
