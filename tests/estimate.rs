@@ -240,7 +240,8 @@ fn local_benchmark_files_are_counted_turn_by_turn() {
     let b = stage(&e, "bench");
     assert_wall(
         b,
-        10.0 * 100.0 * 64.0 * 0.000_19 * (1.0 + 1.3 + 1.5) / 3600.0,
+        // Autoregressive decoding, prompt lookup's rounds at its tau, the chain's at its tau.
+        10.0 * 100.0 * 64.0 * 0.000_165 * (1.0 + 1.1 / 2.1 + 1.4 / 2.2) / 3600.0,
     );
     assert!(b.to_string().contains("user turns counted"), "{b}");
 }
@@ -268,8 +269,9 @@ fn assert_wall(stage: &Value, expected: f64) {
 }
 
 /// A bench is sized from its prompts, its methods and the target's step: 10 prompts (the set's
-/// `limit`, below `prompts`) x 100 tokens x 64 layers' steps x (autoregressive 1 + prompt lookup
-/// 1.3 + one drafter 1.5 rounds a step), at tau 1.
+/// `limit`, below `prompts`) x 100 tokens x 64 layers' steps x (autoregressive 1 + prompt
+/// lookup's rounds of 1.1 steps at tau 2.1 + one drafter's of 1.4 at tau 2.2); at tau 1, the
+/// bound.
 #[test]
 fn a_bench_is_sized_from_its_prompts_methods_and_target() {
     let env = story();
@@ -280,9 +282,29 @@ fn a_bench_is_sized_from_its_prompts_methods_and_target() {
     let b = stage(&e, "bench");
     assert_wall(
         b,
-        10.0 * 100.0 * 64.0 * 0.000_19 * (1.0 + 1.3 + 1.5) / 3600.0,
+        // Autoregressive decoding, prompt lookup's rounds at its tau, the chain's at its tau.
+        10.0 * 100.0 * 64.0 * 0.000_165 * (1.0 + 1.1 / 2.1 + 1.4 / 2.2) / 3600.0,
     );
     assert_eq!(b["gpus"], 1);
+    // At tau 1 (a drafter not yet trained), an upper bound: every method a round a token.
+    let bound = json(
+        &env,
+        &[
+            "bench.yaml",
+            "--gpus",
+            "8xH200",
+            PINNED[0],
+            PINNED[1],
+            "--assume",
+            "bench_tau_ngram=1",
+            "--assume",
+            "bench_tau_chain=1",
+        ],
+    );
+    assert_wall(
+        stage(&bound, "bench"),
+        10.0 * 100.0 * 64.0 * 0.000_165 * (1.0 + 1.1 + 1.4) / 3600.0,
+    );
     // Endpoint mode is the servers' business.
     env.write(
         "served.yaml",

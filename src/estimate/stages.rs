@@ -599,10 +599,12 @@ impl Sizer<'_> {
         }
     }
 
-    /// In-process bench: every prompt set's turns decoded by every method, one token per
-    /// target step for autoregressive decoding, and at most one per verification round for the
-    /// speculative methods (tau 1: an upper bound, since tau is unknown before the drafter
-    /// exists). A round costs a multiple of a step, measured on an H100.
+    /// In-process bench: every prompt set's turns decoded by every method to `max_new_tokens`
+    /// (answers that stop sooner make it shorter), one token per target step for
+    /// autoregressive decoding and tau tokens per round for the speculative methods, at the
+    /// taus the story's trained drafter measured (`--assume bench_tau_...=1` bounds it from
+    /// above, as for a drafter not yet trained). A round costs a multiple of a step, measured
+    /// on an H100.
     fn bench(&mut self, spec: &StageSpec, ups: &[&Data], up_kinds: &[&str], s: &mut StageEstimate) {
         if spec.params["endpoints"]
             .as_object()
@@ -651,26 +653,36 @@ impl Sizer<'_> {
         let ngram = spec.params["baselines"]
             .as_array()
             .is_some_and(|b| b.iter().any(|m| m == "ngram"));
-        let step = self.assumptions.get("decode_step_s_per_layer") * target.layers as f64;
-        let verify = self.assumptions.get("bench_verify_step_ratio");
-        let draft = self.assumptions.get("bench_drafter_round_ratio");
-        let tree = self.assumptions.get("bench_tree_round_ratio");
+        let a = |name: &str| self.assumptions.get(name);
+        let step = a("decode_step_s_per_layer") * target.layers as f64;
+        let (verify, draft, tree) = (
+            a("bench_verify_step_ratio"),
+            a("bench_drafter_round_ratio"),
+            a("bench_tree_round_ratio"),
+        );
+        // A method's time per token, in target steps: its round over the tokens a round commits.
+        let (tau_ngram, tau_chain, tau_tree) = (
+            a("bench_tau_ngram").max(1.0),
+            a("bench_tau_chain").max(1.0),
+            a("bench_tau_tree").max(1.0),
+        );
+        let (chain, tree_round) = (draft / tau_chain, tree / tau_tree);
         // Each drafter decodes once per way of verifying it (`both`: chain, then tree; `all`:
         // then the tree with prompt lookup's path, a round as dear as the tree's).
         let per_drafter = match spec.params["verify"].as_str() {
-            Some("tree" | "tree+lookup") => tree,
-            Some("both") => draft + tree,
-            Some("all") => draft + 2.0 * tree,
-            _ => draft,
+            Some("tree" | "tree+lookup") => tree_round,
+            Some("both") => chain + tree_round,
+            Some("all") => chain + 2.0 * tree_round,
+            _ => chain,
         };
-        let factor = 1.0 + if ngram { verify } else { 0.0 } + drafters * per_drafter;
+        let factor = 1.0 + if ngram { verify / tau_ngram } else { 0.0 } + drafters * per_drafter;
         let seconds = turns * max_new * step * factor;
         s.resource = Resource::Gpu;
         s.gpus = 1;
         s.gpu_hours = seconds / 3600.0;
         s.wall_hours = Some(s.gpu_hours);
         s.notes.push(format!(
-            "{} turns ({} prompts per set{}{}) x {} tokens: a target step of {:.1} ms, rounds of {verify:.1}x (prompt lookup), {draft:.1}x (a drafter's chain) and {tree:.1}x (its tree) a step, counted at tau 1 (an upper bound)",
+            "{} turns ({} prompts per set{}{}) x {} tokens: a target step of {:.1} ms, rounds of {verify:.1}x (prompt lookup), {draft:.1}x (a drafter's chain) and {tree:.1}x (its tree) a step, at tau {tau_ngram:.1} / {tau_chain:.1} / {tau_tree:.1} (the story's trained drafter; answers that stop sooner take less)",
             count(turns),
             count(prompts),
             if known { "" } else { ", sets of unknown size taken as full" },
