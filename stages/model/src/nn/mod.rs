@@ -15,6 +15,7 @@ pub mod fused;
 pub mod objective;
 pub mod ops;
 pub mod optim;
+mod rope_cache;
 pub mod speculative;
 pub mod target;
 

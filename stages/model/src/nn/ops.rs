@@ -29,22 +29,7 @@ pub fn rope_tables(
     dtype: DType,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let half = head_dim / 2;
-    let mut cos = Vec::with_capacity(positions.len() * half);
-    let mut sin = Vec::with_capacity(positions.len() * half);
-    for &p in positions {
-        for i in 0..half {
-            let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
-            let angle = f64::from(p) * freq;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    let n = positions.len();
-    Ok((
-        Tensor::from_vec(cos, (n, half), device)?.to_dtype(dtype)?,
-        Tensor::from_vec(sin, (n, half), device)?.to_dtype(dtype)?,
-    ))
+    super::rope_cache::tables(positions, head_dim, theta, dtype, device)
 }
 
 /// The rotary embedding in the Hugging Face ("neox", rotate-half) layout, differentiable
