@@ -236,7 +236,7 @@ def speed(K, args):
 
         bm = create_block_mask(mask_mod, None, None, m, s + m, device="cuda")
         flex = torch.compile(flex_attention)
-        fq = q.clone()[None].requires_grad_()
+        fq = q[None].clone().requires_grad_()
         fk = torch.cat([k1, k2], 1)[None].clone().requires_grad_()
         fv = torch.cat([v1, v2], 1)[None].clone().requires_grad_()
 
