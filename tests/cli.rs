@@ -775,13 +775,15 @@ stages:
     kind: command
     params:
       shards: 3
-      run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = $WAIT ]; then touch started; while [ ! -f ok ]; do sleep 0.05; done; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD.txt'
+      run: 'echo $DFLASH_SHARD >> runs.log; if [ $DFLASH_SHARD = $WAIT ]; then touch started; n=0; while [ ! -f ok ] && [ $n -lt 2400 ]; do sleep 0.05; n=$((n+1)); done; fi; echo row$DFLASH_SHARD > $DFLASH_OUT/p$DFLASH_SHARD.txt'
       pass_env: [WAIT]
   after: {kind: command, inputs: [gen], params: {run: 'cat $DFLASH_IN_GEN/*.txt > $DFLASH_OUT/all.txt'}}
 ";
 
-/// Start a run whose shard `wait` blocks until `ok` exists; SIGKILL dflash once that shard has
-/// started; let the orphaned shard go; rerun. Returns the rerun's JSON and the shard log.
+/// Start a run whose shard `wait` blocks until `ok` exists (two minutes at most: a shard
+/// orphaned by the kill must not outlive the test's folder, looping); SIGKILL dflash once that
+/// shard has started; let the orphaned shard go; rerun. Returns the rerun's JSON and the shard
+/// log.
 fn killed_then_rerun(wait: &str, failpoint: bool) -> (Value, String) {
     let env = Env::new();
     env.write("p.yaml", SHARDED);
