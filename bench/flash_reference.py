@@ -177,9 +177,14 @@ def check(K, args):
             errs[name] = rel(g, r.grad)
         worst = max(worst, *errs.values())
         # The pipelined dK/dV kernel sums the same products in the same order: equal bit for bit.
-        piped = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined")
-        same = all(torch.equal(a, b) for a, b in zip(grads[1:], piped[1:]))
-        worst = max(worst, *(rel(g, r.grad) for g, r in zip(piped[1:], ref[1:])))
+        try:
+            piped = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined")
+            torch.cuda.synchronize()
+            same = all(torch.equal(a, b) for a, b in zip(grads[1:], piped[1:]))
+            worst = max(worst, *(rel(g, r.grad) for g, r in zip(piped[1:], ref[1:])))
+        except Exception as e:  # say so, and go on checking the staged kernels
+            print(json.dumps({"pipelined_dkv_error": repr(e)[:300]}))
+            same = False
         print(json.dumps({"mode": "block", "heads": heads, "kv": kv, "d": d, "s": s, "blocks": blocks, **errs,
                           "pipelined_dkv_equal": same}))
         equal_all = equal_all and same
@@ -221,10 +226,13 @@ def speed(K, args):
     out, lse = fw()
     res["dflash_block_bwd_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout))
     res["dflash_block_bwd_dq_only_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True))
-    res["dflash_block_bwd_pipelined_dkv_ms"] = timed(
-        lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined"))
     res["dflash_dkv_staged_ms"] = res["dflash_block_bwd_ms"] - res["dflash_block_bwd_dq_only_ms"]
-    res["dflash_dkv_pipelined_ms"] = res["dflash_block_bwd_pipelined_dkv_ms"] - res["dflash_block_bwd_dq_only_ms"]
+    try:
+        res["dflash_block_bwd_pipelined_dkv_ms"] = timed(
+            lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined"))
+        res["dflash_dkv_pipelined_ms"] = res["dflash_block_bwd_pipelined_dkv_ms"] - res["dflash_block_bwd_dq_only_ms"]
+    except Exception as e:  # say so, time the rest
+        print(json.dumps({"metric": "pipelined_dkv_error", "value": repr(e)[:300]}))
     # FlexAttention under torch.compile with the block mask as a mask_mod: the block-sparse
     # kernel a PyTorch user trains DFlash with (the peer), forward and backward.
     try:
@@ -267,10 +275,11 @@ def speed(K, args):
     res["torch_block_fwd_bwd_ms"] = timed(fb)
     total = res["dflash_block_fwd_ms"] + res["dflash_block_bwd_ms"]
     res["block_ratio_torch_over_dflash"] = res["torch_block_fwd_bwd_ms"] / total
-    piped = res["dflash_block_fwd_ms"] + res["dflash_block_bwd_pipelined_dkv_ms"]
     if "torch_flex_block_fwd_bwd_ms" in res:
         res["block_ratio_flex_over_dflash"] = res["torch_flex_block_fwd_bwd_ms"] / total
-        res["block_ratio_flex_over_dflash_pipelined"] = res["torch_flex_block_fwd_bwd_ms"] / piped
+        if "dflash_block_bwd_pipelined_dkv_ms" in res:
+            piped = res["dflash_block_fwd_ms"] + res["dflash_block_bwd_pipelined_dkv_ms"]
+            res["block_ratio_flex_over_dflash_pipelined"] = res["torch_flex_block_fwd_bwd_ms"] / piped
     res["dflash_block_fwd_tflops"] = fwd_flops / res["dflash_block_fwd_ms"] / 1e9
     res["dflash_block_bwd_tflops"] = 2.5 * fwd_flops / res["dflash_block_bwd_ms"] / 1e9
     # Agreement at this shape (bf16 SDPA against the kernels).
