@@ -393,12 +393,13 @@ flash)
     # one), timed beside SDPA and FlexAttention under torch.compile, then the training step with
     # the pipelined dK/dV kernel (`DFLASH_FLASH_DKV=pipelined`; `checks` times the default).
     cuda_env
+    # Each line runs whatever the one before did (a failing kernel must not hide the others).
     {
-        python3 bench/flash_reference.py check $STASH/flash.ptx
-        python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512
-        DFLASH_FLASH_DKV=pipelined $STASH/train_probe flash
-        $STASH/train_probe speed --anchors 512
-        DFLASH_FLASH_DKV=pipelined $STASH/train_probe speed --anchors 512
+        python3 bench/flash_reference.py check $STASH/flash.ptx || echo "check failed: $?"
+        python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
+        DFLASH_FLASH_DKV=pipelined $STASH/train_probe flash || echo "train_probe flash failed: $?"
+        $STASH/train_probe speed --anchors 512 || echo "speed (staged) failed: $?"
+        DFLASH_FLASH_DKV=pipelined $STASH/train_probe speed --anchors 512 || echo "speed (pipelined) failed: $?"
     } 2>&1 | tee "$OUT/flash.txt"
     ;;
 checks)
