@@ -152,6 +152,43 @@ impl PromptDone {
         (done.methods.len() == methods).then_some(done)
     }
 
+    /// The prompts of group shard `shard` (file `file` in it), committed by an earlier attempt:
+    /// `len` of them, each for the `methods` asked for.
+    fn read_group(
+        ctx: &StageContext<'_>,
+        shard: &str,
+        file: &str,
+        (len, methods): (usize, usize),
+    ) -> Result<Vec<Self>, StageError> {
+        let group: Vec<Self> = serde_json::from_slice(&ctx.shards.read(shard, file)?)
+            .map_err(|e| StageError::new(format!("shard {shard} is unreadable: {e}")))?;
+        if group.len() != len || group.iter().any(|d| d.methods.len() != methods) {
+            return Err(StageError::new(format!(
+                "shard {shard} holds {} prompts where {len} were asked for",
+                group.len()
+            )));
+        }
+        Ok(group)
+    }
+
+    /// Commit `group` to the store as shard `shard` (file `file`) as soon as it is done: a run
+    /// cut on a machine whose resume folder is then lost (a rented GPU, a CI runner) resumes
+    /// from here on any machine that reads the store.
+    fn commit_group(
+        ctx: &StageContext<'_>,
+        shard: &str,
+        file: &str,
+        group: &[Self],
+    ) -> Result<(), StageError> {
+        let root = ctx.scratch_dir.join(format!("shard-{shard}"));
+        let path = root.join(file);
+        std::fs::create_dir_all(path.parent().expect("under root"))?;
+        std::fs::write(&path, serde_json::to_vec(group).expect("json"))?;
+        ctx.shards.commit(shard, &root)?;
+        let _ = std::fs::remove_dir_all(&root);
+        Ok(())
+    }
+
     /// Keep it: written aside, then renamed, so a kill mid-write leaves no half file.
     fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
         let aside = path.with_extension("part");
@@ -546,72 +583,51 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             let first = group[0].0;
             let group_shard = format!("{shard}-prompts-{first:06}");
             let group_file = format!("prompts/{}/{first:06}.json", set.name);
-            let stored = if done.contains(&group_shard) {
-                let bytes = ctx.shards.read(&group_shard, &group_file)?;
-                let group_done: Vec<PromptDone> = serde_json::from_slice(&bytes).map_err(|e| {
-                    StageError::new(format!("shard {group_shard} is unreadable: {e}"))
-                })?;
-                let whole = group_done.len() == group.len()
-                    && group_done.iter().all(|d| d.methods.len() == methods.len());
-                if !whole {
-                    return Err(StageError::new(format!(
-                        "shard {group_shard} holds {} prompts where {} were asked for",
-                        group_done.len(),
-                        group.len()
-                    )));
-                }
+            let group_done = if done.contains(&group_shard) {
+                let stored = PromptDone::read_group(
+                    ctx,
+                    &group_shard,
+                    &group_file,
+                    (group.len(), methods.len()),
+                )?;
                 resumed += group.len();
                 finished += (group.len() * methods.len()) as u64;
-                Some(group_done)
+                stored
             } else {
-                None
-            };
-            let group_done = match stored {
-                Some(stored) => stored,
-                None => {
-                    let mut group_done = Vec::with_capacity(group.len());
-                    for &(i, prompt) in group {
-                        let file = kept.join(format!("prompt-{i:06}.json"));
-                        let done = if let Some(kept) = PromptDone::read(&file, methods.len()) {
-                            resumed += 1;
-                            finished += methods.len() as u64;
-                            kept
-                        } else {
-                            let done = asked.decode(
-                                ctx,
-                                prompt,
-                                rendering.as_mut(),
-                                &|m| settings(m, i),
-                                &mut |name| {
-                                    finished += 1;
-                                    ctx.progress.set(
-                                        finished,
-                                        Some(total),
-                                        &format!(
-                                            "{}: prompt {}/{} {name}",
-                                            set.name,
-                                            i + 1,
-                                            set.prompts.len()
-                                        ),
-                                    );
-                                },
-                            )?;
-                            done.write(&file)?;
-                            done
-                        };
-                        group_done.push(done);
-                    }
-                    // Into the store as soon as the group is done: a run cut on a machine
-                    // whose resume folder is then lost (a rented GPU, a CI runner) resumes
-                    // from here on any machine that reads the store.
-                    let root = ctx.scratch_dir.join(format!("shard-{group_shard}"));
-                    let path = root.join(&group_file);
-                    std::fs::create_dir_all(path.parent().expect("under root"))?;
-                    std::fs::write(&path, serde_json::to_vec(&group_done).expect("json"))?;
-                    ctx.shards.commit(&group_shard, &root)?;
-                    let _ = std::fs::remove_dir_all(&root);
-                    group_done
+                let mut group_done = Vec::with_capacity(group.len());
+                for &(i, prompt) in group {
+                    let file = kept.join(format!("prompt-{i:06}.json"));
+                    let done = if let Some(kept) = PromptDone::read(&file, methods.len()) {
+                        resumed += 1;
+                        finished += methods.len() as u64;
+                        kept
+                    } else {
+                        let done = asked.decode(
+                            ctx,
+                            prompt,
+                            rendering.as_mut(),
+                            &|m| settings(m, i),
+                            &mut |name| {
+                                finished += 1;
+                                ctx.progress.set(
+                                    finished,
+                                    Some(total),
+                                    &format!(
+                                        "{}: prompt {}/{} {name}",
+                                        set.name,
+                                        i + 1,
+                                        set.prompts.len()
+                                    ),
+                                );
+                            },
+                        )?;
+                        done.write(&file)?;
+                        done
+                    };
+                    group_done.push(done);
                 }
+                PromptDone::commit_group(ctx, &group_shard, &group_file, &group_done)?;
+                group_done
             };
             for done in &group_done {
                 for (t, (figures, same)) in totals.iter_mut().zip(&done.methods) {

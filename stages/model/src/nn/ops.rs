@@ -21,16 +21,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     super::fused::rms_norm(x, weight, eps)
 }
 
-/// Cos and sin tables of the rotary embedding for each position: `[n, head_dim / 2]` each.
-pub fn rope_tables(
-    positions: &[u32],
-    head_dim: usize,
-    theta: f64,
-    dtype: DType,
-    device: &Device,
-) -> Result<(Tensor, Tensor)> {
-    super::rope_cache::tables(positions, head_dim, theta, dtype, device)
-}
+pub use super::rope_cache::tables as rope_tables;
 
 /// The rotary embedding in the Hugging Face ("neox", rotate-half) layout, differentiable
 /// ([`super::fused::rope`]). `x`: `[heads, n, head_dim]`; `cos`, `sin`: `[n, head_dim / 2]`.

@@ -27,7 +27,8 @@ struct Table {
 
 static TABLES: Mutex<Vec<Table>> = Mutex::new(Vec::new());
 
-/// Cos and sin tables for `positions` (`[n, head_dim / 2]` each), as [`direct`] computes them.
+/// Cos and sin tables of the rotary embedding for `positions`: `[n, head_dim / 2]` each, as
+/// [`direct`] computes them (re-exported as `ops::rope_tables`).
 pub fn tables(
     positions: &[u32],
     head_dim: usize,
@@ -85,7 +86,7 @@ fn table(
 
 /// The tables computed on the host for each position, in f64, then rounded to f32 and cast to
 /// `dtype`: what every row of a cached table holds.
-pub fn direct(
+fn direct(
     positions: &[u32],
     head_dim: usize,
     theta: f64,

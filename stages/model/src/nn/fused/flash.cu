@@ -491,6 +491,31 @@ __device__ __forceinline__ void dkv_store(const float (&dka)[D / 8][4], const fl
     }
 }
 
+// What one block of a dK/dV kernel owns (both kernels' grid): a tile of KT keys of k1, or of
+// k2 (`second`: a block's own keys, seen by their own row tile only), staged into ks and vs;
+// `keys` in that array; and the row tiles [t_first, t_end) it walks (its chunk's, or the k2
+// keys' own). False for a block with nothing to do (chunks past the first own no k2 keys).
+template <int D>
+__device__ __forceinline__ bool dkv_block(bf16* ks, bf16* vs, const bf16* k1, const bf16* v1, const bf16* k2,
+                                          const bf16* v2, int m, int s1, bool& second, int& key0, int& keys,
+                                          int& t_first, int& t_end) {
+    int kv = blockIdx.y;
+    int tiles1 = (s1 + KT - 1) / KT;
+    second = (int)blockIdx.x >= tiles1;
+    if (second && blockIdx.z > 0) return false;  // uniform over the block
+    key0 = (second ? blockIdx.x - tiles1 : blockIdx.x) * KT;
+    keys = second ? m : s1;
+    const bf16* kh = (second ? k2 + (size_t)kv * m * D : k1 + (size_t)kv * s1 * D);
+    const bf16* vh = (second ? v2 + (size_t)kv * m * D : v1 + (size_t)kv * s1 * D);
+    stage<D>(ks, kh, key0, KT, keys);
+    stage<D>(vs, vh, key0, KT, keys);
+    int row_tiles = m / ROWS;
+    int chunk = (row_tiles + gridDim.z - 1) / gridDim.z;
+    t_first = second ? key0 / ROWS : blockIdx.z * chunk;
+    t_end = min(second ? key0 / ROWS + KT / ROWS : t_first + chunk, row_tiles);
+    return true;
+}
+
 // dK and dV for block mode. Grid (k1 tiles of 64 + k2 tiles of 64, kv_heads, chunks); 4 warps,
 // warp w owns 16 keys of the tile and walks the (row tile, head) pairs that see them, summing
 // over the group's heads itself. The first context keys are seen by every block, the last by
@@ -506,27 +531,16 @@ __device__ void flash_dkv(const bf16* q, const bf16* k1, const bf16* v1, const b
     __shared__ __align__(16) bf16 qs[ROWS * (D + PAD)];
     __shared__ __align__(16) bf16 ds[ROWS * (D + PAD)];
     __shared__ float ls[ROWS], dl[ROWS];
-    int warp = threadIdx.x >> 5;
-    int kv = blockIdx.y;
-    int tiles1 = (s1 + KT - 1) / KT;
-    bool second = (int)blockIdx.x >= tiles1;
-    if (second && blockIdx.z > 0) return;  // uniform over the block
-    int key0 = (second ? blockIdx.x - tiles1 : blockIdx.x) * KT;
-    int keys = second ? m : s1;
-    const bf16* kh = (second ? k2 + (size_t)kv * m * D : k1 + (size_t)kv * s1 * D);
-    const bf16* vh = (second ? v2 + (size_t)kv * m * D : v1 + (size_t)kv * s1 * D);
-    stage<D>(ks, kh, key0, KT, keys);
-    stage<D>(vs, vh, key0, KT, keys);
+    int warp = threadIdx.x >> 5, kv = blockIdx.y;
+    bool second;
+    int key0, keys, t_first, t_end;
+    if (!dkv_block<D>(ks, vs, k1, v1, k2, v2, m, s1, second, key0, keys, t_first, t_end)) return;
     int mine = key0 + warp * ROWS;  // this warp's first key
     float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
-    int row_tiles = m / ROWS;
-    int chunk = (row_tiles + gridDim.z - 1) / gridDim.z;
-    int t_first = second ? key0 / ROWS : blockIdx.z * chunk;
-    int t_end = min(second ? key0 / ROWS + KT / ROWS : t_first + chunk, row_tiles);
     for (int t = t_first; t < t_end; t++) {
         int open_hi = second ? 0 : (int)hi[t];
         if (!second && open_hi <= key0) continue;  // uniform over the block
@@ -549,9 +563,9 @@ __device__ void flash_dkv(const bf16* q, const bf16* k1, const bf16* v1, const b
     dkv_store<D>(dka, dva, mine, keys, second, kv, s1, scale, part_k, part_v, dk2, dv2);
 }
 
-// flash_dkv with the rows' loads overlapped: the same grid (and the same prologue, kept beside
-// flash_dkv's until a GPU run has checked and timed this kernel, then one of the two goes),
-// the same outputs, the same products in the same order (so the same sums), but each row tile's queries, output
+// flash_dkv with the rows' loads overlapped (kept beside it until a GPU run has checked and
+// timed this kernel, then one of the two goes): the same grid (dkv_block), the same outputs,
+// the same products in the same order (so the same sums), but each row tile's queries, output
 // gradients, lse and delta for all `group` heads are staged at once, with cp.async, into one of
 // two buffers while the other buffer's row tile is multiplied: one barrier per row tile where
 // flash_dkv has two per row tile and head, each after a load that nothing overlaps. Shared
@@ -571,27 +585,16 @@ __device__ void flash_dkv_pipelined(const bf16* q, const bf16* k1, const bf16* v
     bf16* db = qb + 2 * rows * LD;  // [2][rows * LD]
     float* lb = reinterpret_cast<float*>(db + 2 * rows * LD);  // [2][rows]
     float* dlb = lb + 2 * rows;                                 // [2][rows]
-    int warp = threadIdx.x >> 5;
-    int kv = blockIdx.y;
-    int tiles1 = (s1 + KT - 1) / KT;
-    bool second = (int)blockIdx.x >= tiles1;
-    if (second && blockIdx.z > 0) return;  // uniform over the block
-    int key0 = (second ? blockIdx.x - tiles1 : blockIdx.x) * KT;
-    int keys = second ? m : s1;
-    const bf16* kh = (second ? k2 + (size_t)kv * m * D : k1 + (size_t)kv * s1 * D);
-    const bf16* vh = (second ? v2 + (size_t)kv * m * D : v1 + (size_t)kv * s1 * D);
-    stage<D>(ks, kh, key0, KT, keys);
-    stage<D>(vs, vh, key0, KT, keys);
+    int warp = threadIdx.x >> 5, kv = blockIdx.y;
+    bool second;
+    int key0, keys, t_first, t_end;
+    if (!dkv_block<D>(ks, vs, k1, v1, k2, v2, m, s1, second, key0, keys, t_first, t_end)) return;
     int mine = key0 + warp * ROWS;  // this warp's first key
     float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
-    int row_tiles = m / ROWS;
-    int chunk = (row_tiles + gridDim.z - 1) / gridDim.z;
-    int t_first = second ? key0 / ROWS : blockIdx.z * chunk;
-    int t_end = min(second ? key0 / ROWS + KT / ROWS : t_first + chunk, row_tiles);
     // The next row tile after `t` that sees any of the tile's keys (uniform over the block).
     auto next_open = [&](int t) {
         for (int u = t + 1; u < t_end; u++)
