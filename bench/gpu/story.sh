@@ -52,8 +52,8 @@
 # shards; the seed is that run's store, HumanEval's whole set benched in it, so the full
 # pipeline's run finds it cached and its report holds the three sets); `stash` for each part,
 # the last with `setup`; `flash` (issue 22); then `PIPE=pipelines/smollm2-full.yaml run 300
-# --only bench_gsm8k` (100 prompts, ~210 s) and `PIPE=... run 540 --only bench_mt_bench` (80
-# prompts of two turns, ~400 s; a cut set resumes from its committed shards, here or, after
+# --only bench_gsm8k` (100 prompts; estimated 260 s) and `PIPE=... run 540 --only bench_mt_bench` (80
+# prompts of two turns; estimated 416 s; a cut set resumes from its committed shards, here or, after
 # `PIPE=... bring-back`, in a later session's SEED), `PIPE=... bring-back`.
 # `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
 # pack-inputs packs) beside the staged one and FlexAttention, then the step with each.
