@@ -86,6 +86,17 @@ story_pipeline() {
     fi
     echo $STASH/smollm2.yaml
 }
+# `drafters:NAME` is a drafter or seed kept in main's history (bench/drafters.tsv), which
+# `scripts/fetch-assets` extracted into .assets/drafters/NAME; anything else is a path.
+kept() {
+    case $1 in
+    drafters:*)
+        [ -d .assets/drafters/${1#drafters:} ] ||
+            { echo "$1: not in .assets/drafters/ (scripts/fetch-assets extracts what bench/drafters.tsv lists)" >&2; exit 1; }
+        echo .assets/drafters/${1#drafters:} ;;
+    *) echo "$1" ;;
+    esac
+}
 # PyTorch's CUDA 13 libraries (cuBLAS, ...) for the binary, and .assets/ pointing at the stash.
 cuda_env() {
     local lib
@@ -126,20 +137,14 @@ pack-inputs)
     cp .whl/*.whl "$files"/
     if [ -n "$init" ]; then
         mkdir -p "$files"/init
-        case $init in
-        # A drafter `keep-drafter` committed to the `drafters` branch.
-        drafters:*) git archive drafters "${init#drafters:}" | tar -x --strip-components=1 -C "$files"/init ;;
-        *) cp "$init"/config.json "$init"/model.safetensors "$files"/init/ ;;
-        esac
+        init=$(kept "$init")
+        cp "$init"/config.json "$init"/model.safetensors "$files"/init/
     fi
     if [ -n "$seed" ]; then
-        case $seed in
-        # A seed `keep-drafter` committed to the `drafters` branch: its one tar.gz.
-        drafters:*) git archive drafters "${seed#drafters:}" | tar -xO > "$files"/store-seed.tar.gz ;;
-        esac
-        if [ -f "$files"/store-seed.tar.gz ]; then
-            :
-        elif [ -f "$seed" ]; then
+        seed=$(kept "$seed")
+        # A seed `keep-drafter` archived: its one tar.gz.
+        [ ! -f "$seed"/store-small.tar.gz ] || seed=$seed/store-small.tar.gz
+        if [ -f "$seed" ]; then
             cp "$seed" "$files"/store-seed.tar.gz
         else
             # Whole artifacts only (a manifest without its blobs would fail the run there).
@@ -181,26 +186,26 @@ PY
     echo "the working tree: $tree bytes; carry each part in turn (\".gpu/1\", ...) with \`stash\`, the last with \`setup\`"
     ;;
 keep-drafter)
-    # Here: commit an exported drafter folder (config.json + model.safetensors, and its
-    # training.json / metrics when given) as NAME/ on the `drafters` branch, which holds
-    # drafters only and shares no history with main; the working tree and index stay as they
-    # are. `git archive drafters NAME | tar -x` gets it back.
+    # Here: archive an exported drafter folder (config.json + model.safetensors, and its
+    # training.json / metrics when given), or a seed (its store-small.tar.gz), in main's
+    # history: one commit adds it at bench/results/drafters/NAME/, the next removes it from the
+    # tree and records that commit in bench/drafters.tsv, where `scripts/fetch-assets` finds it
+    # (into .assets/drafters/NAME/). Only main lands: a branch of its own was lost once.
     dir=${1:?an exported drafter folder}
     name=${2:?a name, e.g. smollm2-2800}
-    export GIT_INDEX_FILE=$(mktemp -u)
-    parent=$(git rev-parse -q --verify refs/heads/drafters || true)
-    [ -z "$parent" ] || git read-tree drafters
-    git ls-tree -r --name-only ${parent:-HEAD} -- "$name" | grep -q . && [ -n "$parent" ] &&
+    cut -f1 bench/drafters.tsv | grep -qx "$name" &&
         { echo "drafters:$name exists; drafters are never replaced: choose another name" >&2; exit 1; }
-    for f in "$dir"/*; do
-        [ -f "$f" ] || continue
-        git update-index --add --cacheinfo 100644,$(git hash-object -w "$f"),"$name/$(basename "$f")"
-    done
-    tree=$(git write-tree)
-    commit=$(git commit-tree $tree ${parent:+-p $parent} -m "drafter $name")
-    git update-ref refs/heads/drafters $commit ${parent:-""}
-    rm -f "$GIT_INDEX_FILE"
-    git ls-tree -r -l drafters -- "$name"
+    git diff --cached --quiet || { echo "the index has staged changes: commit them first" >&2; exit 1; }
+    mkdir -p bench/results/drafters/$name
+    cp "$dir"/* bench/results/drafters/$name/
+    git add -f bench/results/drafters/$name
+    git commit -q -m "drafters: $name, kept in history (removed from the tree in the next commit)"
+    printf '%s\t%s\t%s\n' "$name" "$(git rev-parse HEAD)" "bench/results/drafters/$name" >> bench/drafters.tsv
+    git rm -r -q bench/results/drafters/$name
+    git add bench/drafters.tsv
+    git commit -q -m "drafters: $name out of the tree; bench/drafters.tsv says where it is"
+    mkdir -p .assets/drafters && [ -e .assets/drafters/$name ] || cp -r "$dir" .assets/drafters/$name
+    tail -1 bench/drafters.tsv
     ;;
 stash)
     # There: keep what this call carried (the working tree's .gpu/ is replaced by the next call).
@@ -400,6 +405,7 @@ flash)
         DFLASH_FLASH_DKV=pipelined $STASH/train_probe flash || echo "train_probe flash failed: $?"
         $STASH/train_probe speed --anchors 512 || echo "speed (staged) failed: $?"
         DFLASH_FLASH_DKV=pipelined $STASH/train_probe speed --anchors 512 || echo "speed (pipelined) failed: $?"
+        python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"
     } 2>&1 | tee "$OUT/flash.txt"
     ;;
 checks)
@@ -417,6 +423,19 @@ checks)
         $STASH/train_probe speed --anchors 512
         python3 bench/train_reference.py speed --anchors 512
     } 2>&1 | tee "$OUT/checks.txt"
+    ;;
+promote)
+    # There, once `run --only drafter` has finished: the trained drafter (weights, config,
+    # training.json and metrics; not the checkpoints) to $OUT/trained.tar.gz.NN (15 MiB pieces)
+    # for `keep-drafter` here, and in place of the stash's .assets/smollm2-drafter, so
+    # PIPE=pipelines/smollm2-full.yaml (or smollm2-bench.yaml) benches it in the same session.
+    cuda_env
+    rm -rf /tmp/trained
+    $STASH/dflash export drafter -p $(story_pipeline) --store $STORE /tmp/trained
+    find /tmp/trained -mindepth 1 -maxdepth 1 ! -name drafter ! -name '*.json*' -exec rm -rf {} +
+    tar -czf - -C /tmp trained | split -b 15M -d - "$OUT/trained.tar.gz."
+    cp /tmp/trained/drafter/config.json /tmp/trained/drafter/model.safetensors $STASH/assets/smollm2-drafter/
+    sha256sum $STASH/assets/smollm2-drafter/model.safetensors
     ;;
 bring-back)
     # There: the store's whole artifacts whose files are each under 4 MB (`dflash copy`:
@@ -449,7 +468,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT|drafters:NAME [SEED]] | keep-drafter DIR NAME | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT|drafters:NAME [SEED]] | keep-drafter DIR NAME | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | promote | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac
