@@ -34,12 +34,13 @@
 # .assets/smollm2-drafter there and benched on 8 prompts a set, `verify: tree+lookup`.
 # The trained drafters lived in .assets/ (git-ignored) and were lost with the machine they were
 # on (2026-12-06: the 8,200-step drafter, README "The eighth run", is gone; its bench results
-# and metrics are in bench/results/). So: commit each drafter `bring-back` brings, its
-# exported `drafter/` folder (config.json + model.safetensors, 24 MB in bf16), with
-# `keep-drafter DIR NAME`: to the `drafters` branch (every drafter, its metrics too; the seed
-# stores as well), not main's tree: model and data files are not committed there, and every
-# device call carries main's tree; `scripts/fetch-assets` extracts the branch into
-# .assets/drafters/; `pack-inputs BIN .gpu drafters:NAME drafters:SEED` packs from it.
+# and metrics are in bench/results/). Then on a `drafters` branch, which did not survive the
+# next checkout either (only main lands: the 5,600-step drafter and the tenth run's store were
+# lost). So: `keep-drafter DIR NAME` keeps each drafter `bring-back` (or `promote`) brings, its
+# exported `drafter/` folder (config.json + model.safetensors, 24 MB in bf16) and metrics, in
+# main's history: added in one commit, out of the tree in the next (every device call carries
+# main's tree), `bench/drafters.tsv` saying where; `scripts/fetch-assets` extracts them into
+# .assets/drafters/; `pack-inputs BIN .gpu drafters:NAME drafters:SEED` packs from there.
 # The ninth run (2026-12-06, README "The ninth run") trained it again from the committed
 # completions: 2,800 steps (held-out tau per round 2.11), `drafters:smollm2-2800`
 # (pipelines/smollm2-cpu.yaml benches it on a CPU). The tenth (README "The tenth run") trained
@@ -47,14 +48,15 @@
 # --only drafter`, then `run 470 --only drafter; bring-back`: ~695 s), benched it on 12
 # prompts a set (`run 420 --only bench`, 152 s) and on all 164 HumanEval prompts
 # (`PIPE=pipelines/smollm2-full.yaml run 530 --only bench_humaneval`, 240 s, after copying the
-# new drafter over the stash's .assets/smollm2-drafter). The next: `pack-inputs BIN .gpu
-# drafters:smollm2-5600 drafters:smollm2-full-seed` (a CUDA build with the bench's four-prompt
-# shards; the seed is that run's store, HumanEval's whole set benched in it, so the full
-# pipeline's run finds it cached and its report holds the three sets); `stash` for each part,
-# the last with `setup`; `flash` (issue 22); then `PIPE=pipelines/smollm2-full.yaml run 300
-# --only bench_gsm8k` (100 prompts; estimated 260 s) and `PIPE=... run 540 --only bench_mt_bench` (80
-# prompts of two turns; estimated 416 s; a cut set resumes from its committed shards, here or, after
-# `PIPE=... bring-back`, in a later session's SEED), `PIPE=... bring-back`.
+# new drafter over the stash's .assets/smollm2-drafter). Both were lost with the branch. The
+# next (2026-12-06's last session got no machine in ten tries): `pack-inputs BIN .gpu
+# drafters:smollm2-2800 drafters:smollm2-expansion-seed` (four parts), `stash` x3; `stash; setup;
+# run 560 --only drafter` (2,800 more steps from the 2,800-step drafter: the tenth run again);
+# `run 400 --only drafter && promote` (the drafter to $OUT/trained.tar.gz.NN and in place of
+# the stash's .assets/smollm2-drafter) then `PIPE=pipelines/smollm2-full.yaml run SECS --only
+# bench_gsm8k --only bench_mt_bench --only bench_humaneval` (100 / 80 / 164 prompts; estimated
+# 260 / 416 / 427 s, HumanEval measured 240), resuming from the store's four-prompt shards when
+# cut, and `PIPE=... bring-back`; here, `keep-drafter` the promoted drafter.
 # `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
 # pack-inputs packs) beside the staged one and FlexAttention, then the step with each.
 # Done in the ninth run: `probe fused`, `checks`, `hybrid 4 2048`, `hybrid-decode 4 1,8,64 300
