@@ -49,7 +49,7 @@
 # prompts a set (`run 420 --only bench`, 152 s) and on all 164 HumanEval prompts
 # (`PIPE=pipelines/smollm2-full.yaml run 530 --only bench_humaneval`, 240 s, after copying the
 # new drafter over the stash's .assets/smollm2-drafter). Both were lost with the branch. The
-# next (2026-12-06's last session got no machine in ten tries): `pack-inputs BIN .gpu
+# next (2026-12-06's last session got no machine in seventeen calls): `pack-inputs BIN .gpu
 # drafters:smollm2-2800 drafters:smollm2-expansion-seed` (four parts), `stash` x3; `stash; setup;
 # run 560 --only drafter` (2,800 more steps from the 2,800-step drafter: the tenth run again);
 # `run 400 --only drafter && promote` (the drafter to $OUT/trained.tar.gz.NN and in place of
@@ -58,7 +58,8 @@
 # 260 / 416 / 427 s, HumanEval measured 240), resuming from the store's four-prompt shards when
 # cut, and `PIPE=... bring-back`; here, `keep-drafter` the promoted drafter.
 # `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
-# pack-inputs packs) beside the staged one and FlexAttention, then the step with each.
+# pack-inputs packs) beside the staged one and FlexAttention, then the step with each and
+# PyTorch's eager step, all in one call.
 # Done in the ninth run: `probe fused`, `checks`, `hybrid 4 2048`, `hybrid-decode 4 1,8,64 300
 # 16` (bench/results/smollm2-h100-ninth/). Still to run: `verify 300` and `round 300 128` (the
 # target's pass with its launches cut, README "The eighth run").
@@ -199,14 +200,18 @@ keep-drafter)
         { echo "drafters:$name exists; drafters are never replaced: choose another name" >&2; exit 1; }
     git diff --cached --quiet || { echo "the index has staged changes: commit them first" >&2; exit 1; }
     mkdir -p bench/results/drafters/$name
-    cp "$dir"/* bench/results/drafters/$name/
+    # The folder's files, and its drafter/'s when it is an export (`promote`'s trained/).
+    for f in "$dir"/* "$dir"/drafter/*; do
+        if [ -f "$f" ]; then cp "$f" bench/results/drafters/$name/; fi
+    done
     git add -f bench/results/drafters/$name
     git commit -q -m "drafters: $name, kept in history (removed from the tree in the next commit)"
+    mkdir -p .assets/drafters
+    [ -e .assets/drafters/$name ] || cp -r bench/results/drafters/$name .assets/drafters/$name
     printf '%s\t%s\t%s\n' "$name" "$(git rev-parse HEAD)" "bench/results/drafters/$name" >> bench/drafters.tsv
     git rm -r -q bench/results/drafters/$name
     git add bench/drafters.tsv
     git commit -q -m "drafters: $name out of the tree; bench/drafters.tsv says where it is"
-    mkdir -p .assets/drafters && [ -e .assets/drafters/$name ] || cp -r "$dir" .assets/drafters/$name
     tail -1 bench/drafters.tsv
     ;;
 stash)
