@@ -49,7 +49,7 @@
 # prompts a set (`run 420 --only bench`, 152 s) and on all 164 HumanEval prompts
 # (`PIPE=pipelines/smollm2-full.yaml run 530 --only bench_humaneval`, 240 s, after copying the
 # new drafter over the stash's .assets/smollm2-drafter). Both were lost with the branch. The
-# next (2026-12-06's last session got no machine in seventeen calls, 2026-12-07's in fourteen): `pack-inputs BIN .gpu
+# next (2026-12-06's last session got no machine in seventeen calls, 2026-12-07's in twenty-two): `pack-inputs BIN .gpu
 # drafters:smollm2-2800 drafters:smollm2-expansion-seed` (four parts), `stash` x3; `stash; setup;
 # run 560 --only drafter` (2,800 more steps from the 2,800-step drafter: the tenth run again);
 # `run 400 --only drafter && promote` (the drafter to $OUT/trained.tar.gz.NN and in place of
