@@ -49,9 +49,10 @@
 # prompts a set (`run 420 --only bench`, 152 s) and on all 164 HumanEval prompts
 # (`PIPE=pipelines/smollm2-full.yaml run 530 --only bench_humaneval`, 240 s, after copying the
 # new drafter over the stash's .assets/smollm2-drafter). Both were lost with the branch. The
-# next (2026-12-06's last session got no machine in seventeen calls, 2026-12-07's in twenty-two): `pack-inputs BIN .gpu
-# drafters:smollm2-2800 drafters:smollm2-expansion-seed` (four parts), `stash` x3; `stash; setup;
-# run 560 --only drafter` (2,800 more steps from the 2,800-step drafter: the tenth run again);
+# next (2026-12-06's last session got no machine in seventeen calls, 2026-12-07's in
+# twenty-two): `pack-inputs BIN .gpu drafters:smollm2-2800 drafters:smollm2-expansion-seed`
+# (four parts), `stash` x3; `stash; setup; run 560 --only drafter` (2,800 more steps from the
+# 2,800-step drafter: the tenth run again);
 # `run 400 --only drafter && promote` (the drafter to $OUT/trained.tar.gz.NN and in place of
 # the stash's .assets/smollm2-drafter) then `PIPE=pipelines/smollm2-full.yaml run SECS --only
 # bench_gsm8k --only bench_mt_bench --only bench_humaneval` (100 / 80 / 164 prompts; estimated
@@ -111,9 +112,9 @@ case $cmd in
 pack-inputs)
     # Here: fill PACK/1, PACK/2, ... (one folder a call) from a CUDA build and .assets/; INIT
     # (optional, or ""): a drafter folder (config.json + model.safetensors) for the run to
-    # start from, `drafters:NAME` for one on the `drafters` branch; SEED (optional): a store,
-    # or a `store-small.tar.gz` / `seed.tar.gz` that `bring-back` brought, whose objects the
-    # run's store starts with.
+    # start from, `drafters:NAME` for one kept in main's history (bench/drafters.tsv); SEED
+    # (optional): a store, or a `store-small.tar.gz` / `seed.tar.gz` that `bring-back` brought,
+    # whose objects the run's store starts with.
     bin=${1:?the CUDA build of dflash}
     pack=${2:?a folder outside the clone}
     init=${3:-}
