@@ -177,7 +177,7 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
         &cont.replace("draft_layers: 1", "draft_layers: 2"),
     );
     assert!(
-        err.contains("draft_layers") && err.contains("`init`'s drafter has 1 layers"),
+        err.contains("draft_layers") && err.contains("`init`'s drafter has 1 layer,"),
         "{err}"
     );
 }

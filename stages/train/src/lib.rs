@@ -202,10 +202,11 @@ fn init_issues(
             );
         }
     };
+    let layers = |n: u64| format!("{n} layer{}", if n == 1 { "" } else { "s" });
     check(
         "draft_layers",
-        format!("{} layers", params["draft_layers"]),
-        format!("{} layers", config.layers),
+        layers(params["draft_layers"].as_u64().unwrap_or(0)),
+        layers(config.layers as u64),
     );
     check(
         "block_size",
