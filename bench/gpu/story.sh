@@ -58,6 +58,11 @@
 # bench_gsm8k --only bench_mt_bench --only bench_humaneval` (100 / 80 / 164 prompts; estimated
 # 260 / 416 / 427 s, HumanEval measured 240), resuming from the store's four-prompt shards when
 # cut, and `PIPE=... bring-back`; here, `keep-drafter` the promoted drafter.
+# With less device time than the retraining needs (~950 s after the start), the kept 2,800-step
+# drafter (the pack's INIT) benched on the full sets instead, after the same four calls:
+# `PIPE=pipelines/smollm2-full.yaml run SECS --only bench_gsm8k --only bench_mt_bench`; with
+# under ~400 s, `stash; flash` alone, carrying a one-part pack of its own (train_probe.xz and
+# flash.ptx from a full pack's parts, 7.3 MB).
 # `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
 # pack-inputs packs) beside the staged one and FlexAttention, then the step with each and
 # PyTorch's eager step, all in one call.
@@ -405,6 +410,11 @@ flash)
     # autograd in f64 (both dK/dV kernels, the pipelined one bit for bit equal to the staged
     # one), timed beside SDPA and FlexAttention under torch.compile, then the training step with
     # the pipelined dK/dV kernel (`DFLASH_FLASH_DKV=pipelined`; `checks` times the default).
+    # Needs only flash.ptx and train_probe.xz stashed (a one-part pack of its own, no `setup`).
+    if [ -f $STASH/train_probe.xz ] && [ ! -x $STASH/train_probe ]; then
+        xz -dc $STASH/train_probe.xz > $STASH/train_probe && chmod +x $STASH/train_probe
+    fi
+    mkdir -p $STASH/assets
     cuda_env
     # Each line runs whatever the one before did (a failing kernel must not hide the others).
     {
