@@ -106,6 +106,12 @@ kept() {
     *) echo "$1" ;;
     esac
 }
+# The kernel checks' binary from its stashed xz, once (`setup` and `flash`).
+unpack_probe() {
+    if [ -f $STASH/train_probe.xz ] && [ ! -x $STASH/train_probe ]; then
+        xz -dc $STASH/train_probe.xz > $STASH/train_probe && chmod +x $STASH/train_probe
+    fi
+}
 # PyTorch's CUDA 13 libraries (cuBLAS, ...) for the binary, and .assets/ pointing at the stash.
 cuda_env() {
     local lib
@@ -234,9 +240,7 @@ setup)
     [ -f $STASH/assets/sharegpt.json ] || xz -dc $STASH/sharegpt.json.xz > $STASH/assets/sharegpt.json
     cp -n $STASH/HumanEval.jsonl.gz $STASH/gsm8k.jsonl $STASH/mt-bench.jsonl $STASH/assets/
     [ -x $STASH/dflash ] || { xz -dc $STASH/dflash.xz > $STASH/dflash && chmod +x $STASH/dflash; }
-    if [ -f $STASH/train_probe.xz ] && [ ! -x $STASH/train_probe ]; then
-        xz -dc $STASH/train_probe.xz > $STASH/train_probe && chmod +x $STASH/train_probe
-    fi
+    unpack_probe
     # The reference package and gguf, into the stash (a plain `pip install` there left `gguf`
     # unimportable once); `reference` puts them on PYTHONPATH.
     ls $STASH/*.whl >/dev/null 2>&1 && pip install -q --no-deps --target $STASH/site $STASH/*.whl || true
@@ -410,10 +414,9 @@ flash)
     # autograd in f64 (both dK/dV kernels, the pipelined one bit for bit equal to the staged
     # one), timed beside SDPA and FlexAttention under torch.compile, then the training step with
     # the pipelined dK/dV kernel (`DFLASH_FLASH_DKV=pipelined`; `checks` times the default).
-    # Needs only flash.ptx and train_probe.xz stashed (a one-part pack of its own, no `setup`).
-    if [ -f $STASH/train_probe.xz ] && [ ! -x $STASH/train_probe ]; then
-        xz -dc $STASH/train_probe.xz > $STASH/train_probe && chmod +x $STASH/train_probe
-    fi
+    # Needs only flash.ptx and train_probe.xz stashed (a one-part pack of its own, no `setup`):
+    # cuda_env points .assets at the stash's, which may not exist yet.
+    unpack_probe
     mkdir -p $STASH/assets
     cuda_env
     # Each line runs whatever the one before did (a failing kernel must not hide the others).
