@@ -108,7 +108,7 @@ impl StageKind for BenchKind {
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where the in-process decoding runs (`auto`: GPU 0 when this build and machine have one); every method runs on it").default("auto"),
             Param::new("verify", ParamType::Enum(&["chain", "tree", "tree+lookup", "both", "all"]), "how a drafter's block is verified: `chain` (its likeliest token per position), `tree` (a tree of its likeliest tokens per position, one target pass over all of it, the longest path the target agrees with committed; method `<drafter>+tree`), `tree+lookup` (that tree with up to three of prompt lookup's continuations, matching the last `ngram` tokens, grafted on as more paths within the budget; method `<drafter>+tree+lookup`), `both` (chain and tree side by side) or `all` (the three)").default("chain"),
             Param::new("tree_width", int(), "tree verification: candidates per block position (at most 32)").default(8).between(1.0, 32.0),
-            Param::new("tree_budget", int(), "tree verification: nodes per tree, the round's first token included (the target pass's width; on an H100 a pass over 128 tokens of SmolLM2 costs what one over 64 does, and the tree's tau rises; on a CPU a pass costs by its tokens and 8 paid best for SmolLM2 on two cores)").default(128).at_least(2.0),
+            Param::new("tree_budget", int(), "tree verification: nodes per tree, the round's first token included (the target pass's width; on an H100 a pass over 128 tokens of SmolLM2 costs what one over 64 does, and the tree's tau rises; on a CPU a pass costs by its tokens: for SmolLM2 on two cores 8 to 16 paid best, 4 and 32 less)").default(128).at_least(2.0),
         ]
     }
 
