@@ -215,7 +215,7 @@ fn bad_options_say_what_is_wrong() {
 /// Local benchmark files are counted as `download` will map them, rows and user turns, and
 /// a bench asks every turn of the first `prompts` rows; a `command` stage that copies an
 /// exported drafter in is a drafter, not a prompt set: 4 single-turn rows (of 5) + 3 two-turn
-/// rows = 10 turns x 100 tokens x 64 layers' steps x (1 + 1.3 + 1.5).
+/// rows = 10 turns x 100 tokens x 0.77 x 64 layers' steps x (1 + 1.1 / 2.1 + 1.4 / 2.2).
 #[test]
 fn local_benchmark_files_are_counted_turn_by_turn() {
     let env = story();
@@ -241,7 +241,27 @@ fn local_benchmark_files_are_counted_turn_by_turn() {
     assert_wall(
         b,
         // Autoregressive decoding, prompt lookup's rounds at its tau, the chain's at its tau.
-        10.0 * 100.0 * 64.0 * 0.000_165 * (1.0 + 1.1 / 2.1 + 1.4 / 2.2) / 3600.0,
+        10.0 * 100.0 * 0.77 * 64.0 * 0.000_18 * (1.0 + 1.1 / 2.1 + 1.4 / 2.2) / 3600.0,
+    );
+    assert!(b.to_string().contains("user turns counted"), "{b}");
+
+    // Once the downloads are done (their rows measured in the store), the turns are still
+    // counted: a done multi-turn set used to be taken at one turn a row.
+    let out = env.dflash(&["run", "bench.yaml", "--only", "single", "--only", "multi"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let e = json(
+        &env,
+        &["bench.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+    );
+    assert_eq!(stage(&e, "multi")["state"], "done", "{e}");
+    let b = stage(&e, "bench");
+    assert_wall(
+        b,
+        10.0 * 100.0 * 0.77 * 64.0 * 0.000_18 * (1.0 + 1.1 / 2.1 + 1.4 / 2.2) / 3600.0,
     );
     assert!(b.to_string().contains("user turns counted"), "{b}");
 }
@@ -269,9 +289,9 @@ fn assert_wall(stage: &Value, expected: f64) {
 }
 
 /// A bench is sized from its prompts, its methods and the target's step: 10 prompts (the set's
-/// `limit`, below `prompts`) x 100 tokens x 64 layers' steps x (autoregressive 1 + prompt
-/// lookup's rounds of 1.1 steps at tau 2.1 + one drafter's of 1.4 at tau 2.2); at tau 1, the
-/// bound.
+/// `limit`, below `prompts`) x 100 tokens x 0.77 (answers stop sooner) x 64 layers' steps x
+/// (autoregressive 1 + prompt lookup's rounds of 1.1 steps at tau 2.1 + one drafter's of 1.4 at
+/// tau 2.2); at tau 1 and full-length answers, the bound.
 #[test]
 fn a_bench_is_sized_from_its_prompts_methods_and_target() {
     let env = story();
@@ -283,7 +303,7 @@ fn a_bench_is_sized_from_its_prompts_methods_and_target() {
     assert_wall(
         b,
         // Autoregressive decoding, prompt lookup's rounds at its tau, the chain's at its tau.
-        10.0 * 100.0 * 64.0 * 0.000_165 * (1.0 + 1.1 / 2.1 + 1.4 / 2.2) / 3600.0,
+        10.0 * 100.0 * 0.77 * 64.0 * 0.000_18 * (1.0 + 1.1 / 2.1 + 1.4 / 2.2) / 3600.0,
     );
     assert_eq!(b["gpus"], 1);
     // At tau 1 (a drafter not yet trained), an upper bound: every method a round a token.
@@ -299,11 +319,32 @@ fn a_bench_is_sized_from_its_prompts_methods_and_target() {
             "bench_tau_ngram=1",
             "--assume",
             "bench_tau_chain=1",
+            "--assume",
+            "bench_answer_fraction=1",
         ],
     );
     assert_wall(
         stage(&bound, "bench"),
-        10.0 * 100.0 * 64.0 * 0.000_165 * (1.0 + 1.1 + 1.4) / 3600.0,
+        10.0 * 100.0 * 64.0 * 0.000_18 * (1.0 + 1.1 + 1.4) / 3600.0,
+    );
+    // Verified as a tree with prompt lookup's paths: a tree's round (1.8 steps) at that
+    // graft's tau (4.3).
+    env.write(
+        "grafted.yaml",
+        &std::fs::read_to_string(env.path().join("bench.yaml"))
+            .unwrap()
+            .replace(
+                "max_new_tokens: 100}",
+                "max_new_tokens: 100, verify: tree+lookup}",
+            ),
+    );
+    let e = json(
+        &env,
+        &["grafted.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],
+    );
+    assert_wall(
+        stage(&e, "bench"),
+        10.0 * 100.0 * 0.77 * 64.0 * 0.000_18 * (1.0 + 1.1 / 2.1 + 1.8 / 4.3) / 3600.0,
     );
     // Endpoint mode is the servers' business.
     env.write(

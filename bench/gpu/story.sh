@@ -58,6 +58,13 @@
 # bench_gsm8k --only bench_mt_bench --only bench_humaneval` (100 / 80 / 164 prompts; estimated
 # 260 / 416 / 427 s, HumanEval measured 240), resuming from the store's four-prompt shards when
 # cut, and `PIPE=... bring-back`; here, `keep-drafter` the promoted drafter.
+# The eleventh (2026-12-07, an H200) ran that plan: `run 555 --only drafter` finished the 2,800
+# steps in 546 s; `promote; PIPE=... run 490 --only bench_gsm8k --only bench_mt_bench --only
+# bench_humaneval; bring-back` (MT-Bench done, HumanEval cut); `PIPE=... run 300 --only
+# bench_gsm8k; PIPE=... run 190 --only bench_humaneval; bring-back` (~1,660 s with the start);
+# the drafter kept as `drafters:smollm2-5600`, so the next full bench needs no retraining:
+# `pack-inputs BIN .gpu drafters:smollm2-5600 drafters:smollm2-expansion-seed`, `stash` x3,
+# `stash; setup; PIPE=pipelines/smollm2-full.yaml run SECS --only bench_...`.
 # With less device time than the retraining needs (~950 s after the start), the kept 2,800-step
 # drafter (the pack's INIT) benched on the full sets instead, after the same four calls:
 # `PIPE=pipelines/smollm2-full.yaml run SECS --only bench_gsm8k --only bench_mt_bench`; with

@@ -233,9 +233,9 @@ impl Assumptions {
             },
             Assumption {
                 name: "decode_step_s_per_layer",
-                value: 0.000_165,
+                value: 0.000_18,
                 meaning: "seconds one in-process decoding step (one token, batch 1) spends per target layer on a GPU",
-                source: "measured: pipelines/smollm2.yaml's bench on one H100, 4.4-5.5 ms per step of the 30-layer target (README \"The tenth run\"; 5.2-6.5 ms in the sixth, before the verification pass's launches were cut)".into(),
+                source: "measured: pipelines/smollm2.yaml's bench, 4.4-5.5 ms per step of the 30-layer target on one H100 (README \"The tenth run\"), 5.6-5.7 ms on one H200 (\"The eleventh run\": launch-bound, so no faster for the H200's bandwidth)".into(),
             },
             Assumption {
                 name: "bench_verify_step_ratio",
@@ -270,8 +270,20 @@ impl Assumptions {
             Assumption {
                 name: "bench_tau_tree",
                 value: 3.4,
-                meaning: "tokens a drafter's tree round commits (tau), prompt lookup's paths in it or not; the story's trained drafter",
-                source: "measured: the story's 5,600-step drafter, the tree 3.38 / 3.73 / 3.89, with prompt lookup's paths 4.26-4.83 (README \"The tenth run\")".into(),
+                meaning: "tokens a drafter's tree round commits (tau); the story's trained drafter",
+                source: "measured: the story's 5,600-step drafter, the tree 3.38 / 3.73 / 3.89 (README \"The tenth run\")".into(),
+            },
+            Assumption {
+                name: "bench_tau_tree_lookup",
+                value: 4.3,
+                meaning: "tokens a drafter's tree round with prompt lookup's paths grafted on commits (tau); the story's trained drafter",
+                source: "measured: the story's 5,600-step drafter over all of HumanEval / GSM8K / MT-Bench on one H200, 4.49 / 4.14 / 4.46 (README \"The eleventh run\")".into(),
+            },
+            Assumption {
+                name: "bench_answer_fraction",
+                value: 0.77,
+                meaning: "the share of `max_new_tokens` a bench's answers take before they stop; 1 bounds the time from above",
+                source: "measured: the story's full sets at 256 tokens on one H200, 83,422 tokens over 424 turns (HumanEval 66%, GSM8K 83%, MT-Bench 84%) (README \"The eleventh run\")".into(),
             },
             Assumption {
                 name: "tokenize_tokens_per_s",

@@ -176,8 +176,9 @@ impl Sizer<'_> {
             }
         };
         // Local files are counted as the stage will map them (small ones: a benchmark set, not
-        // a corpus), their user turns too.
-        let counted = (spec.kind == "download" && done.is_none())
+        // a corpus), their user turns too, done or not: the manifest has the rows, not the
+        // turns a multi-turn set asks (MT-Bench's 80 rows are 160 turns to decode).
+        let counted = (spec.kind == "download")
             .then(|| {
                 dflash_stage_download::local_counts(
                     &spec.params,
@@ -602,8 +603,9 @@ impl Sizer<'_> {
     /// In-process bench: every prompt set's turns decoded by every method to `max_new_tokens`
     /// (answers that stop sooner make it shorter), one token per target step for
     /// autoregressive decoding and tau tokens per round for the speculative methods, at the
-    /// taus the story's trained drafter measured (`--assume bench_tau_...=1` bounds it from
-    /// above, as for a drafter not yet trained). A round costs a multiple of a step, measured
+    /// taus the story's trained drafter measured and the share of `max_new_tokens` its answers
+    /// took (`--assume bench_tau_...=1` and `bench_answer_fraction=1` bound it from above, as
+    /// for a drafter not yet trained). A round costs a multiple of a step, measured
     /// on an H100.
     fn bench(&mut self, spec: &StageSpec, ups: &[&Data], up_kinds: &[&str], s: &mut StageEstimate) {
         if spec.params["endpoints"]
@@ -661,28 +663,33 @@ impl Sizer<'_> {
             a("bench_tree_round_ratio"),
         );
         // A method's time per token, in target steps: its round over the tokens a round commits.
-        let (tau_ngram, tau_chain, tau_tree) = (
+        let (tau_ngram, tau_chain, tau_tree, tau_graft) = (
             a("bench_tau_ngram").max(1.0),
             a("bench_tau_chain").max(1.0),
             a("bench_tau_tree").max(1.0),
+            a("bench_tau_tree_lookup").max(1.0),
         );
-        let (chain, tree_round) = (draft / tau_chain, tree / tau_tree);
+        // The tree with prompt lookup's paths: a round as dear as the tree's, more per round.
+        let (chain, tree_round, graft) = (draft / tau_chain, tree / tau_tree, tree / tau_graft);
         // Each drafter decodes once per way of verifying it (`both`: chain, then tree; `all`:
-        // then the tree with prompt lookup's path, a round as dear as the tree's).
+        // then the tree with prompt lookup's paths).
         let per_drafter = match spec.params["verify"].as_str() {
-            Some("tree" | "tree+lookup") => tree_round,
+            Some("tree") => tree_round,
+            Some("tree+lookup") => graft,
             Some("both") => chain + tree_round,
-            Some("all") => chain + 2.0 * tree_round,
+            Some("all") => chain + tree_round + graft,
             _ => chain,
         };
         let factor = 1.0 + if ngram { verify / tau_ngram } else { 0.0 } + drafters * per_drafter;
-        let seconds = turns * max_new * step * factor;
+        // Answers stop before `max_new_tokens` (end of turn), most of all short code.
+        let answer = a("bench_answer_fraction").clamp(0.0, 1.0);
+        let seconds = turns * max_new * answer * step * factor;
         s.resource = Resource::Gpu;
         s.gpus = 1;
         s.gpu_hours = seconds / 3600.0;
         s.wall_hours = Some(s.gpu_hours);
         s.notes.push(format!(
-            "{} turns ({} prompts per set{}{}) x {} tokens: a target step of {:.1} ms, rounds of {verify:.1}x (prompt lookup), {draft:.1}x (a drafter's chain) and {tree:.1}x (its tree) a step, at tau {tau_ngram:.1} / {tau_chain:.1} / {tau_tree:.1} (the story's trained drafter; answers that stop sooner take less)",
+            "{} turns ({} prompts per set{}{}) x {} tokens x {answer:.2} (answers stop sooner): a target step of {:.1} ms, rounds of {verify:.1}x (prompt lookup), {draft:.1}x (a drafter's chain) and {tree:.1}x (its tree) a step, at tau {tau_ngram:.1} / {tau_chain:.1} / {tau_tree:.1} / {tau_graft:.1} with prompt lookup's paths (the story's trained drafter)",
             count(turns),
             count(prompts),
             if known { "" } else { ", sets of unknown size taken as full" },
