@@ -115,6 +115,43 @@ fn every_method_reproduces_autoregressive_output_and_the_results_are_kept() {
     );
 }
 
+/// A DFlash drafter trained with blocks of 4 runs with blocks of 8 (`block_size`): its weights
+/// do not depend on the block. Every method drafts up to 7 tokens a round, the output is still
+/// the target's own, and the run says the drafter runs past its training.
+#[test]
+fn a_drafter_runs_at_another_block_than_it_was_trained_with() {
+    let env = Env::new();
+    setup(&env);
+    env.write(
+        "p.yaml",
+        &PIPELINE.replace(
+            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24}",
+            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24, block_size: 8, verify: all}",
+        ),
+    );
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["bench"], "ran");
+    let m = env.show("bench", "p.yaml");
+    let methods = &m["stats"]["sets"]["prompts"]["methods"];
+    for name in [
+        "ngram",
+        "trained",
+        "trained+tree",
+        "trained+tree+lookup",
+        "untrained",
+    ] {
+        let r = &methods[name];
+        assert_eq!(r["identical"], 4, "{name}: {r}");
+        assert_eq!(r["acceptance"].as_array().unwrap().len(), 7, "{name}: {r}");
+    }
+    let warnings = m["stats"]["warnings"].to_string();
+    assert!(
+        warnings
+            .contains("drafter `trained` was trained with blocks of 4; it runs with blocks of 8"),
+        "{warnings}"
+    );
+}
+
 #[test]
 fn diff_shows_the_tau_change_per_set() {
     let env = Env::new();

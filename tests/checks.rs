@@ -225,7 +225,7 @@ fn bench_params_are_checked() {
   drafter:
     kind: train
     inputs: [gsm8k]
-    params: {target: models/target, mask_token_id: 151669, block_size: 16}
+    params: {target: models/target, mask_token_id: 151669, block_size: 16, head: dflash2}
   nothing:
     kind: bench
     inputs: [gsm8k]

@@ -102,7 +102,7 @@ impl StageKind for BenchKind {
             Param::new("seed", int(), "seed for sampled decoding").default(0).at_least(0.0),
             Param::new("baselines", ParamType::List(Box::new(ParamType::Enum(&["ngram"]))), "baselines besides autoregressive decoding, which always runs: `ngram` is prompt lookup").default(json!(["ngram"])),
             Param::new("ngram", int(), "the longest suffix prompt lookup matches").default(3).at_least(1.0),
-            Param::new("block_size", int(), "the n-gram baseline's block size (null: the first drafter's, else 16)").at_least(2.0),
+            Param::new("block_size", int(), "every method's block: prompt lookup drafts one token fewer, each DFlash drafter proposes blocks of this size (null: the first drafter's trained block, else 16). A DFlash drafter's weights do not depend on its block, so one trained at 8 runs at 16: the positions past its training propose little, but `tree+lookup` grafts prompt lookup's paths to the block's end").at_least(2.0),
             Param::new("template_kwargs", ParamType::Map(Box::new(ParamType::Any)), "passed to the chat template, e.g. {enable_thinking: false}; must match what the drafter was trained with").default(json!({})),
             Param::new("prompt_format", ParamType::Map(Box::new(ParamType::Str)), "per prompt set, how each user turn is asked: a preset of z-lab's benchmark harness (humaneval, gsm8k, math) or a template holding {prompt}, e.g. {humaneval: humaneval, gsm8k: gsm8k}; sets not named are asked as they are").default(json!({})),
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where the in-process decoding runs (`auto`: GPU 0 when this build and machine have one); every method runs on it").default("auto"),
@@ -185,17 +185,20 @@ impl StageKind for BenchKind {
                 );
             }
         }
-        // Prompt lookup measured at another block size than the drafter would compare two
-        // things at once.
-        if let Some(b) = params["block_size"].as_u64()
-            && let Some(train) = env.upstream_of_kind("train").first()
-            && let Some(trained) = train.params["block_size"].as_u64()
-            && trained != b
-        {
-            issues.push(
-                Issue::new("block_size", format!("{b}, but drafter `{}` was trained with blocks of {trained}", train.id))
-                    .help("leave `block_size` out: prompt lookup then drafts as many tokens per round as the drafter"),
-            );
+        // A DFlash 2 drafter's convolutions run over the block it was trained with; a DFlash
+        // drafter runs at any block (`block_size`'s help).
+        if let Some(b) = params["block_size"].as_u64() {
+            for train in env.upstream_of_kind("train") {
+                if train.params["head"].as_str() == Some("dflash2")
+                    && let Some(trained) = train.params["block_size"].as_u64()
+                    && trained != b
+                {
+                    issues.push(
+                        Issue::new("block_size", format!("{b}, but DFlash 2 drafter `{}` was trained with blocks of {trained}", train.id))
+                            .help("a DFlash 2 drafter runs at its own block: leave `block_size` out (a DFlash drafter may run at another)"),
+                    );
+                }
+            }
         }
         issues
     }

@@ -326,7 +326,14 @@ impl Method {
 }
 
 /// Load a `train` artifact's exported drafter, checked against the target.
-fn load_drafter(input: &Input, target: &Target) -> Result<(Drafter, Value), StageError> {
+/// The drafter `input` holds, its blocks `block` long where given (a DFlash drafter's weights do
+/// not depend on its block; a DFlash 2 drafter's convolutions do), its training record and the
+/// block it was trained with.
+fn load_drafter(
+    input: &Input,
+    target: &Target,
+    block: Option<u64>,
+) -> Result<(Drafter, Value, usize), StageError> {
     let dir = input.dir.join("drafter");
     let bad = |what: String| {
         StageError::new(format!("drafter `{}`: {what}", input.name))
@@ -334,8 +341,21 @@ fn load_drafter(input: &Input, target: &Target) -> Result<(Drafter, Value), Stag
     };
     let config: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)
         .map_err(|e| bad(format!("config.json: {e}")))?;
-    let config =
+    let mut config =
         DrafterConfig::from_hf_config(&config).map_err(|e| bad(format!("config.json: {e}")))?;
+    let trained = config.block_size;
+    if let Some(b) = block.map(|b| b as usize)
+        && b != config.block_size
+    {
+        if config.dflash2.is_some() {
+            return Err(StageError::new(format!(
+                "drafter `{}` is a DFlash 2 drafter trained with blocks of {}; `block_size` asks {b}",
+                input.name, config.block_size
+            ))
+            .with_help("a DFlash 2 drafter runs at its own block: leave `block_size` out"));
+        }
+        config.block_size = b;
+    }
     let tc = &target.config;
     if config.hidden != tc.hidden || config.vocab != tc.vocab {
         return Err(bad(format!(
@@ -361,7 +381,7 @@ fn load_drafter(input: &Input, target: &Target) -> Result<(Drafter, Value), Stag
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or(Value::Null);
-    Ok((drafter, training))
+    Ok((drafter, training, trained))
 }
 
 /// The warnings a drafter's training record raises against this bench.
@@ -452,9 +472,17 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     };
     let mut drafters = Vec::new();
     let mut set_inputs = Vec::new();
+    let mut warnings = Vec::new();
     for input in ctx.inputs {
         if sets::is_drafter(input) {
-            drafters.push((input.name.clone(), load_drafter(input, &target)?));
+            let (drafter, training, trained) = load_drafter(input, &target, p.block_size)?;
+            if trained != drafter.config.block_size {
+                warnings.push(format!(
+                    "drafter `{}` was trained with blocks of {trained}; it runs with blocks of {} (`block_size`): positions past {trained} propose what it never learned",
+                    input.name, drafter.config.block_size
+                ));
+            }
+            drafters.push((input.name.clone(), (drafter, training)));
         } else {
             set_inputs.push(input);
         }
@@ -475,7 +503,6 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             "give bench prompt sets as inputs: `download` (MT-Bench, HumanEval, GSM8K), `mix` or `tokenize` stages",
         ));
     }
-    let mut warnings = Vec::new();
     for (name, (_, training)) in &drafters {
         warnings.extend(mismatches(name, training, p, ctx.pins, &prompt_sets));
     }
