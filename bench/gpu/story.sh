@@ -65,6 +65,10 @@
 # the drafter kept as `drafters:smollm2-5600`, so the next full bench needs no retraining:
 # `pack-inputs BIN .gpu drafters:smollm2-5600 drafters:smollm2-expansion-seed`, `stash` x3,
 # `stash; setup; PIPE=pipelines/smollm2-full.yaml run SECS --only bench_...`.
+# Next (issue 19's MT-Bench at 2x prompt lookup's tau): that pack, with a CUDA build that has
+# bench's `block_size` for drafters (2026-12-07), then `PIPE=pipelines/smollm2-full.yaml run SECS
+# --only bench16_mt_bench --only bench16_gsm8k --only bench16_humaneval` (the drafter with
+# blocks of 16: 2.10x on MT-Bench's first 4 prompts on a CPU; ~15 min of H200 for the three).
 # With less device time than the retraining needs (~950 s after the start), the kept 2,800-step
 # drafter (the pack's INIT) benched on the full sets instead, after the same four calls:
 # `PIPE=pipelines/smollm2-full.yaml run SECS --only bench_gsm8k --only bench_mt_bench`; with
