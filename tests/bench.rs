@@ -115,23 +115,30 @@ fn every_method_reproduces_autoregressive_output_and_the_results_are_kept() {
     );
 }
 
-/// A DFlash drafter trained with blocks of 4 runs with blocks of 8 (`block_size`): its weights
-/// do not depend on the block. Every method drafts up to 7 tokens a round, the output is still
-/// the target's own, and the run says the drafter runs past its training.
-#[test]
-fn a_drafter_runs_at_another_block_than_it_was_trained_with() {
+/// The pipeline's bench run with `extra` params (YAML flow entries) added: the folder and the
+/// bench's manifest.
+fn bench_manifest_with(extra: &str) -> (Env, Value) {
     let env = Env::new();
     setup(&env);
     env.write(
         "p.yaml",
         &PIPELINE.replace(
             "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24}",
-            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24, block_size: 8, verify: all}",
+            &format!("params: {{target: tiny.gguf, prompts: 4, max_new_tokens: 24, {extra}}}"),
         ),
     );
     let (st, _) = env.run("p.yaml", 0);
     assert_eq!(st["bench"], "ran");
     let m = env.show("bench", "p.yaml");
+    (env, m)
+}
+
+/// A DFlash drafter trained with blocks of 4 runs with blocks of 8 (`block_size`): its weights
+/// do not depend on the block. Every method drafts up to 7 tokens a round, the output is still
+/// the target's own, and the run says the drafter runs past its training.
+#[test]
+fn a_drafter_runs_at_another_block_than_it_was_trained_with() {
+    let (_, m) = bench_manifest_with("block_size: 8, verify: all");
     let methods = &m["stats"]["sets"]["prompts"]["methods"];
     for name in [
         "ngram",
@@ -248,18 +255,7 @@ fn a_drafter_for_another_target_is_refused_with_the_reason() {
 /// chain, and at least as many tokens per target pass.
 #[test]
 fn tree_verification_runs_beside_the_chain_and_is_lossless() {
-    let env = Env::new();
-    setup(&env);
-    env.write(
-        "p.yaml",
-        &PIPELINE.replace(
-            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24}",
-            "params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24, verify: all, tree_width: 3, tree_budget: 12}",
-        ),
-    );
-    let (st, _) = env.run("p.yaml", 0);
-    assert_eq!(st["bench"], "ran");
-    let m = env.show("bench", "p.yaml");
+    let (env, m) = bench_manifest_with("verify: all, tree_width: 3, tree_budget: 12");
     let methods = &m["stats"]["sets"]["prompts"]["methods"];
     let names: Vec<&str> = methods
         .as_object()
