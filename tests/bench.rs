@@ -390,6 +390,56 @@ stages:
     );
 }
 
+/// A DFlash 2 drafter's convolutions run over the block it was trained with: copied in by a
+/// `command` stage (no `train` upstream for the plan to check), it is refused when the bench
+/// loads it at another block, with the reason, and nothing is stored for the bench.
+#[test]
+fn a_dflash2_drafter_is_refused_at_another_block() {
+    let env = Env::new();
+    setup(&env);
+    env.write(
+        "p.yaml",
+        &PIPELINE.replace("max_steps: 0}", "max_steps: 0, head: dflash2}"),
+    );
+    let o = env.dflash(&["run", "p.yaml", "--only", "untrained"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = env.dflash(&["export", "untrained", "-p", "p.yaml", "exported"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    env.write(
+        "q.yaml",
+        r#"
+stages:
+  prompts:
+    kind: command
+    params: {run: "cp train-00000.arrow $DFLASH_OUT/ && cp served/tokenize.json $DFLASH_OUT/",
+             files: [train-00000.arrow, served/tokenize.json]}
+  imported:
+    kind: command
+    params: {run: 'mkdir -p "$DFLASH_OUT/drafter" && cp exported/drafter/config.json exported/drafter/model.safetensors "$DFLASH_OUT/drafter/"',
+             files: [exported/drafter/config.json, exported/drafter/model.safetensors]}
+  bench:
+    kind: bench
+    inputs: [imported, prompts]
+    params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24, block_size: 8}
+"#,
+    );
+    let o = env.dflash(&["run", "q.yaml"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(
+            "drafter `imported` is a DFlash 2 drafter trained with blocks of 4; `block_size` asks 8"
+        ),
+        "{err}"
+    );
+    let plan = String::from_utf8_lossy(&env.dflash(&["plan", "q.yaml"]).stdout).into_owned();
+    assert!(
+        plan.lines()
+            .any(|l| l.starts_with("pending") && l.contains("bench")),
+        "{plan}"
+    );
+}
+
 #[test]
 fn endpoint_mode_compares_running_servers_with_and_without_speculation() {
     let model = support::hub::assets().join("SmolLM2-135M-Instruct.Q4_1.gguf");
