@@ -327,22 +327,9 @@ fn tree_verification_runs_beside_the_chain_and_is_lossless() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("tree_budget"));
 }
 
-/// A drafter trained elsewhere, as `dflash export` writes it (a `drafter/` folder), benches
-/// through a `command` stage that copies it into the store (`pipelines/smollm2-bench.yaml`'s
-/// way): the figures its `train` artifact gave (on this tiny random target the drafter is
-/// rarely accepted, so that is a weak check; the method existing at all is the strong one),
-/// and another drafter in the folder is another key.
-#[test]
-fn an_exported_drafter_benches_from_a_command_stage_as_from_its_train_stage() {
-    let env = Env::new();
-    setup(&env);
-    let (st, _) = env.run("p.yaml", 0);
-    assert_eq!(st["bench"], "ran");
-    let o = env.dflash(&["export", "trained", "-p", "p.yaml", "exported"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    env.write(
-        "q.yaml",
-        r#"
+/// The pipeline's prompts and a drafter exported to `exported/` (`dflash export`), copied in by a
+/// `command` stage (`pipelines/smollm2-bench.yaml`'s way), and benched.
+const IMPORTED: &str = r#"
 name: imported
 stages:
   prompts:
@@ -357,8 +344,22 @@ stages:
     kind: bench
     inputs: [imported, prompts]
     params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24}
-"#,
-    );
+"#;
+
+/// A drafter trained elsewhere, as `dflash export` writes it (a `drafter/` folder), benches
+/// through a `command` stage that copies it into the store (`pipelines/smollm2-bench.yaml`'s
+/// way): the figures its `train` artifact gave (on this tiny random target the drafter is
+/// rarely accepted, so that is a weak check; the method existing at all is the strong one),
+/// and another drafter in the folder is another key.
+#[test]
+fn an_exported_drafter_benches_from_a_command_stage_as_from_its_train_stage() {
+    let env = Env::new();
+    setup(&env);
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["bench"], "ran");
+    let o = env.dflash(&["export", "trained", "-p", "p.yaml", "exported"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    env.write("q.yaml", IMPORTED);
     let (st, _) = env.run("q.yaml", 0);
     assert_eq!(st["prompts"], "cached");
     assert_eq!(st["bench"], "ran");
@@ -407,21 +408,7 @@ fn a_dflash2_drafter_is_refused_at_another_block() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     env.write(
         "q.yaml",
-        r#"
-stages:
-  prompts:
-    kind: command
-    params: {run: "cp train-00000.arrow $DFLASH_OUT/ && cp served/tokenize.json $DFLASH_OUT/",
-             files: [train-00000.arrow, served/tokenize.json]}
-  imported:
-    kind: command
-    params: {run: 'mkdir -p "$DFLASH_OUT/drafter" && cp exported/drafter/config.json exported/drafter/model.safetensors "$DFLASH_OUT/drafter/"',
-             files: [exported/drafter/config.json, exported/drafter/model.safetensors]}
-  bench:
-    kind: bench
-    inputs: [imported, prompts]
-    params: {target: tiny.gguf, prompts: 4, max_new_tokens: 24, block_size: 8}
-"#,
+        &IMPORTED.replace("max_new_tokens: 24}", "max_new_tokens: 24, block_size: 8}"),
     );
     let o = env.dflash(&["run", "q.yaml"]);
     assert_eq!(o.status.code(), Some(1));
