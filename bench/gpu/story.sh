@@ -69,11 +69,8 @@
 # bench's `block_size` for drafters (2026-12-07), then `PIPE=pipelines/smollm2-full.yaml run SECS
 # --only bench16_mt_bench --only bench16_gsm8k --only bench16_humaneval` (the drafter with
 # blocks of 16: 2.10x on MT-Bench's first 4 prompts on a CPU; ~15 min of H200 for the three).
-# With less device time than the retraining needs (~950 s after the start), the kept 2,800-step
-# drafter (the pack's INIT) benched on the full sets instead, after the same four calls:
-# `PIPE=pipelines/smollm2-full.yaml run SECS --only bench_gsm8k --only bench_mt_bench`; with
-# under ~400 s, `stash; flash` alone, carrying a one-part pack of its own (train_probe.xz and
-# flash.ptx from a full pack's parts, 7.3 MB).
+# With under ~400 s of device time, `stash; flash` alone, carrying a one-part pack of its own
+# (train_probe.xz and flash.ptx from a full pack's parts, 7.3 MB).
 # `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
 # pack-inputs packs) beside the staged one and FlexAttention, then the step with each and
 # PyTorch's eager step, all in one call.

@@ -325,10 +325,9 @@ impl Method {
     }
 }
 
-/// Load a `train` artifact's exported drafter, checked against the target.
-/// The drafter `input` holds, its blocks `block` long where given (a DFlash drafter's weights do
-/// not depend on its block; a DFlash 2 drafter's convolutions do), its training record and the
-/// block it was trained with.
+/// Load a `train` artifact's exported drafter, checked against the target, its blocks `block`
+/// long where given (a DFlash drafter's weights do not depend on its block; a DFlash 2 drafter's
+/// convolutions do); with its training record and the block it was trained with.
 fn load_drafter(
     input: &Input,
     target: &Target,
