@@ -68,7 +68,7 @@
 # Next (issue 19's MT-Bench at 2x prompt lookup's tau): that pack, with a CUDA build that has
 # bench's `block_size` for drafters (2026-12-07), then `PIPE=pipelines/smollm2-full.yaml run SECS
 # --only bench16_mt_bench --only bench16_gsm8k --only bench16_humaneval` (the drafter with
-# blocks of 16: 2.10x on MT-Bench's first 4 prompts on a CPU; ~15 min of H200 for the three).
+# blocks of 16: 1.95x on MT-Bench's first 8 questions on a CPU, 1.79x at 8; ~15 min of H200).
 # With under ~400 s of device time, `stash; flash` alone, carrying a one-part pack of its own
 # (train_probe.xz and flash.ptx from a full pack's parts, 7.3 MB).
 # `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
