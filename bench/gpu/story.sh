@@ -420,8 +420,9 @@ probe)
 flash)
     # There: the drafter's block attention (issue 22): the build's flash PTX checked against
     # autograd in f64 (both dK/dV kernels, the pipelined one bit for bit equal to the staged
-    # one), timed beside SDPA and FlexAttention under torch.compile, then the training step with
-    # the pipelined dK/dV kernel (`DFLASH_FLASH_DKV=pipelined`; `checks` times the default).
+    # one), timed beside SDPA and FlexAttention under torch.compile, the step against PyTorch in
+    # f32, then the training step with each dK/dV kernel (the pipelined one is the default;
+    # `DFLASH_FLASH_DKV=staged` runs the other) beside PyTorch's eager step.
     # Needs only flash.ptx and train_probe.xz stashed (a one-part pack of its own, no `setup`):
     # cuda_env points .assets at the stash's, which may not exist yet.
     unpack_probe
@@ -431,9 +432,11 @@ flash)
     {
         python3 bench/flash_reference.py check $STASH/flash.ptx || echo "check failed: $?"
         python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
-        DFLASH_FLASH_DKV=pipelined $STASH/train_probe flash || echo "train_probe flash failed: $?"
-        $STASH/train_probe speed --anchors 512 || echo "speed (staged) failed: $?"
-        DFLASH_FLASH_DKV=pipelined $STASH/train_probe speed --anchors 512 || echo "speed (pipelined) failed: $?"
+        $STASH/train_probe flash || echo "train_probe flash failed: $?"
+        $STASH/train_probe parity /tmp/parity.safetensors &&
+            python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
+        DFLASH_FLASH_DKV=staged $STASH/train_probe speed --anchors 512 || echo "speed (staged) failed: $?"
+        $STASH/train_probe speed --anchors 512 || echo "speed (pipelined, the default) failed: $?"
         python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"
     } 2>&1 | tee "$OUT/flash.txt"
     ;;
@@ -475,7 +478,8 @@ bring-back)
     cuda_env
     rm -rf /tmp/back && mkdir -p /tmp/back
     # (pipelines/smollm2-full.yaml's benches are one per set.)
-    for s in drafter drafter2 bench bench_dflash2 bench_humaneval bench_gsm8k bench_mt_bench; do
+    for s in drafter drafter2 bench bench_dflash2 bench_humaneval bench_gsm8k bench_mt_bench \
+        bench16_humaneval bench16_gsm8k bench16_mt_bench bench16_mt_bench_256; do
         $STASH/dflash export $s -p $(story_pipeline) --store $STORE /tmp/back/$s 2>/dev/null || true
     done
     # Not the checkpoints (weights and both moments, each): the exported weights and metrics.
@@ -489,7 +493,8 @@ bring-back)
     # What is worth committing as a later session's SEED: the completions (GPU minutes to make
     # again) and the bench artifacts; the tokens remake from them in seconds.
     rm -rf /tmp/seed-store
-    for s in completions completions_more bench bench_dflash2 bench_humaneval bench_gsm8k bench_mt_bench; do
+    for s in completions completions_more bench bench_dflash2 bench_humaneval bench_gsm8k bench_mt_bench \
+        bench16_humaneval bench16_gsm8k bench16_mt_bench bench16_mt_bench_256; do
         $STASH/dflash copy --from $STORE --to /tmp/seed-store --stage $s --max-file-bytes 4M >/dev/null || true
     done
     tar -czf /tmp/back/seed.tar.gz -C /tmp/seed-store .
