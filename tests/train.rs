@@ -170,6 +170,61 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
         upgraded > fresh + 0.5 * (continued - fresh),
         "DFlash 2 from the DFlash drafter: tau {upgraded}; fresh {fresh}, continued {continued}"
     );
+    // A DFlash drafter goes on with another block (its weights do not depend on it): trained
+    // with blocks of 4, it starts blocks of 8 well below where a fresh drafter at 8 does.
+    let at8 = |p: &str| p.replace("block_size: 4", "block_size: 8");
+    env.write("wide.yaml", &at8(&cont));
+    let (st, _) = env.run("wide.yaml", 0);
+    assert_eq!(st["drafter"], "ran");
+    env.write(
+        "fresh8.yaml",
+        &at8(&p).replace(
+            "checkpoint_every: 50}",
+            "checkpoint_every: 50, max_steps: 10}",
+        ),
+    );
+    let (st, _) = env.run("fresh8.yaml", 0);
+    assert_eq!(st["drafter"], "ran");
+    let wide = exported_from(&env, "wide.yaml", "drafter", "wide");
+    let fresh8 = exported_from(&env, "fresh8.yaml", "drafter", "fresh8");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(wide.join("drafter/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["block_size"], 8);
+    let loss_start = |dir: &std::path::Path| {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .take(5)
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .sum::<f64>()
+            / 5.0
+    };
+    let (wide_start, fresh8_start) = (loss_start(&wide), loss_start(&fresh8));
+    eprintln!(
+        "loss over the first 5 steps at 8: from the 4's drafter {wide_start}, fresh {fresh8_start}"
+    );
+    assert!(
+        wide_start < 0.8 * fresh8_start,
+        "blocks of 8 from the drafter trained with 4: loss {wide_start}; fresh at 8: {fresh8_start}"
+    );
+    // A DFlash 2 drafter does not: its convolutions run over the block it was trained with.
+    let err = plan_refuses(
+        &env,
+        "up8.yaml",
+        &at8(&cont).replace(
+            "init: out, max_steps: 10}",
+            "init: up, max_steps: 10, head: dflash2}",
+        ),
+    );
+    assert!(
+        err.contains("block_size") && err.contains("`init`'s drafter has blocks of 4"),
+        "{err}"
+    );
     // A drafter of another shape is refused before anything runs, naming the param.
     let err = plan_refuses(
         &env,

@@ -208,11 +208,16 @@ fn init_issues(
         layers(params["draft_layers"].as_u64().unwrap_or(0)),
         layers(config.layers as u64),
     );
-    check(
-        "block_size",
-        format!("blocks of {}", params["block_size"]),
-        format!("blocks of {}", config.block_size),
-    );
+    // A DFlash drafter's weights do not depend on its block (positions are rotary, the block's
+    // rows share every weight), so one trained with blocks of 8 may go on with 16; a DFlash 2
+    // drafter's convolutions run over its block, so its block must stay.
+    if config.dflash2.is_some() {
+        check(
+            "block_size",
+            format!("blocks of {}", params["block_size"]),
+            format!("blocks of {}", config.block_size),
+        );
+    }
     check(
         "target_layers",
         format!("taps {taps:?}"),

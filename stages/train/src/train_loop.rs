@@ -103,14 +103,18 @@ const CKPT: &str = "ckpt-";
 /// The drafter in the folder `init` (the reference layout), as the f32 weights training
 /// updates; its config must be `config` (the check at plan time says which param differs),
 /// or `config` without DFlash 2: a DFlash drafter starting a DFlash 2 one, whose convolutions
-/// and selector then start as a fresh DFlash 2 drafter's (`seed`), the identity.
+/// and selector then start as a fresh DFlash 2 drafter's (`seed`), the identity. A DFlash
+/// drafter may have been trained with another block: its weights do not depend on it.
 fn start_from(
     init: &std::path::Path,
     config: &DrafterConfig,
     seed: u64,
     device: &candle_core::Device,
 ) -> Result<Drafter, StageError> {
-    let theirs = crate::read_init(init).map_err(StageError::new)?;
+    let mut theirs = crate::read_init(init).map_err(StageError::new)?;
+    if theirs.dflash2.is_none() {
+        theirs.block_size = config.block_size;
+    }
     let upgrade = theirs.dflash2.is_none()
         && config.dflash2.is_some()
         && theirs
@@ -281,7 +285,14 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             let d = match raw["init"].as_str() {
                 Some(init) => {
                     if let Ok(mut log) = dflash_stage_api::StageLog::open(ctx.log_path) {
-                        log.line(&format!("starting from the drafter in {init}"));
+                        let block = match crate::read_init(&ctx.cwd.join(init)) {
+                            Ok(c) if c.block_size != config.block_size => format!(
+                                " (trained with blocks of {}; it goes on with blocks of {})",
+                                c.block_size, config.block_size
+                            ),
+                            _ => String::new(),
+                        };
+                        log.line(&format!("starting from the drafter in {init}{block}"));
                     }
                     start_from(&ctx.cwd.join(init), &config, seed, &device)?
                 }
