@@ -65,10 +65,17 @@
 # the drafter kept as `drafters:smollm2-5600`, so the next full bench needs no retraining:
 # `pack-inputs BIN .gpu drafters:smollm2-5600 drafters:smollm2-expansion-seed`, `stash` x3,
 # `stash; setup; PIPE=pipelines/smollm2-full.yaml run SECS --only bench_...`.
-# Next (issue 19's MT-Bench at 2x prompt lookup's tau): that pack, with a CUDA build that has
-# bench's `block_size` for drafters (2026-12-07), then `PIPE=pipelines/smollm2-full.yaml run SECS
-# --only bench16_mt_bench --only bench16_gsm8k --only bench16_humaneval` (the drafter with
-# blocks of 16: 1.95x on MT-Bench's first 8 questions on a CPU, 1.79x at 8; ~15 min of H200).
+# The twelfth (2026-12-07, an H100) ran that pack with blocks of 16: `stash; setup; PIPE=...
+# run 470 --only bench16_mt_bench` (321 s), `run 480 --only bench16_gsm8k --only
+# bench16_humaneval; bring-back` (432 s, the two at once), `run 420 --only bench16_mt_bench_256`
+# (279 s): 2.16x / 2.10x / 1.96x prompt lookup's tau, MT-Bench 2.00x at 256 nodes; `stash;
+# flash` with .gpu/f (95 s); then, on a fresh machine with bench/results moved out of the tree
+# (the working tree plus a 47 MB part must stay under 64 MiB), `stash` x3 and `stash; setup;
+# sed -i -e 's/^      block_size: 8$/      block_size: 16/' -e '0,/max_steps: 2800/s//max_steps:
+# 500/' pipelines/smollm2.yaml; run 290 --only drafter; promote` (127 s) and `PIPE=... run 165
+# --only bench16_mt_bench` (56 questions: no gain over the 5,600-step drafter at 16).
+# Next: a drafter trained with blocks of 16 for thousands of steps (the sed above with
+# max_steps 2800: ~720 s of H100 at 3.9 steps/s, two calls), then `--only bench16_mt_bench_256`.
 # With under ~400 s of device time, `stash; flash` alone, carrying a one-part pack of its own
 # (train_probe.xz and flash.ptx from a full pack's parts, 7.3 MB).
 # `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
