@@ -212,7 +212,8 @@ fn bad_options_say_what_is_wrong() {
     );
 }
 
-/// Local benchmark files are counted as `download` will map them, rows and user turns, and
+/// Local benchmark files are counted as `download` will map them, rows and user turns (once
+/// done, as the download recorded them), and
 /// a bench asks every turn of the first `prompts` rows; a `command` stage that copies an
 /// exported drafter in is a drafter, not a prompt set: 4 single-turn rows (of 5) + 3 two-turn
 /// rows = 10 turns x 100 tokens x 0.77 x 64 layers' steps x (1 + 1.1 / 2.1 + 1.4 / 2.2).
@@ -245,14 +246,16 @@ fn local_benchmark_files_are_counted_turn_by_turn() {
     );
     assert!(b.to_string().contains("user turns counted"), "{b}");
 
-    // Once the downloads are done (their rows measured in the store), the turns are still
-    // counted: a done multi-turn set used to be taken at one turn a row.
+    // Once the downloads are done (their rows and user turns recorded in the store), the
+    // turns are still counted: a done multi-turn set used to be taken at one turn a row.
     let out = env.dflash(&["run", "bench.yaml", "--only", "single", "--only", "multi"]);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert_eq!(env.show("multi", "bench.yaml")["stats"]["user_turns"], 6);
+    assert_eq!(env.show("single", "bench.yaml")["stats"]["user_turns"], 5);
     let e = json(
         &env,
         &["bench.yaml", "--gpus", "8xH200", PINNED[0], PINNED[1]],

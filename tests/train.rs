@@ -340,6 +340,43 @@ fn stages_on_the_accelerator_take_turns() {
         a.1 <= b.0 || b.1 <= a.0,
         "the trainings overlapped: {a:?} and {b:?}"
     );
+    // What the run says agrees: the second is "started" after the first is reported done, and
+    // the seconds it reports are its own, not its own plus the wait for the first.
+    let (first, second) = if a.0 < b.0 {
+        ("drafter", "other")
+    } else {
+        ("other", "drafter")
+    };
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let at = |line: &str| {
+        stderr
+            .lines()
+            .position(|l| l.starts_with(line))
+            .unwrap_or_else(|| panic!("no `{line}` in:\n{stderr}"))
+    };
+    assert!(
+        at(&format!("ran      {first} ")) < at(&format!("started  {second}")),
+        "{stderr}"
+    );
+    let run: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let reported = |id: &str| {
+        run["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["id"] == id)
+            .unwrap()["seconds"]
+            .as_f64()
+            .unwrap()
+    };
+    let (own, waited) = if second == "other" { (b, a) } else { (a, b) };
+    assert!(
+        reported(second) < (own.1 - own.0) + 0.5 * (waited.1 - waited.0),
+        "`{second}` reported {} s; it trained {} s after waiting {} s for `{first}`",
+        reported(second),
+        own.1 - own.0,
+        waited.1 - waited.0
+    );
 }
 
 /// A sweep (`matrix:`) whose one variant is the pipeline's own drafter: the same key, trained

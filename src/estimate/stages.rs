@@ -175,10 +175,11 @@ impl Sizer<'_> {
                 (None, u) => u,
             }
         };
-        // Local files are counted as the stage will map them (small ones: a benchmark set, not
-        // a corpus), their user turns too, done or not: the manifest has the rows, not the
-        // turns a multi-turn set asks (MT-Bench's 80 rows are 160 turns to decode).
-        let counted = (spec.kind == "download")
+        // A done download's manifest has its user turns (what a multi-turn set asks: MT-Bench's
+        // 80 rows are 160 turns to decode); otherwise local files are counted as the stage
+        // will map them (small ones: a benchmark set, not a corpus).
+        let recorded = stat(done, "rows").zip(stat(done, "user_turns"));
+        let counted = (spec.kind == "download" && recorded.is_none())
             .then(|| {
                 dflash_stage_download::local_counts(
                     &spec.params,
@@ -192,10 +193,12 @@ impl Sizer<'_> {
             .or_else(|| declared(spec, "rows"))
             .or(from_params)
             .or_else(|| counted.map(|c| Figure::new(c.rows as f64, Basis::Measured)));
-        s.data.user_turns = counted.map(|c| {
-            let kept = rows.map_or(1.0, |r| (r.value / c.rows.max(1) as f64).min(1.0));
-            Figure::new(c.user_turns as f64 * kept, Basis::Measured)
-        });
+        s.data.user_turns = recorded
+            .or_else(|| counted.map(|c| (c.rows as f64, c.user_turns as f64)))
+            .map(|(all_rows, turns)| {
+                let kept = rows.map_or(1.0, |r| (r.value / all_rows.max(1.0)).min(1.0));
+                Figure::new(turns * kept, Basis::Measured)
+            });
         // mix measures prompt lengths in characters; ~4 per token.
         let measured_prompt = done
             .and_then(|m| m.stats.get("before"))
@@ -694,7 +697,7 @@ impl Sizer<'_> {
             count(prompts),
             if known { "" } else { ", sets of unknown size taken as full" },
             if counted {
-                "; user turns counted in the local files"
+                "; user turns counted in the sets (a done download's record, or the local files)"
             } else {
                 "; a multi-turn set asks more"
             },

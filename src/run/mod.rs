@@ -116,6 +116,12 @@ pub(crate) struct Outcome {
     pub digest: Option<Digest>,
     pub error: Option<StageError>,
     pub summary: Option<String>,
+    /// Seconds from the moment the stage started (it had the accelerator, where it needs
+    /// one); `None` for a stage that never started (cached, refused), timed from its task's
+    /// start.
+    pub seconds: Option<f64>,
+    /// The accelerator, held until the run has reported this stage finished.
+    pub accelerator: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// Build a stage's fingerprint from its upstream digests (in input order) and its pins.
@@ -216,7 +222,7 @@ pub(crate) struct Shared {
     pub events: mpsc::UnboundedSender<Event>,
     /// One permit: the stage running on the accelerator now
     /// ([`dflash_stage_api::StageKind::uses_accelerator`]).
-    pub accelerator: tokio::sync::Semaphore,
+    pub accelerator: Arc<tokio::sync::Semaphore>,
     /// One lock per key being worked on: stages of the same key (a sweep's variant equal to a
     /// stage beside it) run one after the other, so the second finds the first's artifact.
     pub working: std::sync::Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
@@ -278,7 +284,7 @@ pub async fn execute(
         run_id: run_id.clone(),
         cancel: Cancel::new(),
         events: tx,
-        accelerator: tokio::sync::Semaphore::new(1),
+        accelerator: Arc::new(tokio::sync::Semaphore::new(1)),
         working: std::sync::Mutex::default(),
     });
 
@@ -355,10 +361,12 @@ pub async fn execute(
         }
         tokio::select! {
             Some(joined) = tasks.join_next() => {
-                let (i, seconds, outcome) = match joined {
+                let (i, waited_and_ran, mut outcome) = match joined {
                     Ok(v) => v,
                     Err(e) => std::panic::resume_unwind(e.into_panic()),
                 };
+                let seconds = outcome.seconds.unwrap_or(waited_and_ran);
+                let accelerator = outcome.accelerator.take();
                 let spec = &pipeline.stages[i];
                 let log = outcome.error.as_ref().and_then(|e| e.log.clone());
                 let result = StageResult {
@@ -375,6 +383,7 @@ pub async fn execute(
                 keys[i] = outcome.key;
                 let ok = matches!(outcome.status, Status::Ran | Status::Cached | Status::Resumed);
                 finish(i, result, log, &mut results, reporter);
+                drop(accelerator);
                 if ok {
                     digests[i] = outcome.digest;
                     if let Some(key) = outcome.key {

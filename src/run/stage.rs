@@ -19,6 +19,8 @@ fn failed(key: Option<Key>, e: StageError) -> Outcome {
         digest: None,
         error: Some(e),
         summary: None,
+        seconds: None,
+        accelerator: None,
     }
 }
 
@@ -29,6 +31,8 @@ fn cached(key: Key, digest: Digest) -> Outcome {
         digest: Some(digest),
         error: None,
         summary: None,
+        seconds: None,
+        accelerator: None,
     }
 }
 
@@ -59,8 +63,8 @@ pub(crate) async fn run_stage(
     // A stage that occupies the accelerator waits for the one running there to finish: two
     // trainings never share a GPU's memory. It is not "started" until it has it.
     let kind = shared.registry.get(&spec.kind).expect("validated").clone();
-    let _accelerator = if kind.uses_accelerator(&spec.params) {
-        match shared.accelerator.acquire().await {
+    let accelerator = if kind.uses_accelerator(&spec.params) {
+        match shared.accelerator.clone().acquire_owned().await {
             Ok(permit) => Some(permit),
             Err(_) => return failed(Some(key), StageError::new("the run is closing")),
         }
@@ -71,6 +75,26 @@ pub(crate) async fn run_stage(
         return failed(Some(key), StageError::cancelled());
     }
     let _ = shared.events.send(Event::Started { stage: i });
+    let began = std::time::Instant::now();
+    let mut outcome = run_started(shared, i, key, fp, kind, upstream, upstream_keys).await;
+    // The stage's own time, not the wait for the accelerator before it; the permit goes back
+    // once the run has said the stage finished, so the next one's "started" follows it.
+    outcome.seconds = Some(began.elapsed().as_secs_f64());
+    outcome.accelerator = accelerator;
+    outcome
+}
+
+/// The stage once it may start: materialise its inputs, run it, upload, commit.
+async fn run_started(
+    shared: &Shared,
+    i: usize,
+    key: Key,
+    fp: crate::key::Fingerprint,
+    kind: std::sync::Arc<dyn dflash_stage_api::StageKind>,
+    upstream: Vec<Digest>,
+    upstream_keys: Vec<Key>,
+) -> Outcome {
+    let spec = &shared.pipeline.stages[i];
     let earlier = match shared.store.shards(&key).await {
         Ok(s) => s,
         Err(e) => return failed(Some(key), store_err(&e)),
@@ -252,6 +276,8 @@ pub(crate) async fn run_stage(
             digest: Some(digest),
             error: None,
             summary,
+            seconds: None,
+            accelerator: None,
         },
         Err(e) => failed(Some(key), e),
     }

@@ -616,6 +616,10 @@ struct FileReport {
     shapes: BTreeMap<String, u64>,
     categories: BTreeMap<String, u64>,
     truncated_at: Option<u64>,
+    /// The rows' user turns: what a multi-turn benchmark asks (MT-Bench's 80 rows are 160
+    /// turns to decode). Absent in shards written before it was counted.
+    #[serde(default)]
+    user_turns: Option<u64>,
 }
 
 /// A reason with its numbers blanked, so "turn 3 ..." and "turn 7 ..." count together.
@@ -648,6 +652,7 @@ fn convert(
     let mut writer = Writer::create(out)?;
     let mut report = FileReport {
         file: file.name.clone(),
+        user_turns: Some(0),
         ..FileReport::default()
     };
     let mut failure = None;
@@ -662,11 +667,15 @@ fn convert(
                     .categories
                     .entry(conv.category.clone().unwrap_or_else(|| "(none)".into()))
                     .or_default() += 1;
+                let turns = conv.messages.iter().filter(|m| m.role == "user").count() as u64;
                 if let Err(e) = writer.push(conv) {
                     failure = Some(e);
                     return ControlFlow::Break(());
                 }
                 report.rows += 1;
+                if let Some(t) = report.user_turns.as_mut() {
+                    *t += turns;
+                }
             }
             Err(reason) => {
                 report.unmapped += 1;
@@ -736,6 +745,11 @@ fn stats(reports: &[FileReport], source: &str, pins: &[Pin]) -> serde_json::Map<
         "unmapped".into(),
         json!(reports.iter().map(|r| r.unmapped).sum::<u64>()),
     );
+    // Only where every file's were counted (a shard from an older dflash has none).
+    let turns: Option<u64> = reports.iter().map(|r| r.user_turns).sum();
+    if let Some(t) = turns {
+        m.insert("user_turns".into(), json!(t));
+    }
     m.insert("unmapped_reasons".into(), json!(merge_reasons(reports)));
     m.insert("unmapped_examples".into(), json!(examples));
     m.insert("source".into(), json!(source));
