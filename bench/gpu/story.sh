@@ -67,7 +67,7 @@
 # `stash; setup; PIPE=pipelines/smollm2-full.yaml run SECS --only bench_...`.
 # The twelfth (2026-12-07, an H100) ran that pack with blocks of 16: `stash; setup; PIPE=...
 # run 470 --only bench16_mt_bench` (321 s), `run 480 --only bench16_gsm8k --only
-# bench16_humaneval; bring-back` (432 s, the two at once), `run 420 --only bench16_mt_bench_256`
+# bench16_humaneval; bring-back` (199 + 226 s, one after the other), `run 420 --only bench16_mt_bench_256`
 # (279 s): 2.16x / 2.10x / 1.96x prompt lookup's tau, MT-Bench 2.00x at 256 nodes; `stash;
 # flash` with .gpu/f (95 s); then, on a fresh machine with bench/results moved out of the tree
 # (the working tree plus a 47 MB part must stay under 64 MiB), `stash` x3 and `stash; setup;
