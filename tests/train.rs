@@ -46,6 +46,21 @@ fn plan_refuses(env: &Env, name: &str, yaml: &str) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// The mean of `field` over the first 5 steps in an exported drafter's `metrics.jsonl`.
+fn start_of(dir: &std::path::Path, field: &str) -> f64 {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .take(5)
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()[field]
+                .as_f64()
+                .unwrap()
+        })
+        .sum::<f64>()
+        / 5.0
+}
+
 /// `dflash export STAGE -p PIPELINE` into the folder `name`.
 fn exported_from(env: &Env, pipeline: &str, stage: &str, name: &str) -> std::path::PathBuf {
     let dir = env.path().join(name);
@@ -121,16 +136,7 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
     let (st, _) = env.run("cont.yaml", 0);
     assert_eq!(st["drafter"], "ran");
     let again = exported_from(&env, "cont.yaml", "drafter", "again");
-    let losses: Vec<f64> = std::fs::read_to_string(again.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect();
-    let start = losses[..5].iter().sum::<f64>() / 5.0;
+    let start = start_of(&again, "loss");
     assert!(
         start < 0.8 * first,
         "continued at {start}, fresh at {first}, ended at {last}"
@@ -149,19 +155,7 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
             .unwrap();
     assert_eq!(config["architectures"][0], "DFlash2DraftModel");
     // Its loss adds the selector's, so compare what decoding sees: the acceptance length.
-    let tau_start = |dir: &std::path::Path| {
-        std::fs::read_to_string(dir.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .take(5)
-            .map(|l| {
-                serde_json::from_str::<Value>(l).unwrap()["tau"]
-                    .as_f64()
-                    .unwrap()
-            })
-            .sum::<f64>()
-            / 5.0
-    };
+    let tau_start = |dir: &std::path::Path| start_of(dir, "tau");
     let (fresh, continued, upgraded) = (tau_start(&dir), tau_start(&again), tau_start(&up));
     eprintln!(
         "tau over the first 5 steps: fresh {fresh}, continued {continued}, DFlash 2 from it {upgraded}"
@@ -191,20 +185,7 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
         serde_json::from_str(&std::fs::read_to_string(wide.join("drafter/config.json")).unwrap())
             .unwrap();
     assert_eq!(config["block_size"], 8);
-    let loss_start = |dir: &std::path::Path| {
-        std::fs::read_to_string(dir.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .take(5)
-            .map(|l| {
-                serde_json::from_str::<Value>(l).unwrap()["loss"]
-                    .as_f64()
-                    .unwrap()
-            })
-            .sum::<f64>()
-            / 5.0
-    };
-    let (wide_start, fresh8_start) = (loss_start(&wide), loss_start(&fresh8));
+    let (wide_start, fresh8_start) = (start_of(&wide, "loss"), start_of(&fresh8, "loss"));
     eprintln!(
         "loss over the first 5 steps at 8: from the 4's drafter {wide_start}, fresh {fresh8_start}"
     );
