@@ -76,6 +76,8 @@
 # --only bench16_mt_bench` (56 questions: no gain over the 5,600-step drafter at 16).
 # Next: a drafter trained with blocks of 16 for thousands of steps (the sed above with
 # max_steps 2800: ~720 s of H100 at 3.9 steps/s, two calls), then `--only bench16_mt_bench_256`.
+# The pack for it (made 2026-12-07 after the twelfth run, the working tree at 23 MB) has five
+# parts: `stash` x4 (.gpu/1..4), then `stash; setup; ...` with .gpu/5.
 # With under ~400 s of device time, `stash; flash` alone, carrying a one-part pack of its own
 # (train_probe.xz and flash.ptx from a full pack's parts, 7.3 MB).
 # `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
