@@ -353,6 +353,97 @@ fn export_never_writes_over_files() {
     );
 }
 
+/// `export --files GLOB` copies only the matching files (a trained drafter without its
+/// checkpoints); a glob that matches nothing, or is not a glob, is refused before anything is
+/// written, naming it and the artifact's files.
+#[test]
+fn export_takes_only_the_files_asked_for() {
+    let env = Env::new();
+    env.write(
+        "p.yaml",
+        "name: t\nstages:\n  trained:\n    kind: command\n    params: {run: \"mkdir -p $DFLASH_OUT/drafter $DFLASH_OUT/ckpt-000200 && echo w > $DFLASH_OUT/drafter/model.safetensors && echo c > $DFLASH_OUT/drafter/config.json && echo m > $DFLASH_OUT/metrics.jsonl && echo t > $DFLASH_OUT/training.json && echo s > $DFLASH_OUT/ckpt-000200/state.safetensors\"}\n",
+    );
+    env.run("p.yaml", 0);
+    let export = |dir: &str, globs: &[&str]| {
+        let mut args = vec!["export", "trained", "-p", "p.yaml", dir];
+        for g in globs {
+            args.extend(["--files", g]);
+        }
+        env.dflash(&args)
+    };
+    let out = export("x", &["drafter/*", "*.json*"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut got: Vec<String> = walk(&env.path().join("x"));
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            "drafter/config.json",
+            "drafter/model.safetensors",
+            "metrics.jsonl",
+            "training.json"
+        ]
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("exported 4 files of"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // `*` stays within a folder; `**` crosses them.
+    let out = export("y", &["**/*.safetensors"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut got = walk(&env.path().join("y"));
+    got.sort();
+    assert_eq!(
+        got,
+        ["ckpt-000200/state.safetensors", "drafter/model.safetensors"]
+    );
+    for (globs, says) in [
+        (
+            &["drafter/*", "drafter.json"][..],
+            "`--files drafter.json` matches none of the 5 files of",
+        ),
+        (&["drafter/[x"][..], "`--files drafter/[x` is not a glob"),
+    ] {
+        let out = export("z", globs);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(says), "{err}");
+        assert!(!env.path().join("z").exists());
+    }
+    let out = export("z", &["drafter.json"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("ckpt-000200/, drafter/, metrics.jsonl, training.json"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Every file under `dir`, by its path relative to it.
+fn walk(dir: &std::path::Path) -> Vec<String> {
+    walkdir::WalkDir::new(dir)
+        .into_iter()
+        .map(Result::unwrap)
+        .filter(|e| e.file_type().is_file())
+        .map(|e| {
+            e.path()
+                .strip_prefix(dir)
+                .unwrap()
+                .to_string_lossy()
+                .replace('\\', "/")
+        })
+        .collect()
+}
+
 #[test]
 fn only_runs_the_stage_and_what_it_needs() {
     let env = Env::new();

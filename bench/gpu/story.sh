@@ -472,8 +472,8 @@ promote)
     # PIPE=pipelines/smollm2-full.yaml (or smollm2-bench.yaml) benches it in the same session.
     cuda_env
     rm -rf /tmp/trained
-    $STASH/dflash export drafter -p $(story_pipeline) --store $STORE /tmp/trained
-    find /tmp/trained -mindepth 1 -maxdepth 1 ! -name drafter ! -name '*.json*' -exec rm -rf {} +
+    $STASH/dflash export drafter -p $(story_pipeline) --store $STORE /tmp/trained \
+        --files 'drafter/*' --files '*.json*'
     tar -czf - -C /tmp trained | split -b 15M -d - "$OUT/trained.tar.gz."
     cp /tmp/trained/drafter/config.json /tmp/trained/drafter/model.safetensors $STASH/assets/smollm2-drafter/
     sha256sum $STASH/assets/smollm2-drafter/model.safetensors
@@ -487,13 +487,15 @@ bring-back)
     cuda_env
     rm -rf /tmp/back && mkdir -p /tmp/back
     # (pipelines/smollm2-full.yaml's benches are one per set.)
-    for s in drafter drafter2 bench bench_dflash2 bench_humaneval bench_gsm8k bench_mt_bench \
+    # The drafters without their checkpoints (weights and both moments, each): the exported
+    # weights and metrics.
+    for s in drafter drafter2; do
+        $STASH/dflash export $s -p $(story_pipeline) --store $STORE /tmp/back/$s \
+            --files 'drafter/*' --files '*.json*' 2>/dev/null || true
+    done
+    for s in bench bench_dflash2 bench_humaneval bench_gsm8k bench_mt_bench \
         bench16_humaneval bench16_gsm8k bench16_mt_bench bench16_mt_bench_256; do
         $STASH/dflash export $s -p $(story_pipeline) --store $STORE /tmp/back/$s 2>/dev/null || true
-    done
-    # Not the checkpoints (weights and both moments, each): the exported weights and metrics.
-    for d in drafter drafter2; do
-        find /tmp/back/$d -mindepth 1 -maxdepth 1 ! -name drafter ! -name '*.json*' -exec rm -rf {} + || true
     done
     $STASH/dflash report latest --store $STORE -o /tmp/back/report.html || true
     rm -rf /tmp/small-store

@@ -120,6 +120,11 @@ enum Command {
         /// Resolve a stage id against this pipeline
         #[arg(long, short)]
         pipeline: Option<PathBuf>,
+        /// Only the files whose path matches GLOB (repeatable; `*` stays within a folder, `**`
+        /// crosses folders), e.g. a trained drafter without its checkpoints: `--files
+        /// 'drafter/*' --files '*.json*'`
+        #[arg(long, value_name = "GLOB")]
+        files: Vec<String>,
         #[command(flatten)]
         store: StoreArg,
     },
@@ -263,6 +268,15 @@ enum CliError {
     #[error("`{0}` exists and is not empty; export never writes over files")]
     #[diagnostic(code(dflash::cli::export_target), help("pick a new folder"))]
     ExportTarget(String),
+    #[error("`--files {0}` is not a glob: {1}")]
+    #[diagnostic(
+        code(dflash::cli::bad_glob),
+        help("`*` and `?` match within a folder, `**` across folders, `[ab]` one of")
+    )]
+    BadGlob(String, String),
+    #[error("`--files {0}` matches none of the {1} files of {2}")]
+    #[diagnostic(code(dflash::cli::glob_matches_nothing), help("its files: {3}"))]
+    GlobMatchesNothing(String, usize, String, String),
     #[error("cannot write `{0}`: {1}")]
     #[diagnostic(code(dflash::cli::write))]
     Write(String, std::io::Error),
@@ -278,6 +292,52 @@ enum CliError {
     #[error("cannot start the async runtime: {0}")]
     #[diagnostic(code(dflash::cli::runtime))]
     Runtime(std::io::Error),
+}
+
+/// The files of `m` that `export --files` asks for: all without globs, else those whose path
+/// matches one; a glob that is malformed or matches nothing is an error (a typo would
+/// otherwise export less than asked, silently).
+fn chosen_files<'a>(
+    m: &'a crate::store::Manifest,
+    globs: &[String],
+) -> Result<Vec<&'a crate::store::FileEntry>, CliError> {
+    if globs.is_empty() {
+        return Ok(m.files.iter().collect());
+    }
+    let options = glob::MatchOptions {
+        case_sensitive: true,
+        require_literal_separator: true,
+        require_literal_leading_dot: false,
+    };
+    let mut patterns = Vec::new();
+    for g in globs {
+        let p = glob::Pattern::new(g).map_err(|e| CliError::BadGlob(g.clone(), e.msg.into()))?;
+        if !m.files.iter().any(|f| p.matches_with(&f.path, options)) {
+            // The artifact's top level: what a glob usually names.
+            let mut top: Vec<String> = m
+                .files
+                .iter()
+                .map(|f| match f.path.split_once('/') {
+                    Some((d, _)) => format!("{d}/"),
+                    None => f.path.clone(),
+                })
+                .collect();
+            top.dedup();
+            top.sort();
+            top.dedup();
+            return Err(CliError::GlobMatchesNothing(
+                g.clone(),
+                m.files.len(),
+                m.key.0.short(12),
+                top.join(", "),
+            ));
+        }
+        patterns.push(p);
+    }
+    Ok(m.files
+        .iter()
+        .filter(|f| patterns.iter().any(|p| p.matches_with(&f.path, options)))
+        .collect())
 }
 
 /// Entry point of the binary.
@@ -583,6 +643,7 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             reference,
             dir,
             pipeline,
+            files,
             store,
         } => {
             if dir.exists() && std::fs::read_dir(&dir).map_or(true, |mut d| d.next().is_some()) {
@@ -591,8 +652,9 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             let rt = runtime()?;
             let (store, m) =
                 rt.block_on(resolve(&reference, pipeline.as_deref(), &store, &registry))?;
+            let chosen = chosen_files(&m, &files)?;
             rt.block_on(async {
-                for f in &m.files {
+                for f in &chosen {
                     let bytes = store.get_blob(&f.digest).await?;
                     let target =
                         crate::run::safe_join_for_export(&dir, &f.path).map_err(|e| Failure {
@@ -614,10 +676,15 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                 Ok::<_, Failure>(())
             })?;
             eprintln!(
-                "exported {} files of {} to {}",
-                m.files.len(),
+                "exported {} files of {} to {}{}",
+                chosen.len(),
                 m.key.0.short(12),
-                dir.display()
+                dir.display(),
+                if chosen.len() < m.files.len() {
+                    format!(" ({} not matched by --files)", m.files.len() - chosen.len())
+                } else {
+                    String::new()
+                }
             );
             Ok(0)
         }
