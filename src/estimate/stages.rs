@@ -697,7 +697,7 @@ impl Sizer<'_> {
             count(prompts),
             if known { "" } else { ", sets of unknown size taken as full" },
             if counted {
-                "; user turns counted in the sets (a done download's record, or the local files)"
+                "; user turns counted: a done download's record, else its local files"
             } else {
                 "; a multi-turn set asks more"
             },
