@@ -136,6 +136,24 @@ cuda_env() {
     export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
     rm -rf .assets && ln -s $STASH/assets .assets
 }
+# Run a command while sampling the GPU's used memory (nvidia-smi, every 100 ms), then print its
+# peak as a JSON line: the same yardstick for both sides (candle has no allocator statistics,
+# and PyTorch's max_memory_allocated leaves out its cache and context).
+peak_memory() {
+    local log=/tmp/peak-memory.$$
+    : > $log
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > $log 2>/dev/null &
+    local sampler=$!
+    "$@"
+    local rc=$?
+    kill $sampler 2>/dev/null
+    wait $sampler 2>/dev/null
+    local peak
+    peak=$(sort -n $log | tail -1)
+    echo "{\"phase\": \"peak_memory\", \"command\": \"$(basename "$1") ${2:-}\", \"peak_mib\": ${peak:-null}}"
+    rm -f $log
+    return $rc
+}
 case $cmd in
 pack-inputs)
     # Here: fill PACK/1, PACK/2, ... (one folder a call) from a CUDA build and .assets/; INIT
@@ -431,7 +449,8 @@ flash)
     # autograd in f64 (both dK/dV kernels, the pipelined one bit for bit equal to the staged
     # one), timed beside SDPA and FlexAttention under torch.compile, the step against PyTorch in
     # f32, then the training step with each dK/dV kernel (the pipelined one is the default;
-    # `DFLASH_FLASH_DKV=staged` runs the other) beside PyTorch's eager step.
+    # `DFLASH_FLASH_DKV=staged` runs the other) beside PyTorch's eager step, the default's and
+    # PyTorch's peak memory by nvidia-smi (`peak_memory`).
     # Needs only flash.ptx and train_probe.xz stashed (a one-part pack of its own, no `setup`):
     # cuda_env points .assets at the stash's, which may not exist yet.
     unpack_probe
@@ -445,8 +464,8 @@ flash)
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
         DFLASH_FLASH_DKV=staged $STASH/train_probe speed --anchors 512 || echo "speed (staged) failed: $?"
-        $STASH/train_probe speed --anchors 512 || echo "speed (pipelined, the default) failed: $?"
-        python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"
+        peak_memory $STASH/train_probe speed --anchors 512 || echo "speed (pipelined, the default) failed: $?"
+        peak_memory python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"
     } 2>&1 | tee "$OUT/flash.txt"
     ;;
 checks)
@@ -461,8 +480,8 @@ checks)
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors
         $STASH/train_probe parts --anchors 512
-        $STASH/train_probe speed --anchors 512
-        python3 bench/train_reference.py speed --anchors 512
+        peak_memory $STASH/train_probe speed --anchors 512
+        peak_memory python3 bench/train_reference.py speed --anchors 512
     } 2>&1 | tee "$OUT/checks.txt"
     ;;
 promote)
