@@ -463,10 +463,13 @@ flash)
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
+        echo '{"phase": "label", "name": "dflash, staged dK/dV"}'
         DFLASH_FLASH_DKV=staged $STASH/train_probe speed --anchors 512 || echo "speed (staged) failed: $?"
+        echo '{"phase": "label", "name": "dflash, as train runs it"}'
         peak_memory $STASH/train_probe speed --anchors 512 || echo "speed (pipelined, the default) failed: $?"
         peak_memory python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"
     } 2>&1 | tee "$OUT/flash.txt"
+    python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
     ;;
 checks)
     # There: the training kernels on this GPU (issue 22), before anything trains with them:
@@ -480,9 +483,11 @@ checks)
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors
         $STASH/train_probe parts --anchors 512
+        echo '{"phase": "label", "name": "dflash, as train runs it"}'
         peak_memory $STASH/train_probe speed --anchors 512
         peak_memory python3 bench/train_reference.py speed --anchors 512
     } 2>&1 | tee "$OUT/checks.txt"
+    python3 bench/step_ratio.py "$OUT/checks.txt" | tee -a "$OUT/checks.txt"
     ;;
 promote)
     # There, once `run --only drafter` has finished: the trained drafter (weights, config,
