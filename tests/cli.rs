@@ -306,6 +306,95 @@ stages:
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown unit `Q`"));
 }
 
+/// A file over the store's part size (1 GiB; `DFLASH_BLOB_PART_BYTES` here) is stored as parts
+/// and their list: it exports, verifies and copies as a whole file does, into a store of
+/// another part size and back, byte for byte.
+#[test]
+fn a_file_larger_than_a_part_is_stored_in_parts_and_reads_back_whole() {
+    let mut env = Env::new();
+    env.write(
+        "p.yaml",
+        "stages:\n  big:\n    kind: command\n    params: {run: 'seq 1 2000 > $DFLASH_OUT/big.txt'}\n",
+    );
+    env.set("DFLASH_BLOB_PART_BYTES", "1000");
+    env.run("p.yaml", 0);
+    let want: String = (1..=2000).map(|i| format!("{i}\n")).collect();
+    fn objects(env: &Env, store: &str) -> Vec<String> {
+        walk(&env.path().join(store).join("blobs"))
+    }
+    let parts = objects(&env, "cache");
+    assert_eq!(
+        parts.iter().filter(|p| p.ends_with(".parts")).count(),
+        1,
+        "{parts:?}"
+    );
+    fn exported(env: &Env, store: &str, dir: &str) -> String {
+        let out = env.dflash(&["export", "big", "-p", "p.yaml", "--store", store, dir]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::read_to_string(env.path().join(dir).join("big.txt")).unwrap()
+    }
+    assert_eq!(exported(&env, "cache", "x"), want);
+    assert_eq!(
+        env.dflash(&["verify", "--store", "cache"]).status.code(),
+        Some(0)
+    );
+    // Into a store of 1 GiB parts: one object there; and back into small parts.
+    env.set("DFLASH_BLOB_PART_BYTES", "1073741824");
+    let out = env.dflash(&["copy", "--from", "cache", "--to", "whole"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!objects(&env, "whole").iter().any(|p| p.ends_with(".parts")));
+    assert_eq!(exported(&env, "whole", "y"), want);
+    env.set("DFLASH_BLOB_PART_BYTES", "700");
+    let out = env.dflash(&["copy", "--from", "whole", "--to", "small"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        objects(&env, "small")
+            .iter()
+            .filter(|p| p.ends_with(".parts"))
+            .count(),
+        1
+    );
+    assert_eq!(exported(&env, "small", "z"), want);
+    assert_eq!(
+        env.dflash(&["verify", "--store", "small"]).status.code(),
+        Some(0)
+    );
+    // A part gone: `verify` names the artifact's file as missing, and export fails.
+    let part = objects(&env, "small")
+        .into_iter()
+        .find(|p| {
+            !p.ends_with(".parts")
+                && std::fs::metadata(env.path().join("small/blobs").join(p))
+                    .unwrap()
+                    .len()
+                    == 700
+        })
+        .unwrap();
+    std::fs::remove_file(env.path().join("small/blobs").join(&part)).unwrap();
+    let v = env.dflash(&["verify", "--store", "small", "--json"]);
+    assert_eq!(
+        v.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&v.stderr)
+    );
+    let v: Value = serde_json::from_slice(&v.stdout).unwrap();
+    assert_eq!(v["corrupt"][0]["path"], "big.txt");
+    assert_eq!(v["corrupt"][0]["problem"], "missing");
+}
+
 #[test]
 fn command_sees_inputs_by_role_and_files_enter_the_key() {
     let env = Env::new();

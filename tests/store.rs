@@ -73,6 +73,41 @@ async fn conformance(store: &Store) {
         Bytes::from_static(b"payload")
     );
 
+    // A blob over the part size is its parts and their list, each create-only; it reads back
+    // whole, through a store of any part size, and a second put finds it there.
+    let parted = store.clone().with_part_bytes(4);
+    let big = parted
+        .put_blob(Bytes::from_static(b"ten bytes!"))
+        .await
+        .unwrap();
+    assert_eq!(
+        parted
+            .put_blob_as(&big.digest, Bytes::from_static(b"ten bytes!"))
+            .await
+            .unwrap(),
+        Put::Existed
+    );
+    for s in [&parted, store] {
+        assert_eq!(
+            s.get_blob(&big.digest).await.unwrap(),
+            Bytes::from_static(b"ten bytes!")
+        );
+        assert!(s.has_blob(&big.digest).await.unwrap());
+    }
+    let mut blobs = store.list("blobs").await.unwrap();
+    blobs.sort();
+    let hex = big.digest.to_hex();
+    assert!(
+        blobs.contains(&format!("blobs/{}/{hex}.parts", &hex[..2])),
+        "{blobs:?}"
+    );
+    assert!(
+        !blobs.contains(&format!("blobs/{}/{hex}", &hex[..2])),
+        "{blobs:?}"
+    );
+    // "payload", its 3 parts of the 10 bytes ("ten ", "byte", "s!"), the list.
+    assert_eq!(blobs.len(), 5, "{blobs:?}");
+
     let mut listed = store.list("x").await.unwrap();
     listed.sort();
     assert_eq!(listed, ["x/one", "x/race"]);
@@ -129,6 +164,22 @@ fn local_corruption_is_detected_on_read() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("is corrupt"), "{err}");
+
+    // A parted blob's part, altered, is caught too, and named.
+    let parted = store.clone().with_part_bytes(4);
+    let big = rt
+        .block_on(parted.put_blob(Bytes::from_static(b"good bytes, in parts")))
+        .unwrap();
+    let first = dflash_stage_api::Digest::of(b"good");
+    std::fs::write(root.join(dflash::store::blob_path(&first)), b"evil").unwrap();
+    let err = rt
+        .block_on(store.get_blob(&big.digest))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("is corrupt") && err.contains(&first.to_hex()),
+        "{err}"
+    );
 }
 
 #[test]

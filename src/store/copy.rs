@@ -14,7 +14,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use serde::Serialize;
 
-use super::{Manifest, Put, ShardRecord, Store, StoreError, blob_path};
+use super::{Manifest, Put, ShardRecord, Store, StoreError};
 use crate::key::Key;
 
 /// Which artifacts to copy.
@@ -173,7 +173,7 @@ async fn copy_blobs(
     // Per blob: None when the source lacks it, else whether it was written and its bytes.
     let done: Vec<Option<(bool, u64)>> = futures::stream::iter(digests)
         .map(|d| async move {
-            if to.exists(&blob_path(d)).await? {
+            if to.has_blob(d).await? {
                 return Ok(Some((false, 0)));
             }
             match from.get_blob(d).await {
@@ -181,7 +181,7 @@ async fn copy_blobs(
                 // hashed again (another writer may have created it meanwhile).
                 Ok(bytes) => {
                     let n = bytes.len() as u64;
-                    let written = to.put_create(&blob_path(d), bytes).await? == Put::Created;
+                    let written = to.put_blob_as(d, bytes).await? == Put::Created;
                     Ok(Some((written, n)))
                 }
                 Err(StoreError::Missing { .. }) => Ok(None),

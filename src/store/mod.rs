@@ -2,6 +2,9 @@
 //!
 //! Layout under the store root:
 //! - `blobs/<hh>/<digest>`: file contents, content-addressed, so a retried upload is harmless;
+//!   a file larger than a part (1 GiB, [`Store::with_part_bytes`]) is its parts' blobs and
+//!   `blobs/<hh>/<digest>.parts` listing them in order (one S3 PUT takes at most 5 GiB, and a
+//!   retry re-sends one part, not the file);
 //! - `shards/<key>/<name>.json`: a finished shard of a partial artifact ([`ShardRecord`]);
 //! - `manifests/<key>.json`: the commit of an artifact ([`Manifest`]), written last;
 //! - `runs/<run-id>/begin.json` and `runs/<run-id>/end.json`: run records;
@@ -131,6 +134,8 @@ pub struct Store {
     inner: Arc<dyn ObjectStore>,
     root: ObjPath,
     url: String,
+    /// The largest blob stored as one object (1 GiB, or `DFLASH_BLOB_PART_BYTES`).
+    part_bytes: usize,
 }
 
 impl Store {
@@ -153,6 +158,7 @@ impl Store {
                 inner: Arc::new(object_store::memory::InMemory::new()),
                 root: ObjPath::default(),
                 url: shown,
+                part_bytes: part_bytes(),
             });
         }
         if let Some(rest) = location.strip_prefix("s3://") {
@@ -176,6 +182,7 @@ impl Store {
                 inner: Arc::new(s3),
                 root: ObjPath::from(prefix),
                 url: shown,
+                part_bytes: part_bytes(),
             });
         }
         if location.contains("://") && !location.starts_with("file://") {
@@ -188,6 +195,7 @@ impl Store {
                 inner: Arc::from(store),
                 root,
                 url: shown,
+                part_bytes: part_bytes(),
             });
         }
         let dir = location.strip_prefix("file://").unwrap_or(location);
@@ -199,7 +207,15 @@ impl Store {
             inner: Arc::new(fs),
             root: ObjPath::default(),
             url: shown,
+            part_bytes: part_bytes(),
         })
+    }
+
+    /// This store with blobs over `bytes` stored in parts of that size (at least 1).
+    #[must_use]
+    pub fn with_part_bytes(mut self, bytes: usize) -> Self {
+        self.part_bytes = bytes.max(1);
+        self
     }
 
     /// The store's URL for messages (credentials removed).
@@ -322,7 +338,7 @@ impl Store {
     pub async fn put_blob(&self, bytes: Bytes) -> Result<FileEntry, StoreError> {
         let digest = Digest::of(&bytes);
         let size = bytes.len() as u64;
-        self.put_create(&blob_path(&digest), bytes).await?;
+        self.put_blob_as(&digest, bytes).await?;
         Ok(FileEntry {
             path: String::new(),
             digest,
@@ -330,8 +346,74 @@ impl Store {
         })
     }
 
-    /// Read a blob and check its bytes against its digest.
+    /// Store `bytes`, whose digest the caller has checked to be `digest`, as that blob: in one
+    /// object up to the store's part size, else as parts and their list, each create-only. `Existed`
+    /// when the blob was there already (whole, or its parts' list).
+    pub async fn put_blob_as(&self, digest: &Digest, bytes: Bytes) -> Result<Put, StoreError> {
+        let part = self.part_bytes;
+        if bytes.len() <= part {
+            return self.put_create(&blob_path(digest), bytes).await;
+        }
+        if self.has_blob(digest).await? {
+            return Ok(Put::Existed);
+        }
+        let mut parts = Vec::new();
+        for start in (0..bytes.len()).step_by(part) {
+            let piece = bytes.slice(start..(start + part).min(bytes.len()));
+            let d = Digest::of(&piece);
+            parts.push(BlobPart {
+                digest: d,
+                size: piece.len() as u64,
+            });
+            self.put_create(&blob_path(&d), piece).await?;
+        }
+        // Written last: a blob is there once its list is, every part before it.
+        let list = BlobParts {
+            size: bytes.len() as u64,
+            parts,
+        };
+        self.put_json(&parts_path(digest), &list).await
+    }
+
+    /// Whether the blob is stored, whole or in parts (HEAD requests: nothing is read).
+    pub async fn has_blob(&self, digest: &Digest) -> Result<bool, StoreError> {
+        Ok(self.exists(&blob_path(digest)).await? || self.exists(&parts_path(digest)).await?)
+    }
+
+    /// Read a blob (whole, or its parts in order) and check its bytes against its digest.
     pub async fn get_blob(&self, digest: &Digest) -> Result<Bytes, StoreError> {
+        let mut rel = blob_path(digest);
+        let bytes = match self.get(&rel).await? {
+            Some(b) => b,
+            None => {
+                let Some(list) = self.get_json::<BlobParts>(&parts_path(digest)).await? else {
+                    return Err(StoreError::Missing {
+                        url: self.url.clone(),
+                        path: rel,
+                    });
+                };
+                rel = parts_path(digest);
+                let mut whole = bytes::BytesMut::with_capacity(list.size as usize);
+                for p in &list.parts {
+                    whole.extend_from_slice(&self.get_whole_blob(&p.digest).await?);
+                }
+                whole.freeze()
+            }
+        };
+        let actual = Digest::of(&bytes);
+        if actual != *digest {
+            return Err(StoreError::Corrupt {
+                url: self.url.clone(),
+                path: rel,
+                expected: digest.to_hex(),
+                actual: actual.to_hex(),
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// A part of a parted blob: one object, checked against its digest.
+    async fn get_whole_blob(&self, digest: &Digest) -> Result<Bytes, StoreError> {
         let rel = blob_path(digest);
         let bytes = self.get(&rel).await?.ok_or_else(|| StoreError::Missing {
             url: self.url.clone(),
@@ -536,6 +618,35 @@ fn is_transient(e: &object_store::Error) -> bool {
 pub fn blob_path(digest: &Digest) -> String {
     let hex = digest.to_hex();
     format!("blobs/{}/{hex}", &hex[..2])
+}
+
+/// Where the list of a parted blob's parts lives.
+fn parts_path(digest: &Digest) -> String {
+    format!("{}.parts", blob_path(digest))
+}
+
+/// The largest blob stored as one object: 1 GiB (one S3 PUT takes at most 5 GiB; a part is
+/// what a broken upload re-sends). `DFLASH_BLOB_PART_BYTES` sets another (tests use small
+/// parts to run the parted path on small files).
+fn part_bytes() -> usize {
+    std::env::var("DFLASH_BLOB_PART_BYTES")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(1 << 30)
+}
+
+/// The parts of a blob stored in pieces, in order (`blobs/<hh>/<digest>.parts`).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct BlobParts {
+    size: u64,
+    parts: Vec<BlobPart>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct BlobPart {
+    digest: Digest,
+    size: u64,
 }
 
 /// Bounded retries with backoff for transient store faults (timeouts, 5xx, resets).
