@@ -383,22 +383,21 @@ impl Store {
     /// Read a blob (whole, or its parts in order) and check its bytes against its digest.
     pub async fn get_blob(&self, digest: &Digest) -> Result<Bytes, StoreError> {
         let mut rel = blob_path(digest);
-        let bytes = match self.get(&rel).await? {
-            Some(b) => b,
-            None => {
-                let Some(list) = self.get_json::<BlobParts>(&parts_path(digest)).await? else {
-                    return Err(StoreError::Missing {
-                        url: self.url.clone(),
-                        path: rel,
-                    });
-                };
-                rel = parts_path(digest);
-                let mut whole = bytes::BytesMut::with_capacity(list.size as usize);
-                for p in &list.parts {
-                    whole.extend_from_slice(&self.get_whole_blob(&p.digest).await?);
-                }
-                whole.freeze()
+        let bytes = if let Some(b) = self.get(&rel).await? {
+            b
+        } else {
+            let Some(list) = self.get_json::<BlobParts>(&parts_path(digest)).await? else {
+                return Err(StoreError::Missing {
+                    url: self.url.clone(),
+                    path: rel,
+                });
+            };
+            rel = parts_path(digest);
+            let mut whole = bytes::BytesMut::with_capacity(list.size as usize);
+            for p in &list.parts {
+                whole.extend_from_slice(&self.get_whole_blob(&p.digest).await?);
             }
+            whole.freeze()
         };
         let actual = Digest::of(&bytes);
         if actual != *digest {
