@@ -382,47 +382,38 @@ impl Store {
 
     /// Read a blob (whole, or its parts in order) and check its bytes against its digest.
     pub async fn get_blob(&self, digest: &Digest) -> Result<Bytes, StoreError> {
-        let mut rel = blob_path(digest);
-        let bytes = if let Some(b) = self.get(&rel).await? {
-            b
-        } else {
-            let Some(list) = self.get_json::<BlobParts>(&parts_path(digest)).await? else {
-                return Err(StoreError::Missing {
-                    url: self.url.clone(),
-                    path: rel,
-                });
-            };
-            rel = parts_path(digest);
-            let mut whole = bytes::BytesMut::with_capacity(list.size as usize);
-            for p in &list.parts {
-                whole.extend_from_slice(&self.get_whole_blob(&p.digest).await?);
-            }
-            whole.freeze()
+        let missing = match self.get_whole_blob(digest).await {
+            Err(e @ StoreError::Missing { .. }) => e,
+            whole => return whole,
         };
-        let actual = Digest::of(&bytes);
-        if actual != *digest {
-            return Err(StoreError::Corrupt {
-                url: self.url.clone(),
-                path: rel,
-                expected: digest.to_hex(),
-                actual: actual.to_hex(),
-            });
+        let rel = parts_path(digest);
+        let Some(list) = self.get_json::<BlobParts>(&rel).await? else {
+            return Err(missing);
+        };
+        let mut whole = bytes::BytesMut::with_capacity(list.size as usize);
+        for p in &list.parts {
+            whole.extend_from_slice(&self.get_whole_blob(&p.digest).await?);
         }
-        Ok(bytes)
+        self.checked(digest, &rel, whole.freeze())
     }
 
-    /// A part of a parted blob: one object, checked against its digest.
+    /// A blob stored as one object, checked against its digest.
     async fn get_whole_blob(&self, digest: &Digest) -> Result<Bytes, StoreError> {
         let rel = blob_path(digest);
         let bytes = self.get(&rel).await?.ok_or_else(|| StoreError::Missing {
             url: self.url.clone(),
             path: rel.clone(),
         })?;
+        self.checked(digest, &rel, bytes)
+    }
+
+    /// `bytes`, read from `rel`, if they hash to `digest`.
+    fn checked(&self, digest: &Digest, rel: &str, bytes: Bytes) -> Result<Bytes, StoreError> {
         let actual = Digest::of(&bytes);
         if actual != *digest {
             return Err(StoreError::Corrupt {
                 url: self.url.clone(),
-                path: rel,
+                path: rel.to_owned(),
                 expected: digest.to_hex(),
                 actual: actual.to_hex(),
             });
