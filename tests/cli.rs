@@ -314,11 +314,24 @@ fn a_file_larger_than_a_part_is_stored_in_parts_and_reads_back_whole() {
     let mut env = Env::new();
     env.write(
         "p.yaml",
-        "stages:\n  big:\n    kind: command\n    params: {run: 'seq 1 2000 > $DFLASH_OUT/big.txt'}\n",
+        "stages:\n  big:\n    kind: command\n    params: {run: 'seq 1 2000 > $DFLASH_OUT/big.txt'}\n  count:\n    kind: command\n    inputs: {big: big}\n    params: {run: 'wc -l < $DFLASH_IN_BIG/big.txt > $DFLASH_OUT/n.txt'}\n",
     );
     env.set("DFLASH_BLOB_PART_BYTES", "1000");
     env.run("p.yaml", 0);
     let want: String = (1..=2000).map(|i| format!("{i}\n")).collect();
+    // Uploaded a part at a time, and handed whole to the stage below.
+    let out = env.dflash(&["export", "count", "-p", "p.yaml", "n"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(env.path().join("n/n.txt"))
+            .unwrap()
+            .trim(),
+        "2000"
+    );
     fn objects(env: &Env, store: &str) -> Vec<String> {
         walk(&env.path().join(store).join("blobs"))
     }

@@ -94,6 +94,18 @@ async fn conformance(store: &Store) {
         );
         assert!(s.has_blob(&big.digest).await.unwrap());
     }
+    // A file is stored a part at a time, as the same blob its bytes make; and written out so.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ten");
+    std::fs::write(&file, b"ten bytes!").unwrap();
+    let from_file = parted.put_file(&file).await.unwrap();
+    assert_eq!((from_file.digest, from_file.size), (big.digest, 10));
+    let mut out = Vec::new();
+    assert_eq!(
+        parted.get_blob_into(&big.digest, &mut out).await.unwrap(),
+        10
+    );
+    assert_eq!(out, b"ten bytes!");
     let mut blobs = store.list("blobs").await.unwrap();
     blobs.sort();
     let hex = big.digest.to_hex();

@@ -655,7 +655,6 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
             let chosen = chosen_files(&m, &files)?;
             rt.block_on(async {
                 for f in &chosen {
-                    let bytes = store.get_blob(&f.digest).await?;
                     let target =
                         crate::run::safe_join_for_export(&dir, &f.path).map_err(|e| Failure {
                             code: 2,
@@ -665,13 +664,21 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                         std::fs::create_dir_all(parent)
                             .map_err(|e| CliError::Write(parent.display().to_string(), e))?;
                     }
-                    let mut file = std::fs::OpenOptions::new()
+                    let file = std::fs::OpenOptions::new()
                         .write(true)
                         .create_new(true)
                         .open(&target)
                         .map_err(|e| CliError::Write(target.display().to_string(), e))?;
-                    file.write_all(&bytes)
-                        .map_err(|e| CliError::Write(target.display().to_string(), e))?;
+                    // A part at a time (a checkpoint may be many GB); bytes that fail the
+                    // check are removed, not left looking exported.
+                    let mut out = std::io::BufWriter::new(file);
+                    let written = store.get_blob_into(&f.digest, &mut out).await;
+                    let flushed = out.flush();
+                    if written.is_err() || flushed.is_err() {
+                        let _ = std::fs::remove_file(&target);
+                    }
+                    written?;
+                    flushed.map_err(|e| CliError::Write(target.display().to_string(), e))?;
                 }
                 Ok::<_, Failure>(())
             })?;

@@ -292,12 +292,17 @@ async fn materialise(store: &Store, key: &Key, dir: &Path) -> Result<(), StageEr
         .ok_or_else(|| StageError::new(format!("upstream artifact {key} has no manifest")))?;
     std::fs::create_dir_all(dir)?;
     for f in &manifest.files {
-        let bytes = store.get_blob(&f.digest).await.map_err(|e| store_err(&e))?;
         let target = safe_join(dir, &f.path)?;
         if let Some(parent) = target.parent() {
             std::fs::create_dir_all(parent)?;
         }
-        std::fs::write(&target, &bytes)?;
+        // A part at a time: an upstream file of any size holds one part in memory.
+        let mut file = std::io::BufWriter::new(std::fs::File::create(&target)?);
+        store
+            .get_blob_into(&f.digest, &mut file)
+            .await
+            .map_err(|e| store_err(&e))?;
+        std::io::Write::flush(&mut file)?;
     }
     Ok(())
 }
@@ -335,9 +340,8 @@ async fn upload_dir(store: &Store, dir: &Path) -> Result<Vec<FileEntry>, StageEr
                 "output `{rel}` is not a regular file (links are not stored)"
             )));
         }
-        let bytes = tokio::fs::read(entry.path()).await?;
         let blob = store
-            .put_blob(Bytes::from(bytes))
+            .put_file(entry.path())
             .await
             .map_err(|e| store_err(&e))?;
         out.push(FileEntry { path: rel, ..blob });

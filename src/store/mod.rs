@@ -74,6 +74,17 @@ pub enum StoreError {
         #[help]
         hint: Option<String>,
     },
+    /// A local file being stored, or a blob being written out, failed on this machine.
+    #[error("{op} `{path}` failed: {reason}")]
+    #[diagnostic(code(dflash::store::local_file))]
+    Local {
+        /// What was being done.
+        op: &'static str,
+        /// The local file (or the blob, when written to a stream).
+        path: String,
+        /// Why.
+        reason: String,
+    },
     /// An object's bytes do not match its digest.
     #[error(
         "store `{url}`: object `{path}` is corrupt: its bytes hash to {actual}, not {expected}"
@@ -373,6 +384,100 @@ impl Store {
             parts,
         };
         self.put_json(&parts_path(digest), &list).await
+    }
+
+    /// Store the file at `path` as a blob, reading it a part at a time, so a file of any size
+    /// holds at most one part in memory: whole up to the part size, else its parts as they are
+    /// read and their list once the whole digest is known.
+    pub async fn put_file(&self, path: &std::path::Path) -> Result<FileEntry, StoreError> {
+        use tokio::io::AsyncReadExt;
+        let io = |e: std::io::Error| StoreError::Local {
+            op: "reading",
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        };
+        let mut file = tokio::fs::File::open(path).await.map_err(io)?;
+        let size = file.metadata().await.map_err(io)?.len();
+        if size <= self.part_bytes as u64 {
+            let mut bytes = Vec::with_capacity(size as usize);
+            file.read_to_end(&mut bytes).await.map_err(io)?;
+            return self.put_blob(Bytes::from(bytes)).await;
+        }
+        let mut whole = blake3::Hasher::new();
+        let mut parts = Vec::new();
+        let mut read = 0u64;
+        loop {
+            let mut piece = Vec::with_capacity(self.part_bytes);
+            (&mut file)
+                .take(self.part_bytes as u64)
+                .read_to_end(&mut piece)
+                .await
+                .map_err(io)?;
+            if piece.is_empty() {
+                break;
+            }
+            whole.update(&piece);
+            read += piece.len() as u64;
+            let d = Digest::of(&piece);
+            parts.push(BlobPart {
+                digest: d,
+                size: piece.len() as u64,
+            });
+            self.put_create(&blob_path(&d), Bytes::from(piece)).await?;
+        }
+        let digest = Digest::from(whole.finalize());
+        if !self.exists(&blob_path(&digest)).await? {
+            self.put_json(&parts_path(&digest), &BlobParts { size: read, parts })
+                .await?;
+        }
+        Ok(FileEntry {
+            path: String::new(),
+            digest,
+            size: read,
+        })
+    }
+
+    /// Write a blob into `out` a part at a time, each part checked against its digest as it
+    /// is read and the whole against the blob's at the end (an error then: `out` holds bytes
+    /// that are not the blob's, and the caller removes them).
+    pub async fn get_blob_into(
+        &self,
+        digest: &Digest,
+        out: &mut (impl std::io::Write + Send),
+    ) -> Result<u64, StoreError> {
+        let write = |e: std::io::Error| StoreError::Local {
+            op: "writing blob",
+            path: digest.short(12),
+            reason: e.to_string(),
+        };
+        let missing = match self.get_whole_blob(digest).await {
+            Ok(bytes) => {
+                out.write_all(&bytes).map_err(write)?;
+                return Ok(bytes.len() as u64);
+            }
+            Err(e @ StoreError::Missing { .. }) => e,
+            Err(e) => return Err(e),
+        };
+        let rel = parts_path(digest);
+        let Some(list) = self.get_json::<BlobParts>(&rel).await? else {
+            return Err(missing);
+        };
+        let mut whole = blake3::Hasher::new();
+        for p in &list.parts {
+            let piece = self.get_whole_blob(&p.digest).await?;
+            whole.update(&piece);
+            out.write_all(&piece).map_err(write)?;
+        }
+        let actual = Digest::from(whole.finalize());
+        if actual != *digest {
+            return Err(StoreError::Corrupt {
+                url: self.url.clone(),
+                path: rel,
+                expected: digest.to_hex(),
+                actual: actual.to_hex(),
+            });
+        }
+        Ok(list.size)
     }
 
     /// Whether the blob is stored, whole or in parts (HEAD requests: nothing is read).
