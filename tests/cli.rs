@@ -307,8 +307,9 @@ stages:
 }
 
 /// A file over the store's part size (1 GiB; `DFLASH_BLOB_PART_BYTES` here) is stored as parts
-/// and their list: it exports, verifies and copies as a whole file does, into a store of
-/// another part size and back, byte for byte.
+/// and their list, uploaded and handed to the stage below a part at a time: it exports,
+/// verifies and copies (part by part, as stored) as a whole file does, byte for byte; a whole
+/// file copied into a store of smaller parts is parted there.
 #[test]
 fn a_file_larger_than_a_part_is_stored_in_parts_and_reads_back_whole() {
     let mut env = Env::new();
@@ -355,7 +356,8 @@ fn a_file_larger_than_a_part_is_stored_in_parts_and_reads_back_whole() {
         env.dflash(&["verify", "--store", "cache"]).status.code(),
         Some(0)
     );
-    // Into a store of 1 GiB parts: one object there; and back into small parts.
+    // Copied part by part (as stored: a store's part size is how it writes, not how it
+    // reads); a whole blob into a store of smaller parts is parted there.
     env.set("DFLASH_BLOB_PART_BYTES", "1073741824");
     let out = env.dflash(&["copy", "--from", "cache", "--to", "whole"]);
     assert!(
@@ -363,10 +365,29 @@ fn a_file_larger_than_a_part_is_stored_in_parts_and_reads_back_whole() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(!objects(&env, "whole").iter().any(|p| p.ends_with(".parts")));
+    let lists = |store: &str| -> Vec<String> {
+        objects(&env, store)
+            .into_iter()
+            .filter(|p| p.ends_with(".parts"))
+            .collect()
+    };
+    assert_eq!(lists("whole"), lists("cache"));
+    let largest = objects(&env, "whole")
+        .iter()
+        .filter(|p| !p.ends_with(".parts"))
+        .map(|p| {
+            std::fs::metadata(env.path().join("whole/blobs").join(p))
+                .unwrap()
+                .len()
+        })
+        .max();
+    assert_eq!(largest, Some(1000));
     assert_eq!(exported(&env, "whole", "y"), want);
+    // Run with 1 GiB parts, the file is one object; copied into 700-byte parts, it is parted.
+    env.run_with("p.yaml", &["--store", "plain"], 0);
+    assert!(!objects(&env, "plain").iter().any(|p| p.ends_with(".parts")));
     env.set("DFLASH_BLOB_PART_BYTES", "700");
-    let out = env.dflash(&["copy", "--from", "whole", "--to", "small"]);
+    let out = env.dflash(&["copy", "--from", "plain", "--to", "small"]);
     assert!(
         out.status.success(),
         "{}",

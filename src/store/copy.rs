@@ -176,14 +176,10 @@ async fn copy_blobs(
             if to.has_blob(d).await? {
                 return Ok(Some((false, 0)));
             }
-            match from.get_blob(d).await {
-                // `get_blob` checked the bytes against `d`: written under it as they are, not
-                // hashed again (another writer may have created it meanwhile).
-                Ok(bytes) => {
-                    let n = bytes.len() as u64;
-                    let written = to.put_blob_as(d, bytes).await? == Put::Created;
-                    Ok(Some((written, n)))
-                }
+            // Checked against `d` on the way (a parted blob part by part): written under it as
+            // it is, not hashed again (another writer may have created it meanwhile).
+            match from.copy_blob_to(d, to).await {
+                Ok((put, n)) => Ok(Some((put == Put::Created, n))),
                 Err(StoreError::Missing { .. }) => Ok(None),
                 Err(e) => Err(e),
             }

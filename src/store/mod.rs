@@ -480,6 +480,35 @@ impl Store {
         Ok(list.size)
     }
 
+    /// Copy a blob of this store into `to` as it is stored here: a whole one whole (parted
+    /// there if it is over `to`'s part size), a parted one part by part and then its list, so
+    /// at most one part (or one whole blob) is in memory. Each part is checked on the way.
+    /// `Created` when the blob was written, with its size.
+    pub async fn copy_blob_to(
+        &self,
+        digest: &Digest,
+        to: &Store,
+    ) -> Result<(Put, u64), StoreError> {
+        let missing = match self.get_whole_blob(digest).await {
+            Ok(bytes) => {
+                let n = bytes.len() as u64;
+                return Ok((to.put_blob_as(digest, bytes).await?, n));
+            }
+            Err(e @ StoreError::Missing { .. }) => e,
+            Err(e) => return Err(e),
+        };
+        let Some(list) = self.get_json::<BlobParts>(&parts_path(digest)).await? else {
+            return Err(missing);
+        };
+        for p in &list.parts {
+            if !to.exists(&blob_path(&p.digest)).await? {
+                let piece = self.get_whole_blob(&p.digest).await?;
+                to.put_create(&blob_path(&p.digest), piece).await?;
+            }
+        }
+        Ok((to.put_json(&parts_path(digest), &list).await?, list.size))
+    }
+
     /// Whether the blob is stored, whole or in parts (HEAD requests: nothing is read).
     pub async fn has_blob(&self, digest: &Digest) -> Result<bool, StoreError> {
         Ok(self.exists(&blob_path(digest)).await? || self.exists(&parts_path(digest)).await?)
