@@ -821,7 +821,9 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                     let Some(m) = store.manifest(&k).await? else { continue };
                     for f in &m.files {
                         checked += 1;
-                        if let Err(e) = store.get_blob(&f.digest).await {
+                        // Read through, a part at a time, into nothing: each part and the
+                        // whole checked, no file held in memory.
+                        if let Err(e) = store.get_blob_into(&f.digest, &mut std::io::sink()).await {
                             // What is wrong with it: bytes that hash to another digest, no
                             // bytes at all (a partial copy of a store), or a failed read.
                             let problem = match e {
