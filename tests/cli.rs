@@ -322,11 +322,7 @@ fn a_file_larger_than_a_part_is_stored_in_parts_and_reads_back_whole() {
     let want: String = (1..=2000).map(|i| format!("{i}\n")).collect();
     // Uploaded a part at a time, and handed whole to the stage below.
     let out = env.dflash(&["export", "count", "-p", "p.yaml", "n"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     assert_eq!(
         std::fs::read_to_string(env.path().join("n/n.txt"))
             .unwrap()
@@ -344,11 +340,7 @@ fn a_file_larger_than_a_part_is_stored_in_parts_and_reads_back_whole() {
     );
     fn exported(env: &Env, store: &str, dir: &str) -> String {
         let out = env.dflash(&["export", "big", "-p", "p.yaml", "--store", store, dir]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        succeeded(&out);
         std::fs::read_to_string(env.path().join(dir).join("big.txt")).unwrap()
     }
     assert_eq!(exported(&env, "cache", "x"), want);
@@ -360,11 +352,7 @@ fn a_file_larger_than_a_part_is_stored_in_parts_and_reads_back_whole() {
     // reads); a whole blob into a store of smaller parts is parted there.
     env.set("DFLASH_BLOB_PART_BYTES", "1073741824");
     let out = env.dflash(&["copy", "--from", "cache", "--to", "whole"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let lists = |store: &str| -> Vec<String> {
         objects(&env, store)
             .into_iter()
@@ -388,11 +376,7 @@ fn a_file_larger_than_a_part_is_stored_in_parts_and_reads_back_whole() {
     assert!(!objects(&env, "plain").iter().any(|p| p.ends_with(".parts")));
     env.set("DFLASH_BLOB_PART_BYTES", "700");
     let out = env.dflash(&["copy", "--from", "plain", "--to", "small"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     assert_eq!(
         objects(&env, "small")
             .iter()
@@ -495,11 +479,7 @@ fn export_takes_only_the_files_asked_for() {
         env.dflash(&args)
     };
     let out = export("x", &["drafter/*", "*.json*"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let mut got: Vec<String> = walk(&env.path().join("x"));
     got.sort();
     assert_eq!(
@@ -518,11 +498,7 @@ fn export_takes_only_the_files_asked_for() {
     );
     // `*` stays within a folder; `**` crosses them.
     let out = export("y", &["**/*.safetensors"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let mut got = walk(&env.path().join("y"));
     got.sort();
     assert_eq!(
@@ -546,6 +522,15 @@ fn export_takes_only_the_files_asked_for() {
     assert!(
         String::from_utf8_lossy(&out.stderr)
             .contains("ckpt-000200/, drafter/, metrics.jsonl, training.json"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Fail with the command's stderr unless it succeeded.
+fn succeeded(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
