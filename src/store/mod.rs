@@ -18,7 +18,7 @@ pub mod manifest;
 
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 use dflash_stage_api::Digest;
 use futures::TryStreamExt;
 use object_store::path::Path as ObjPath;
@@ -358,8 +358,8 @@ impl Store {
     }
 
     /// Store `bytes`, whose digest the caller has checked to be `digest`, as that blob: in one
-    /// object up to the store's part size, else as parts and their list, each create-only. `Existed`
-    /// when the blob was there already (whole, or its parts' list).
+    /// object up to the store's part size, else as parts and their list, each create-only.
+    /// `Existed` when the blob was there already (whole, or its parts' list).
     pub async fn put_blob_as(&self, digest: &Digest, bytes: Bytes) -> Result<Put, StoreError> {
         let part = self.part_bytes;
         if bytes.len() <= part {
@@ -370,13 +370,10 @@ impl Store {
         }
         let mut parts = Vec::new();
         for start in (0..bytes.len()).step_by(part) {
-            let piece = bytes.slice(start..(start + part).min(bytes.len()));
-            let d = Digest::of(&piece);
-            parts.push(BlobPart {
-                digest: d,
-                size: piece.len() as u64,
-            });
-            self.put_create(&blob_path(&d), piece).await?;
+            parts.push(
+                self.put_part(bytes.slice(start..(start + part).min(bytes.len())))
+                    .await?,
+            );
         }
         // Written last: a blob is there once its list is, every part before it.
         let list = BlobParts {
@@ -405,7 +402,6 @@ impl Store {
         }
         let mut whole = blake3::Hasher::new();
         let mut parts = Vec::new();
-        let mut read = 0u64;
         loop {
             let mut piece = Vec::with_capacity(self.part_bytes);
             (&mut file)
@@ -417,67 +413,93 @@ impl Store {
                 break;
             }
             whole.update(&piece);
-            read += piece.len() as u64;
-            let d = Digest::of(&piece);
-            parts.push(BlobPart {
-                digest: d,
-                size: piece.len() as u64,
-            });
-            self.put_create(&blob_path(&d), Bytes::from(piece)).await?;
+            parts.push(self.put_part(Bytes::from(piece)).await?);
         }
         let digest = Digest::from(whole.finalize());
+        let size = parts.iter().map(|p| p.size).sum();
         if !self.exists(&blob_path(&digest)).await? {
-            self.put_json(&parts_path(&digest), &BlobParts { size: read, parts })
+            self.put_json(&parts_path(&digest), &BlobParts { size, parts })
                 .await?;
         }
         Ok(FileEntry {
             path: String::new(),
             digest,
-            size: read,
+            size,
         })
+    }
+
+    /// One part of a parted blob, stored create-only under its own digest.
+    async fn put_part(&self, piece: Bytes) -> Result<BlobPart, StoreError> {
+        let part = BlobPart {
+            digest: Digest::of(&piece),
+            size: piece.len() as u64,
+        };
+        self.put_create(&blob_path(&part.digest), piece).await?;
+        Ok(part)
+    }
+
+    /// How a blob is stored: its one object, read and checked, or its parts' list.
+    async fn stored(&self, digest: &Digest) -> Result<Stored, StoreError> {
+        let missing = match self.get_whole_blob(digest).await {
+            Ok(bytes) => return Ok(Stored::Whole(bytes)),
+            Err(e @ StoreError::Missing { .. }) => e,
+            Err(e) => return Err(e),
+        };
+        let rel = parts_path(digest);
+        match self.get_json::<BlobParts>(&rel).await? {
+            Some(list) => Ok(Stored::Parted(rel, list)),
+            None => Err(missing),
+        }
+    }
+
+    /// Read a blob (whole, or its parts in order) and check its bytes against its digest.
+    pub async fn get_blob(&self, digest: &Digest) -> Result<Bytes, StoreError> {
+        match self.stored(digest).await? {
+            Stored::Whole(bytes) => Ok(bytes),
+            Stored::Parted(rel, list) => {
+                let mut whole = bytes::BytesMut::with_capacity(list.size as usize).writer();
+                self.read_parts(digest, &rel, &list, &mut whole).await?;
+                Ok(whole.into_inner().freeze())
+            }
+        }
     }
 
     /// Write a blob into `out` a part at a time, each part checked against its digest as it
     /// is read and the whole against the blob's at the end (an error then: `out` holds bytes
-    /// that are not the blob's, and the caller removes them).
+    /// that are not the blob's, and the caller removes them); its size.
     pub async fn get_blob_into(
         &self,
         digest: &Digest,
         out: &mut (impl std::io::Write + Send),
     ) -> Result<u64, StoreError> {
-        let write = |e: std::io::Error| StoreError::Local {
-            op: "writing blob",
-            path: digest.short(12),
-            reason: e.to_string(),
-        };
-        let missing = match self.get_whole_blob(digest).await {
-            Ok(bytes) => {
-                out.write_all(&bytes).map_err(write)?;
-                return Ok(bytes.len() as u64);
+        match self.stored(digest).await? {
+            Stored::Whole(bytes) => {
+                out.write_all(&bytes).map_err(|e| written(digest, &e))?;
+                Ok(bytes.len() as u64)
             }
-            Err(e @ StoreError::Missing { .. }) => e,
-            Err(e) => return Err(e),
-        };
-        let rel = parts_path(digest);
-        let Some(list) = self.get_json::<BlobParts>(&rel).await? else {
-            return Err(missing);
-        };
+            Stored::Parted(rel, list) => {
+                self.read_parts(digest, &rel, &list, out).await?;
+                Ok(list.size)
+            }
+        }
+    }
+
+    /// A parted blob's parts, in order, into `out`: each checked as it is read, the whole at
+    /// the end (`rel`, its list, named if the whole is not `digest`).
+    async fn read_parts(
+        &self,
+        digest: &Digest,
+        rel: &str,
+        list: &BlobParts,
+        out: &mut (impl std::io::Write + Send),
+    ) -> Result<(), StoreError> {
         let mut whole = blake3::Hasher::new();
         for p in &list.parts {
             let piece = self.get_whole_blob(&p.digest).await?;
             whole.update(&piece);
-            out.write_all(&piece).map_err(write)?;
+            out.write_all(&piece).map_err(|e| written(digest, &e))?;
         }
-        let actual = Digest::from(whole.finalize());
-        if actual != *digest {
-            return Err(StoreError::Corrupt {
-                url: self.url.clone(),
-                path: rel,
-                expected: digest.to_hex(),
-                actual: actual.to_hex(),
-            });
-        }
-        Ok(list.size)
+        self.check(digest, rel, Digest::from(whole.finalize()))
     }
 
     /// Copy a blob of this store into `to` as it is stored here: a whole one whole (parted
@@ -489,46 +511,29 @@ impl Store {
         digest: &Digest,
         to: &Store,
     ) -> Result<(Put, u64), StoreError> {
-        let missing = match self.get_whole_blob(digest).await {
-            Ok(bytes) => {
+        match self.stored(digest).await? {
+            Stored::Whole(bytes) => {
                 let n = bytes.len() as u64;
-                return Ok((to.put_blob_as(digest, bytes).await?, n));
+                Ok((to.put_blob_as(digest, bytes).await?, n))
             }
-            Err(e @ StoreError::Missing { .. }) => e,
-            Err(e) => return Err(e),
-        };
-        let Some(list) = self.get_json::<BlobParts>(&parts_path(digest)).await? else {
-            return Err(missing);
-        };
-        for p in &list.parts {
-            if !to.exists(&blob_path(&p.digest)).await? {
-                let piece = self.get_whole_blob(&p.digest).await?;
-                to.put_create(&blob_path(&p.digest), piece).await?;
+            Stored::Parted(rel, list) => {
+                for p in &list.parts {
+                    if !to.exists(&blob_path(&p.digest)).await? {
+                        let piece = self.get_whole_blob(&p.digest).await?;
+                        to.put_create(&blob_path(&p.digest), piece).await?;
+                    }
+                }
+                Ok((to.put_json(&rel, &list).await?, list.size))
             }
         }
-        Ok((to.put_json(&parts_path(digest), &list).await?, list.size))
     }
 
-    /// Whether the blob is stored, whole or in parts (HEAD requests: nothing is read).
+    /// Whether the blob is stored, whole or in parts (two HEAD requests at once: nothing is
+    /// read, and a blob that is not there costs one round trip, as before parts).
     pub async fn has_blob(&self, digest: &Digest) -> Result<bool, StoreError> {
-        Ok(self.exists(&blob_path(digest)).await? || self.exists(&parts_path(digest)).await?)
-    }
-
-    /// Read a blob (whole, or its parts in order) and check its bytes against its digest.
-    pub async fn get_blob(&self, digest: &Digest) -> Result<Bytes, StoreError> {
-        let missing = match self.get_whole_blob(digest).await {
-            Err(e @ StoreError::Missing { .. }) => e,
-            whole => return whole,
-        };
-        let rel = parts_path(digest);
-        let Some(list) = self.get_json::<BlobParts>(&rel).await? else {
-            return Err(missing);
-        };
-        let mut whole = bytes::BytesMut::with_capacity(list.size as usize);
-        for p in &list.parts {
-            whole.extend_from_slice(&self.get_whole_blob(&p.digest).await?);
-        }
-        self.checked(digest, &rel, whole.freeze())
+        let (whole, parted) = (blob_path(digest), parts_path(digest));
+        let (whole, parted) = tokio::try_join!(self.exists(&whole), self.exists(&parted))?;
+        Ok(whole || parted)
     }
 
     /// A blob stored as one object, checked against its digest.
@@ -538,12 +543,12 @@ impl Store {
             url: self.url.clone(),
             path: rel.clone(),
         })?;
-        self.checked(digest, &rel, bytes)
+        self.check(digest, &rel, Digest::of(&bytes))?;
+        Ok(bytes)
     }
 
-    /// `bytes`, read from `rel`, if they hash to `digest`.
-    fn checked(&self, digest: &Digest, rel: &str, bytes: Bytes) -> Result<Bytes, StoreError> {
-        let actual = Digest::of(&bytes);
+    /// An error naming `rel` unless what was read from it hashes to `digest`.
+    fn check(&self, digest: &Digest, rel: &str, actual: Digest) -> Result<(), StoreError> {
         if actual != *digest {
             return Err(StoreError::Corrupt {
                 url: self.url.clone(),
@@ -552,7 +557,7 @@ impl Store {
                 actual: actual.to_hex(),
             });
         }
-        Ok(bytes)
+        Ok(())
     }
 
     async fn get_json<T: serde::de::DeserializeOwned>(
@@ -758,6 +763,23 @@ fn part_bytes() -> usize {
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|&n| n > 0)
         .unwrap_or(1 << 30)
+}
+
+/// A blob as the store holds it ([`Store::stored`]).
+enum Stored {
+    /// One object, its bytes read and checked.
+    Whole(Bytes),
+    /// Parts: the list's path and the list.
+    Parted(String, BlobParts),
+}
+
+/// A failed write of a blob's bytes to a local stream.
+fn written(digest: &Digest, e: &std::io::Error) -> StoreError {
+    StoreError::Local {
+        op: "writing blob",
+        path: digest.short(12),
+        reason: e.to_string(),
+    }
 }
 
 /// The parts of a blob stored in pieces, in order (`blobs/<hh>/<digest>.parts`).
