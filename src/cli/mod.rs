@@ -313,8 +313,8 @@ fn chosen_files<'a>(
     for g in globs {
         let p = glob::Pattern::new(g).map_err(|e| CliError::BadGlob(g.clone(), e.msg.into()))?;
         if !m.files.iter().any(|f| p.matches_with(&f.path, options)) {
-            // The artifact's top level: what a glob usually names.
-            let mut top: Vec<String> = m
+            // The artifact's top level, sorted: what a glob usually names.
+            let top: std::collections::BTreeSet<String> = m
                 .files
                 .iter()
                 .map(|f| match f.path.split_once('/') {
@@ -322,14 +322,11 @@ fn chosen_files<'a>(
                     None => f.path.clone(),
                 })
                 .collect();
-            top.dedup();
-            top.sort();
-            top.dedup();
             return Err(CliError::GlobMatchesNothing(
                 g.clone(),
                 m.files.len(),
                 m.key.0.short(12),
-                top.join(", "),
+                top.into_iter().collect::<Vec<_>>().join(", "),
             ));
         }
         patterns.push(p);
