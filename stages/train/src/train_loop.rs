@@ -104,14 +104,16 @@ const CKPT: &str = "ckpt-";
 /// updates; its config must be `config` (the check at plan time says which param differs),
 /// or `config` without DFlash 2: a DFlash drafter starting a DFlash 2 one, whose convolutions
 /// and selector then start as a fresh DFlash 2 drafter's (`seed`), the identity. A DFlash
-/// drafter may have been trained with another block: its weights do not depend on it.
+/// drafter may have been trained with another block: its weights do not depend on it. With the
+/// block it was trained with.
 fn start_from(
     init: &std::path::Path,
     config: &DrafterConfig,
     seed: u64,
     device: &candle_core::Device,
-) -> Result<Drafter, StageError> {
+) -> Result<(Drafter, usize), StageError> {
     let mut theirs = crate::read_init(init).map_err(StageError::new)?;
+    let trained = theirs.block_size;
     if theirs.dflash2.is_none() {
         theirs.block_size = config.block_size;
     }
@@ -157,7 +159,8 @@ fn start_from(
                 .or_insert_with(|| var.as_tensor().clone());
         }
     }
-    Drafter::from_tensors(config.clone(), &tensors).map_err(nn("`init`"))
+    let drafter = Drafter::from_tensors(config.clone(), &tensors).map_err(nn("`init`"))?;
+    Ok((drafter, trained))
 }
 
 /// Train; see the module docs.
@@ -284,17 +287,19 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         None => {
             let d = match raw["init"].as_str() {
                 Some(init) => {
+                    let (d, trained) = start_from(&ctx.cwd.join(init), &config, seed, &device)?;
                     if let Ok(mut log) = dflash_stage_api::StageLog::open(ctx.log_path) {
-                        let block = match crate::read_init(&ctx.cwd.join(init)) {
-                            Ok(c) if c.block_size != config.block_size => format!(
-                                " (trained with blocks of {}; it goes on with blocks of {})",
-                                c.block_size, config.block_size
-                            ),
-                            _ => String::new(),
+                        let block = if trained == config.block_size {
+                            String::new()
+                        } else {
+                            format!(
+                                " (trained with blocks of {trained}; it goes on with blocks of {})",
+                                config.block_size
+                            )
                         };
                         log.line(&format!("starting from the drafter in {init}{block}"));
                     }
-                    start_from(&ctx.cwd.join(init), &config, seed, &device)?
+                    d
                 }
                 None => Drafter::init(config.clone(), seed, DType::F32, &device)
                     .map_err(nn("initialising the drafter"))?,
