@@ -536,15 +536,12 @@ fn succeeded(out: &std::process::Output) {
     );
 }
 
-/// Every file under `dir`, by its path relative to it.
+/// Every file under `dir` (`support::env::walk`), by its path relative to it.
 fn walk(dir: &std::path::Path) -> Vec<String> {
-    walkdir::WalkDir::new(dir)
-        .into_iter()
-        .map(Result::unwrap)
-        .filter(|e| e.file_type().is_file())
-        .map(|e| {
-            e.path()
-                .strip_prefix(dir)
+    support::env::walk(dir)
+        .iter()
+        .map(|p| {
+            p.strip_prefix(dir)
                 .unwrap()
                 .to_string_lossy()
                 .replace('\\', "/")

@@ -193,6 +193,35 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
         wide_start < 0.8 * fresh8_start,
         "blocks of 8 from the drafter trained with 4: loss {wide_start}; fresh at 8: {fresh8_start}"
     );
+    // The stage's log says so.
+    let logs: String = support::env::walk(&env.path().join(".work/logs"))
+        .iter()
+        .map(|f| std::fs::read_to_string(f).unwrap_or_default())
+        .collect();
+    assert!(
+        logs.contains("(trained with blocks of 4; it goes on with blocks of 8)"),
+        "{logs}"
+    );
+    // Both at once, as a user may ask: the DFlash drafter trained at 4 starts a DFlash 2 one
+    // at 8 (its convolutions start fresh, at the new block).
+    env.write(
+        "up_wide.yaml",
+        &at8(&cont).replace("max_steps: 10}", "max_steps: 10, head: dflash2}"),
+    );
+    let (st, _) = env.run("up_wide.yaml", 0);
+    assert_eq!(st["drafter"], "ran");
+    let up_wide = exported_from(&env, "up_wide.yaml", "drafter", "up_wide");
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(up_wide.join("drafter/config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            config["architectures"][0].as_str(),
+            config["block_size"].as_u64()
+        ),
+        (Some("DFlash2DraftModel"), Some(8))
+    );
     // A DFlash 2 drafter does not: its convolutions run over the block it was trained with.
     let err = plan_refuses(
         &env,
