@@ -9,8 +9,13 @@ reference `train` is held to, for correctness and for speed (issue 7). Runs on t
 
     python3 bench/train_reference.py speed [--seq 3072] [--anchors 512] [--block 16] [--layers 5]
         The same step as `train_probe speed` at the Qwen3-8B shape with random bf16 weights:
-        target forward under no_grad, drafter forward + backward (SDPA with the dense block
-        mask), fused AdamW; prints per-phase milliseconds and the peak memory (JSON).
+        target forward under no_grad (SDPA's causal flash kernel), drafter forward + backward
+        (SDPA with the dense block mask), fused AdamW; prints per-phase milliseconds and the
+        peak memory (JSON). PyTorch's faster forms, as its users run them: `--attention flex`
+        (FlexAttention's block-sparse kernel under torch.compile, the mask a BlockMask) and
+        `--compile` (the target's forward and the drafter's loss under torch.compile; give
+        `--warmup 2` so compilation stays out of the mean). `--profile-step K` records step K
+        alone for `ncu --profile-from-start off` (bench/kernel_profile.py).
 
 The maths, as `stages/model/src/nn` does it: RMSNorm; rotate-half RoPE at absolute positions;
 Qwen3 per-head q/k norms; grouped-query attention; SwiGLU. The drafter fuses the tapped layers
@@ -43,11 +48,16 @@ def rope(x, cos, sin):  # x [heads, n, hd]
     return x * cos + rot * sin
 
 
-def attention(q, k, v, mask):  # q [H, n, d], k/v [KV, s, d], mask additive [n, s]
-    group = q.shape[0] // k.shape[0]
-    k = k.repeat_interleave(group, 0)
-    v = v.repeat_interleave(group, 0)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask.to(q.dtype)[None, None])[0]
+def attention(q, k, v, mask):  # q [H, n, d], k/v [KV, s, d], mask additive [n, s] or a BlockMask
+    if not torch.is_tensor(mask):  # FlexAttention's block-sparse kernel (`--attention flex`)
+        return FLEX[0](q[None], k[None], v[None], block_mask=mask, enable_gqa=True)[0]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask.to(q.dtype)[None, None],
+                                          enable_gqa=True)[0]
+
+
+# flex_attention as its documentation has users run it: under torch.compile (eager, it
+# materialises the scores); set by speed(`--attention flex`).
+FLEX = [None]
 
 
 class Cfg:
@@ -59,7 +69,6 @@ def target_taps(W, cfg, ids, taps):
     x = W["model.embed_tokens.weight"][ids]
     n = ids.shape[0]
     cos, sin = rope_tables(torch.arange(n, device=ids.device), cfg.hd, cfg.theta, x.dtype, ids.device)
-    causal = torch.full((n, n), float("-inf"), device=ids.device).triu(1)
     out = {}
     for i in range(max(taps) + 1):
         p = lambda s: W[f"model.layers.{i}.{s}.weight"]
@@ -69,7 +78,9 @@ def target_taps(W, cfg, ids, taps):
         v = (h @ p("self_attn.v_proj").T).view(n, cfg.kv, cfg.hd).transpose(0, 1)
         q, k = rms(q, p("self_attn.q_norm"), cfg.eps), rms(k, p("self_attn.k_norm"), cfg.eps)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        a = attention(q, k, v, causal).transpose(0, 1).reshape(n, -1)
+        # PyTorch's flash kernel through SDPA's causal flag (plain usage; no mask tensor).
+        a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                           enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
         x = x + a @ p("self_attn.o_proj").T
         h = rms(x, p("post_attention_layernorm"), cfg.eps)
         x = x + (F.silu(h @ p("mlp.gate_proj").T) * (h @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
@@ -78,12 +89,25 @@ def target_taps(W, cfg, ids, taps):
 
 
 def block_mask(anchors, bs, s, dev):
-    m = len(anchors) * bs
-    mask = torch.full((m, s + m), float("-inf"), device=dev)
-    for j, a in enumerate(anchors):
-        mask[j * bs:(j + 1) * bs, :a] = 0
-        mask[j * bs:(j + 1) * bs, s + j * bs:s + (j + 1) * bs] = 0
-    return mask
+    """Additive [m, s + m]: row q (block j = q // bs) sees context before anchor j and its own block."""
+    anchors = torch.as_tensor(anchors, device=dev)
+    m = anchors.shape[0] * bs
+    j = torch.arange(m, device=dev)[:, None] // bs
+    c = torch.arange(s + m, device=dev)[None, :]
+    seen = (c < anchors[j]) | ((c >= s) & ((c - s) // bs == j))
+    return torch.zeros(seen.shape, device=dev).masked_fill_(~seen, float("-inf"))
+
+
+def flex_block_mask(anchors, bs, s, dev):
+    """The same mask as FlexAttention's BlockMask (its kernel skips the tiles no row sees)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    anchors = torch.as_tensor(anchors, device=dev)
+    m = anchors.shape[0] * bs
+
+    def seen(b, h, q, kv):
+        j = q // bs
+        return (kv < anchors[j]) | ((kv >= s) & ((kv - s) // bs == j))
+    return create_block_mask(seen, None, None, m, s + m, device=dev)
 
 
 def drafter_hidden(D, cfg, context, block, block_pos, mask):
@@ -108,13 +132,15 @@ def drafter_hidden(D, cfg, context, block, block_pos, mask):
     return rms(x, D["norm.weight"], cfg.eps)
 
 
-def block_loss(D, W, cfg, context, block_ids, block_pos, anchors, labels, weights, bs):
+def block_loss(D, W, cfg, context, block_ids, block_pos, anchors, labels, weights, bs, mask=None):
     dev = context.device
     block = W["model.embed_tokens.weight"][block_ids].to(context.dtype)
-    mask = block_mask(anchors, bs, context.shape[0], dev)
+    if mask is None:
+        mask = block_mask(anchors, bs, context.shape[0], dev)
     hidden = drafter_hidden(D, cfg, context, block, block_pos, mask)
-    rows = torch.tensor([j * bs + k for j in range(len(anchors)) for k in range(1, bs)], device=dev)
-    logits = (hidden[rows] @ W["lm_head.weight"].to(hidden.dtype).T).float()
+    # Rows 1..bs-1 of every block (row 0, the anchor, predicts nothing).
+    hidden = hidden.view(-1, bs, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
+    logits = (hidden @ W["lm_head.weight"].to(hidden.dtype).T).float()
     picked = logits.log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
     return -(picked * weights).sum() / weights.sum()
 
@@ -178,8 +204,18 @@ def speed(a):
         v.requires_grad_(True)
     opt = torch.optim.AdamW(list(D.values()), lr=6e-4, fused=True)
     n, bs = a.seq, a.block
+    flex = a.attention == "flex"
+    if flex:
+        from torch.nn.attention.flex_attention import flex_attention
+        FLEX[0] = torch.compile(flex_attention)
+    taps_fn, loss_fn = target_taps, block_loss
+    if a.compile:  # the whole target forward and drafter loss, as one compiled graph each
+        taps_fn, loss_fn = torch.compile(target_taps), torch.compile(block_loss)
     steps = []
     for step in range(a.steps):
+        if step == a.profile_step:  # what `ncu --profile-from-start off` records
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
         gen = torch.Generator().manual_seed(step)
         ids = torch.randint(0, V, (n,), generator=gen).to(dev)
         anchors = sorted(torch.randperm(n - bs - 64, generator=gen)[:a.anchors].add(64).tolist())
@@ -192,10 +228,12 @@ def speed(a):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
-            context = target_taps(W, cfg, ids, taps)
+            context = taps_fn(W, cfg, ids, taps)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        loss = block_loss(D, W, cfg, context, block_ids.reshape(-1).to(dev), block_pos, anchors, labels, weights, bs)
+        mask = flex_block_mask(anchors, bs, n, dev) if flex else block_mask(anchors, bs, n, dev)
+        loss = loss_fn(D, W, cfg, context, block_ids.reshape(-1).to(dev), block_pos, anchors, labels, weights, bs,
+                       mask)
         loss.backward()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -204,13 +242,17 @@ def speed(a):
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         t3 = time.perf_counter()
+        if step == a.profile_step:
+            torch.cuda.profiler.stop()
         row = {"phase": "step", "step": step, "target_ms": (t1 - t0) * 1e3, "drafter_ms": (t2 - t1) * 1e3,
                "optim_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3, "loss": loss.item()}
         steps.append(row)
         print(json.dumps(row), flush=True)
-    warm = steps[1:] or steps
+    warm = steps[a.warmup:] or steps
     mean = lambda k: sum(s[k] for s in warm) / len(warm)
-    print(json.dumps({"phase": "summary", **{k: mean(k) for k in ["target_ms", "drafter_ms", "optim_ms", "total_ms"]},
+    print(json.dumps({"phase": "summary", "attention": a.attention, "compile": a.compile,
+                      **{k: mean(k) for k in ["target_ms", "drafter_ms", "optim_ms", "total_ms"]},
+                      "sequence_tokens_per_second": n / (mean("total_ms") / 1e3),
                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "steps_timed": len(warm)}))
 
 
@@ -223,5 +265,10 @@ if __name__ == "__main__":
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1, help="steps left out of the summary (compilation)")
+    ap.add_argument("--attention", choices=["sdpa", "flex"], default="sdpa",
+                    help="the drafter's block attention: SDPA with a dense mask, or FlexAttention's block mask")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the target forward and the drafter loss")
+    ap.add_argument("--profile-step", type=int, default=-1, help="record only this step for ncu")
     a = ap.parse_args()
     parity(a.path) if a.mode == "parity" else speed(a)

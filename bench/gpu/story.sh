@@ -468,8 +468,41 @@ flash)
         echo '{"phase": "label", "name": "dflash, as train runs it"}'
         peak_memory $STASH/train_probe speed --anchors 512 || echo "speed (pipelined, the default) failed: $?"
         peak_memory python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"
-    } 2>&1 | tee "$OUT/flash.txt"
+        # PyTorch's faster forms, as its users run them (the issue's goal is against the last).
+        peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --steps 5 \
+            --warmup 2 || echo "speed (PyTorch, FlexAttention) failed: $?"
+        peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
+            --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
+    } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
+    ;;
+profile)
+    # There: one training step's kernels (ncu, step 2 alone: `--profile-step`), dflash's and
+    # eager PyTorch's (and, given `compiled`, torch.compile's with FlexAttention), each summed
+    # by kernel family and kind by bench/kernel_profile.py against the step's unprofiled time.
+    unpack_probe
+    mkdir -p $STASH/assets
+    cuda_env
+    prof() {  # LABEL REPORT -- COMMAND...: time it unprofiled, then profile its step 2
+        local label=$1 rep=$2
+        shift 3
+        local ms
+        ms=$("$@" --steps 4 | tee -a "$OUT/profile-runs.txt" | python3 -c 'import json,sys
+rows=[json.loads(l) for l in sys.stdin if l.startswith("{")]
+print([r for r in rows if r.get("phase")=="summary"][-1]["total_ms"])')
+        ncu --profile-from-start off --clock-control none --cache-control none \
+            --metrics gpu__time_duration.sum -f -o $rep "$@" --steps 3 --profile-step 2 >/dev/null 2>&1 ||
+            echo "ncu $label failed: $?"
+        python3 bench/kernel_profile.py $rep.ncu-rep --label "$label" --step-ms "$ms"
+    }
+    {
+        prof "dflash (train_probe speed)" /tmp/prof-dflash -- $STASH/train_probe speed --anchors 512
+        prof "PyTorch eager (SDPA)" /tmp/prof-torch -- python3 bench/train_reference.py speed --anchors 512
+        if [ "${1:-}" = compiled ]; then
+            prof "PyTorch compiled (FlexAttention)" /tmp/prof-compiled -- python3 bench/train_reference.py \
+                speed --anchors 512 --attention flex --compile --warmup 2
+        fi
+    } 2>&1 | grep -v Warning | tee -a "$OUT/profile.txt"
     ;;
 checks)
     # There: the training kernels on this GPU (issue 22), before anything trains with them:
@@ -537,7 +570,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT|drafters:NAME [SEED]] | keep-drafter DIR NAME | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | promote | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT|drafters:NAME [SEED]] | keep-drafter DIR NAME | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | flash | profile [compiled] | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | promote | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac

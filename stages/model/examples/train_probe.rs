@@ -1,7 +1,8 @@
 //! One online training step of the DFlash drafter, measured — the numbers behind issue 7.
 //!
 //! `train_probe speed [--preset qwen3-8b|smollm2|small] [--seq 3072] [--anchors 512] [--block 16]
-//! [--layers 5] [--steps 4] [--dtype bf16|f32] [--master f32|bf16] [--head dflash|dflash2]`: a
+//! [--layers 5] [--steps 4] [--dtype bf16|f32] [--master f32|bf16] [--head dflash|dflash2]
+//! [--profile-step K]`: a
 //! target with random weights at the preset's
 //! shape, a drafter, one random sequence; prints one JSON line per step with the target
 //! forward, the drafter's forward + backward and the AdamW update timed apart (the device is
@@ -229,7 +230,14 @@ fn speed(args: &[String]) -> Result<()> {
     );
     let embed = |t: &Tensor| target.embed(t);
     let mut totals = Vec::new();
+    // `--profile-step K`: only step K's kernels are profiled (`ncu --profile-from-start off`
+    // records between cuProfilerStart and cuProfilerStop; `bench/kernel_profile.py` sums them).
+    let profile_step = arg(args, "--profile-step", usize::MAX);
     for step in 0..steps {
+        if step == profile_step {
+            device.synchronize()?;
+            profiler(true);
+        }
         let (ids, mask) = sequence(seq, tc.vocab, step as u64);
         let batch = Batch::sample(
             &ids,
@@ -262,6 +270,9 @@ fn speed(args: &[String]) -> Result<()> {
         adam.step(&drafter.vars, &g, 6e-4, 1.0)?;
         device.synchronize()?;
         let optim_ms = t.elapsed().as_secs_f64() * 1e3;
+        if step == profile_step {
+            profiler(false);
+        }
         let total = target_ms + drafter_ms + optim_ms;
         println!(
             "{}",
@@ -287,6 +298,26 @@ fn speed(args: &[String]) -> Result<()> {
             "peak_note": "peak memory: nvidia-smi while it runs (candle has no allocator statistics)"})
     );
     Ok(())
+}
+
+/// Start or stop the CUDA profiler's recording (what `ncu --profile-from-start off` sees);
+/// nothing without a GPU build.
+#[allow(unsafe_code)]
+fn profiler(on: bool) {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        // SAFETY: both calls take no arguments and only toggle the profiler's recording; a
+        // failure (no profiler attached) is harmless and ignored.
+        unsafe {
+            if on {
+                sys::cuProfilerStart();
+            } else {
+                sys::cuProfilerStop();
+            }
+        }
+    }
+    let _ = on;
 }
 
 /// The largest absolute difference of two tensors (compared on CPU in f64).
