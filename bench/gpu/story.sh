@@ -463,8 +463,8 @@ flash)
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
-        echo '{"phase": "label", "name": "dflash, staged dK/dV"}'
-        DFLASH_FLASH_DKV=staged $STASH/train_probe speed --anchors 512 || echo "speed (staged) failed: $?"
+        echo '{"phase": "label", "name": "dflash, autograd"}'
+        peak_memory $STASH/train_probe speed --anchors 512 --backward autograd || echo "speed (autograd) failed: $?"
         echo '{"phase": "label", "name": "dflash, as train runs it"}'
         peak_memory $STASH/train_probe speed --anchors 512 || echo "speed (pipelined, the default) failed: $?"
         peak_memory python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"

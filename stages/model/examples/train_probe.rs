@@ -2,7 +2,7 @@
 //!
 //! `train_probe speed [--preset qwen3-8b|smollm2|small] [--seq 3072] [--anchors 512] [--block 16]
 //! [--layers 5] [--steps 4] [--dtype bf16|f32] [--master f32|bf16] [--head dflash|dflash2]
-//! [--profile-step K]`: a
+//! [--profile-step K] [--backward autograd|written]`: a
 //! target with random weights at the preset's
 //! shape, a drafter, one random sequence; prints one JSON line per step with the target
 //! forward, the drafter's forward + backward and the AdamW update timed apart (the device is
@@ -62,7 +62,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use dflash_model::nn::objective::{Batch, loss};
+use dflash_model::nn::objective::{Backward, Batch, loss, loss_and_gradients_packed};
 use dflash_model::nn::{AdamW, Drafter, DrafterConfig, Target, TargetConfig};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -233,6 +233,12 @@ fn speed(args: &[String]) -> Result<()> {
     // `--profile-step K`: only step K's kernels are profiled (`ncu --profile-from-start off`
     // records between cuProfilerStart and cuProfilerStop; `bench/kernel_profile.py` sums them).
     let profile_step = arg(args, "--profile-step", usize::MAX);
+    // `--backward autograd|written`: as `train` runs it on this device unless asked.
+    let backward = match arg(args, "--backward", String::new()).as_str() {
+        "autograd" => Backward::Autograd,
+        "written" => Backward::WrittenOut,
+        _ => Backward::on(&device, &drafter),
+    };
     for step in 0..steps {
         if step == profile_step {
             device.synchronize()?;
@@ -254,19 +260,18 @@ fn speed(args: &[String]) -> Result<()> {
         device.synchronize()?;
         let target_ms = t.elapsed().as_secs_f64() * 1e3;
         let t = Instant::now();
-        let (l, _) = loss(
+        let (l, _, g) = loss_and_gradients_packed(
             &drafter,
             &embed,
             &target.lm_head,
             &context,
-            &batch,
+            &[&batch],
             batch.weight(),
+            backward,
         )?;
-        let grads = l.backward()?;
         device.synchronize()?;
         let drafter_ms = t.elapsed().as_secs_f64() * 1e3;
         let t = Instant::now();
-        let g = drafter.gradients(&grads);
         adam.step(&drafter.vars, &g, 6e-4, 1.0)?;
         device.synchronize()?;
         let optim_ms = t.elapsed().as_secs_f64() * 1e3;
@@ -278,7 +283,7 @@ fn speed(args: &[String]) -> Result<()> {
             "{}",
             serde_json::json!({"phase": "step", "step": step, "target_ms": target_ms,
                 "drafter_ms": drafter_ms, "optim_ms": optim_ms, "total_ms": total,
-                "loss": l.to_dtype(DType::F32)?.to_scalar::<f32>()?})
+                "loss": l})
         );
         totals.push((target_ms, drafter_ms, optim_ms, total));
     }
@@ -290,7 +295,8 @@ fn speed(args: &[String]) -> Result<()> {
     let seconds = mean(|t| t.3) / 1e3;
     println!(
         "{}",
-        serde_json::json!({"phase": "summary", "target_ms": mean(|t| t.0), "drafter_ms": mean(|t| t.1),
+        serde_json::json!({"phase": "summary", "backward": format!("{backward:?}"),
+            "target_ms": mean(|t| t.0), "drafter_ms": mean(|t| t.1),
             "optim_ms": mean(|t| t.2), "total_ms": mean(|t| t.3), "steps_timed": warm.len(),
             "flops": flops, "mfu": flops / seconds / H200_BF16_FLOPS,
             "sequence_tokens_per_second": seq as f64 / seconds,
@@ -1052,18 +1058,21 @@ fn parity(args: &[String]) -> Result<()> {
         Batch::sample(&ids, &mask, 12, 8, tc.vocab as u32 - 1, 4.0, 9).ok_or("no anchors")?;
     let context = target.tapped(&ids, &[1, 3])?;
     let embed = |t: &Tensor| target.embed(t);
-    let (l, _) = loss(
+    // The gradients as `train` computes them on this device (written out on a GPU).
+    let backward = Backward::on(&device, &drafter);
+    let (l, _, grads) = loss_and_gradients_packed(
         &drafter,
         &embed,
         &target.lm_head,
         &context,
-        &batch,
+        &[&batch],
         batch.weight(),
+        backward,
     )?;
-    let grads = l.backward()?;
-    for (n, g) in drafter.gradients(&grads) {
+    for (n, g) in grads {
         saved.insert(format!("grad.{n}"), g.to_device(&cpu)?);
     }
+    let l = Tensor::new(l as f32, &device)?;
     let u32s = |v: &[u32]| Tensor::new(v.iter().map(|&x| i64::from(x)).collect::<Vec<i64>>(), &cpu);
     saved.insert("batch.ids".into(), u32s(&ids)?);
     saved.insert("batch.block_ids".into(), u32s(&batch.block_ids)?);
@@ -1081,7 +1090,8 @@ fn parity(args: &[String]) -> Result<()> {
     println!(
         "{}",
         serde_json::json!({"phase": "parity", "device": format!("{device:?}"),
-            "loss": l.to_scalar::<f32>()?, "tensors": saved.len(), "out": out})
+            "loss": l.to_scalar::<f32>()?, "tensors": saved.len(), "out": out,
+            "backward": format!("{backward:?}")})
     );
     Ok(())
 }

@@ -334,12 +334,15 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     // One micro-batch's loss (normalised by `weight`, the step's total) and counts. The step
     // computes in `compute`: bf16 on a GPU (tensor cores, flash attention), f32 on CPU; the
     // drafter's weights stay f32 either way (the master copy AdamW updates).
-    let forward = |micro: &[(&TokenRow, Batch)], weight: f64| {
+    let context_of = |micro: &[(&TokenRow, Batch)]| {
         let ids: Vec<&[u32]> = micro.iter().map(|(s, _)| s.ids.as_slice()).collect();
-        let context = target
+        target
             .tapped_stacked(&ids, &taps)
             .and_then(|c| c.to_dtype(compute))
-            .map_err(nn("target forward"))?;
+            .map_err(nn("target forward"))
+    };
+    let forward = |micro: &[(&TokenRow, Batch)], weight: f64| {
+        let context = context_of(micro)?;
         let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
         objective::loss_packed(
             &drafter,
@@ -351,6 +354,25 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             objective::Head::on(context.device()),
         )
         .map_err(nn("drafter forward"))
+    };
+    // One micro-batch's metrics and the drafter's gradients: on a GPU the backward pass is
+    // written out (`nn::written`: no autograd graph, each gradient written once), on CPU it is
+    // autograd's, bit for bit as before.
+    let backward = objective::Backward::on(&device, &drafter);
+    let forward_backward = |micro: &[(&TokenRow, Batch)], weight: f64| {
+        let context = context_of(micro)?;
+        let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
+        let (_, m, grads) = objective::loss_and_gradients_packed(
+            &drafter,
+            &embed,
+            &target.lm_head,
+            &context,
+            &packed,
+            weight,
+            backward,
+        )
+        .map_err(nn("drafter step"))?;
+        Ok::<_, StageError>((m, grads))
     };
     // A sequence's blocks, drawn from the random stream `stream`.
     let sample = |s: &TokenRow, stream: u64| {
@@ -409,9 +431,8 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         let mut m = StepMetrics::default();
         if weight > 0.0 {
             for micro in batches.chunks(stack) {
-                let (loss, sm) = forward(micro, weight)?;
-                let g = loss.backward().map_err(nn("backward"))?;
-                for (name, t) in drafter.gradients(&g) {
+                let (sm, g) = forward_backward(micro, weight)?;
+                for (name, t) in g {
                     let sum = match grads.remove(&name) {
                         Some(prev) => (prev + t).map_err(nn("accumulating"))?,
                         None => t,

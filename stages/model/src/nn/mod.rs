@@ -18,6 +18,7 @@ pub mod optim;
 mod rope_cache;
 pub mod speculative;
 pub mod target;
+pub mod written;
 
 pub use drafter::{Drafter, DrafterConfig};
 pub use objective::{Batch, StepMetrics};
@@ -50,6 +51,20 @@ pub(crate) mod testing {
             hybrid: None,
         };
         Target::random(config, seed, DType::F32, &Device::Cpu).expect("a tiny target")
+    }
+
+    /// The largest absolute value of a tensor (in f64).
+    pub(crate) fn max_abs(a: &Tensor) -> f64 {
+        a.to_dtype(DType::F64)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
     }
 
     /// The largest absolute difference between two tensors of one shape (in f64).

@@ -11,6 +11,7 @@ use rand::seq::index;
 use super::Result;
 use super::drafter::Drafter;
 use super::ops::BlockMask;
+pub use super::written::Backward;
 
 /// One sequence's blocks, ready for the drafter.
 #[derive(Clone, Debug)]
@@ -191,6 +192,91 @@ impl StepMetrics {
     }
 }
 
+/// Packed sequences' blocks as one pass takes them: every sequence's block tokens, positions,
+/// labels and weights one after another, each sequence's context positions from 0, its mask.
+pub(crate) struct Packed {
+    pub bs: usize,
+    pub blocks: usize,
+    pub block_ids: Vec<u32>,
+    pub block_pos: Vec<u32>,
+    pub labels: Vec<u32>,
+    pub weights: Vec<f32>,
+    pub context_pos: Vec<u32>,
+    pub masks: Vec<BlockMask>,
+}
+
+impl Packed {
+    pub(crate) fn of(batches: &[&Batch]) -> Result<Self> {
+        let Some(first) = batches.first() else {
+            candle_core::bail!("a packed loss needs at least one sequence");
+        };
+        let bs = first.block_size;
+        if batches.iter().any(|b| b.block_size != bs) {
+            candle_core::bail!("packed sequences must share the block size");
+        }
+        let concat = |f: &dyn Fn(&Batch) -> &[u32]| -> Vec<u32> {
+            batches.iter().flat_map(|b| f(b).iter().copied()).collect()
+        };
+        let block_ids = concat(&|b| &b.block_ids);
+        Ok(Self {
+            bs,
+            blocks: block_ids.len() / bs,
+            block_pos: concat(&|b| &b.block_pos),
+            labels: concat(&|b| &b.labels),
+            weights: batches
+                .iter()
+                .flat_map(|b| b.weights.iter().copied())
+                .collect(),
+            // Each sequence's rotary positions count from its own first token.
+            context_pos: batches
+                .iter()
+                .flat_map(|b| 0..b.context_len as u32)
+                .collect(),
+            masks: batches.iter().map(|b| b.mask()).collect(),
+            block_ids,
+        })
+    }
+}
+
+impl StepMetrics {
+    /// The counts of a pass whose loss is `loss`: per block position, the rows with weight and
+    /// those whose `predicted` token is the label; per block, the accepted run.
+    pub(crate) fn of_rows(
+        loss: f64,
+        predicted: &[u32],
+        labels: &[u32],
+        weights: &[f32],
+        bs: usize,
+        blocks: usize,
+    ) -> Self {
+        let mut m = StepMetrics {
+            loss,
+            correct: vec![0; bs - 1],
+            counted: vec![0; bs - 1],
+            accepted: 0,
+            blocks: blocks as u64,
+            rounds: 0.0,
+        };
+        for j in 0..blocks {
+            let mut leading = true;
+            let mut accepted = 0u64;
+            for k in 1..bs {
+                let r = j * (bs - 1) + (k - 1);
+                let hit = predicted[r] == labels[r];
+                if weights[r] > 0.0 {
+                    m.counted[k - 1] += 1;
+                    m.correct[k - 1] += u64::from(hit);
+                }
+                leading &= hit && weights[r] > 0.0;
+                accepted += u64::from(leading);
+            }
+            m.accepted += accepted;
+            m.rounds += 1.0 / (accepted + 1) as f64;
+        }
+        m
+    }
+}
+
 /// The drafter's loss on one sequence: `sum(w * nll) / normalizer` (a scalar tensor to
 /// backpropagate), and what it measured. `context`: the tapped target layers `[s, n*H]`.
 pub fn loss(
@@ -242,32 +328,18 @@ pub fn loss_packed(
     normalizer: f64,
     head: Head,
 ) -> Result<(Tensor, StepMetrics)> {
-    let Some(first) = batches.first() else {
-        candle_core::bail!("a packed loss needs at least one sequence");
-    };
     let device = context.device();
     let dtype = context.dtype();
-    let bs = first.block_size;
-    if batches.iter().any(|b| b.block_size != bs) {
-        candle_core::bail!("packed sequences must share the block size");
-    }
-    let concat = |f: &dyn Fn(&Batch) -> &[u32]| -> Vec<u32> {
-        batches.iter().flat_map(|b| f(b).iter().copied()).collect()
-    };
-    let block_ids = concat(&|b| &b.block_ids);
-    let block_pos = concat(&|b| &b.block_pos);
-    let labels = concat(&|b| &b.labels);
-    let weights: Vec<f32> = batches
-        .iter()
-        .flat_map(|b| b.weights.iter().copied())
-        .collect();
-    // Each sequence's rotary positions count from its own first token.
-    let context_pos: Vec<u32> = batches
-        .iter()
-        .flat_map(|b| 0..b.context_len as u32)
-        .collect();
-    let masks: Vec<BlockMask> = batches.iter().map(|b| b.mask()).collect();
-    let blocks = block_ids.len() / bs;
+    let Packed {
+        bs,
+        blocks,
+        block_ids,
+        block_pos,
+        labels,
+        weights,
+        context_pos,
+        masks,
+    } = Packed::of(batches)?;
     let ids = Tensor::new(block_ids.as_slice(), device)?;
     let block = embed(&ids)?.to_dtype(dtype)?;
     let ctx = drafter.context_kv(context, &context_pos)?;
@@ -335,31 +407,36 @@ pub fn loss_packed(
             }
         }
     };
-    let mut m = StepMetrics {
-        loss: total.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        correct: vec![0; bs - 1],
-        counted: vec![0; bs - 1],
-        accepted: 0,
-        blocks: blocks as u64,
-        rounds: 0.0,
-    };
-    for j in 0..blocks {
-        let mut leading = true;
-        let mut accepted = 0u64;
-        for k in 1..bs {
-            let r = j * (bs - 1) + (k - 1);
-            let hit = predicted[r] == labels[r];
-            if weights[r] > 0.0 {
-                m.counted[k - 1] += 1;
-                m.correct[k - 1] += u64::from(hit);
-            }
-            leading &= hit && weights[r] > 0.0;
-            accepted += u64::from(leading);
-        }
-        m.accepted += accepted;
-        m.rounds += 1.0 / (accepted + 1) as f64;
-    }
+    let loss = total.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let m = StepMetrics::of_rows(loss, &predicted, &labels, &weights, bs, blocks);
     Ok((total, m))
+}
+
+/// [`loss_packed`]'s loss, its metrics and the gradient of every trainable tensor by name, by
+/// `backward` ([`super::written::Backward::on`] the device and drafter, as `train` does): autograd
+/// over the graph, or the written-out backward pass ([`super::written`]). The LM head runs as
+/// [`Head::on`] the device says.
+pub fn loss_and_gradients_packed(
+    drafter: &Drafter,
+    embed: &dyn Fn(&Tensor) -> Result<Tensor>,
+    lm_head: &Tensor,
+    context: &Tensor,
+    batches: &[&Batch],
+    normalizer: f64,
+    backward: super::written::Backward,
+) -> Result<(f64, StepMetrics, std::collections::BTreeMap<String, Tensor>)> {
+    match backward {
+        super::written::Backward::WrittenOut => super::written::loss_and_gradients(
+            drafter, embed, lm_head, context, batches, normalizer,
+        ),
+        super::written::Backward::Autograd => {
+            let head = Head::on(context.device());
+            let (loss, m) =
+                loss_packed(drafter, embed, lm_head, context, batches, normalizer, head)?;
+            let grads = drafter.gradients(&loss.backward()?);
+            Ok((m.loss, m, grads))
+        }
+    }
 }
 
 /// The candidate selector's weighted cross-entropy (summed, not normalised) over each row's

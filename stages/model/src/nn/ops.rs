@@ -85,6 +85,16 @@ impl BlockMask {
         &self.seen
     }
 
+    /// Rows per block.
+    pub fn block(&self) -> usize {
+        self.block
+    }
+
+    /// Context rows.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
     /// The mask as an additive `[blocks * block, context + block]` tensor (0 where a row sees,
     /// -inf where it does not), for the composed path; built once, on `device` in `dtype`.
     pub fn additive(&self, dtype: DType, device: &Device) -> Result<Tensor> {
@@ -143,6 +153,40 @@ pub fn block_attention(
     block: usize,
     mask: &BlockMask,
 ) -> Result<Tensor> {
+    let tracked = [q, ck, cv, bk, bv].iter().any(|t| t.track_op());
+    // A decoding round on a GPU without flash attention (f32): one block that sees all of its
+    // context is plain attention.
+    if !tracked
+        && q.device().is_cuda()
+        && mask.seen.len() == 1
+        && mask.seen[0] as usize == ck.dim(1)?
+        && !flash_applies(q, ck, block)?
+    {
+        return single_block_attention(q, (ck, cv), (bk, bv));
+    }
+    let (out, saved) = block_attention_saving(q, (ck, cv), (bk, bv), block, mask)?;
+    if !tracked {
+        return Ok(out);
+    }
+    super::fused::attention_node(q, (ck, cv), (bk, bv), out, saved)
+}
+
+/// Whether [`block_attention`] runs flash attention for these queries and context keys.
+fn flash_applies(q: &Tensor, ck: &Tensor, block: usize) -> Result<bool> {
+    let (heads, _, d) = q.dims3()?;
+    Ok(block == super::fused::flash::ROWS
+        && super::fused::flash::supports(q.device(), q.dtype(), d, heads, ck.dim(0)?))
+}
+
+/// [`block_attention`] untracked: its output and what its backward pass needs
+/// ([`super::fused::Saved::backward`]), for a step whose backward is written out.
+pub(crate) fn block_attention_saving(
+    q: &Tensor,
+    (ck, cv): (&Tensor, &Tensor),
+    (bk, bv): (&Tensor, &Tensor),
+    block: usize,
+    mask: &BlockMask,
+) -> Result<(Tensor, super::fused::Saved)> {
     let geometry = BlockGeometry::of(q, ck, block)?;
     if mask.block != block
         || mask.context != geometry.s
@@ -158,7 +202,6 @@ pub fn block_attention(
             geometry.s
         );
     }
-    let tracked = [q, ck, cv, bk, bv].iter().any(|t| t.track_op());
     let (heads, d) = (geometry.heads, geometry.d);
     if block == super::fused::flash::ROWS
         && super::fused::flash::supports(q.device(), q.dtype(), d, heads, geometry.kv_heads)
@@ -174,20 +217,7 @@ pub fn block_attention(
             seen: &seen,
         };
         let (out, lse) = super::fused::flash::block_forward(&operands)?;
-        if !tracked {
-            return Ok(out);
-        }
-        let saved = super::fused::Saved::LogSumExp { lse, seen };
-        return super::fused::attention_node(q, (ck, cv), (bk, bv), out, saved);
-    }
-    // A decoding round on a GPU without flash attention (f32): one block that sees all of its
-    // context is plain attention.
-    if !tracked
-        && q.device().is_cuda()
-        && mask.seen.len() == 1
-        && mask.seen[0] as usize == geometry.s
-    {
-        return single_block_attention(q, (ck, cv), (bk, bv));
+        return Ok((out, super::fused::Saved::LogSumExp { lse, seen }));
     }
     // Contiguous operands: cuBLAS takes no other batched layout (candle's CPU matmul does).
     let plain = |t: &Tensor| t.detach().contiguous();
@@ -198,11 +228,7 @@ pub fn block_attention(
         (&plain(bk)?, &plain(bv)?),
         &additive,
     )?;
-    if !tracked {
-        return Ok(out);
-    }
-    let saved = super::fused::Saved::Probs { probs, geometry };
-    super::fused::attention_node(q, (ck, cv), (bk, bv), out, saved)
+    Ok((out, super::fused::Saved::Probs { probs, geometry }))
 }
 
 /// [`block_attention`] for one block that sees all of its context (a decoding round's): plain

@@ -43,9 +43,28 @@ pub fn head_cross_entropy(
     labels: &[u32],
     top: usize,
 ) -> Result<HeadLoss> {
+    head_cross_entropy_in(hidden, lm_head, labels, top, chunk_rows(hidden, lm_head)?)
+}
+
+/// Rows per chunk: at most [`CHUNK_BYTES`] of logits.
+fn chunk_rows(hidden: &Tensor, lm_head: &Tensor) -> Result<usize> {
     let vocab = lm_head.dim(0)?;
-    let chunk = CHUNK_BYTES / (vocab * hidden.dtype().size_in_bytes()).max(1);
-    head_cross_entropy_in(hidden, lm_head, labels, top, chunk)
+    Ok(CHUNK_BYTES / (vocab * hidden.dtype().size_in_bytes()).max(1))
+}
+
+/// [`head_cross_entropy`] of untracked rows, and each row's gradient in `hidden` per unit of
+/// its loss's gradient (`(softmax - onehot) @ W`, `[rows, H]`): for a step whose backward is
+/// written out, which scales the rows by their weights itself.
+pub fn head_cross_entropy_rows(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    labels: &[u32],
+    top: usize,
+) -> Result<(HeadLoss, Tensor)> {
+    let chunk = chunk_rows(hidden, lm_head)?;
+    let (nll, top, d_hidden) = head_chunks(hidden, lm_head, labels, top, chunk, true)?;
+    let d_hidden = d_hidden.ok_or_else(|| candle_core::Error::Msg("no rows".into()))?;
+    Ok((HeadLoss { nll, top }, d_hidden))
 }
 
 /// [`head_cross_entropy`] in chunks of `chunk` rows.
@@ -56,6 +75,24 @@ pub(super) fn head_cross_entropy_in(
     top: usize,
     chunk: usize,
 ) -> Result<HeadLoss> {
+    let tracked = hidden.track_op();
+    let (nll, top, d_hidden) = head_chunks(hidden, lm_head, labels, top, chunk, tracked)?;
+    let Some(d_hidden) = d_hidden else {
+        return Ok(HeadLoss { nll, top });
+    };
+    let nll = hidden.apply_op1(HeadNode { nll, d_hidden })?;
+    Ok(HeadLoss { nll, top })
+}
+
+/// The chunks' losses, top-k and, given `grad`, the rows' unscaled gradient (none for no rows).
+fn head_chunks(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    labels: &[u32],
+    top: usize,
+    chunk: usize,
+    grad: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let (m, h) = hidden.dims2()?;
     let (_, h2) = lm_head.dims2()?;
     if h != h2 {
@@ -69,7 +106,6 @@ pub(super) fn head_cross_entropy_in(
     let x = hidden.detach();
     let w = lm_head.detach().to_dtype(dtype)?;
     let wt = w.t()?;
-    let tracked = hidden.track_op();
     let chunk = chunk.clamp(1, m.max(1));
     let (mut nll, mut tops, mut grads) = (Vec::new(), Vec::new(), Vec::new());
     for start in (0..m).step_by(chunk) {
@@ -78,7 +114,7 @@ pub(super) fn head_cross_entropy_in(
         let labels = &labels[start..start + n];
         nll.push(super::cross_entropy(&logits, labels)?);
         tops.push(super::super::dflash2::top_k(&logits, top)?);
-        if tracked {
+        if grad {
             // The gradient of each row's loss in its logits, unscaled: softmax - onehot.
             let ones = Tensor::ones(n, super::loss::loss_dtype(dtype), device)?;
             let labels = Tensor::new(labels, device)?;
@@ -95,12 +131,12 @@ pub(super) fn head_cross_entropy_in(
     };
     let top = cat(tops)?;
     let nll = cat(nll)?;
-    if !tracked || m == 0 {
-        return Ok(HeadLoss { nll, top });
-    }
-    let d_hidden = cat(grads)?;
-    let nll = hidden.apply_op1(HeadNode { nll, d_hidden })?;
-    Ok(HeadLoss { nll, top })
+    let d_hidden = if grad && m > 0 {
+        Some(cat(grads)?)
+    } else {
+        None
+    };
+    Ok((nll, top, d_hidden))
 }
 
 /// The graph node of [`head_cross_entropy`]: the losses computed untracked, and each row's

@@ -295,11 +295,11 @@ pub fn prepare_device(device: &candle_core::Device) -> Result<()> {
     Ok(())
 }
 pub use gather::gather_rows;
-pub use head::{HeadLoss, head_cross_entropy};
+pub use head::{HeadLoss, head_cross_entropy, head_cross_entropy_rows};
 pub use loss::cross_entropy;
 pub use nodes::linear;
 pub(crate) use nodes::{Saved, attention_node};
-pub use norm::{add_rms_norm, rms_norm, rope};
+pub use norm::{add_rms_norm, rms_norm, rms_norm_backward, rope, rope_backward};
 pub use softmax::{masked_softmax, softmax_grad};
-pub use swiglu::{swiglu, swiglu_packed};
+pub use swiglu::{swiglu, swiglu_backward, swiglu_packed};
 pub use topk::{MAX_K as TOP_K_MAX, top_k};

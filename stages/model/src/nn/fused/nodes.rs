@@ -27,6 +27,36 @@ pub(crate) enum Saved {
     },
 }
 
+impl Saved {
+    /// The gradients of q, the context's k and v and the blocks' k and v (contiguous, untracked
+    /// operands) from the output's, given the forward's output `out`.
+    pub(crate) fn backward(
+        &self,
+        q: &Tensor,
+        (ck, cv): (&Tensor, &Tensor),
+        (bk, bv): (&Tensor, &Tensor),
+        out: &Tensor,
+        d_out: &Tensor,
+    ) -> Result<[Tensor; 5]> {
+        match self {
+            Saved::Probs { probs, geometry } => {
+                geometry.backward(q, (ck, cv), (bk, bv), probs, d_out)
+            }
+            Saved::LogSumExp { lse, seen } => {
+                let operands = super::flash::BlockOperands {
+                    q,
+                    ck,
+                    cv,
+                    bk,
+                    bv,
+                    seen,
+                };
+                super::flash::block_backward(&operands, out, lse, d_out)
+            }
+        }
+    }
+}
+
 /// The graph node of a block attention computed untracked ([`super::super::ops::block_attention`]):
 /// its forward hands over `out` (copied: candle's ops own their results), its backward uses
 /// what the forward `saved`. The context's and blocks' keys and values enter as one
@@ -107,22 +137,9 @@ impl CustomOp3 for AttentionNode {
             part(&k, s, m)?,
             part(&v, s, m)?,
         );
-        let [dq, d_ck, d_cv, d_bk, d_bv] = match &self.saved {
-            Saved::Probs { probs, geometry } => {
-                geometry.backward(&q, (&ck, &cv), (&bk, &bv), probs, d_out)?
-            }
-            Saved::LogSumExp { lse, seen } => {
-                let operands = super::flash::BlockOperands {
-                    q: &q,
-                    ck: &ck,
-                    cv: &cv,
-                    bk: &bk,
-                    bv: &bv,
-                    seen,
-                };
-                super::flash::block_backward(&operands, &self.out, lse, d_out)?
-            }
-        };
+        let [dq, d_ck, d_cv, d_bk, d_bv] =
+            self.saved
+                .backward(&q, (&ck, &cv), (&bk, &bv), &self.out, d_out)?;
         Ok((
             Some(dq),
             Some(Tensor::cat(&[&d_ck, &d_bk], 1)?),

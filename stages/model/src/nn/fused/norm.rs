@@ -17,6 +17,31 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&weight, RmsNorm { eps })
 }
 
+/// [`rms_norm`]'s gradients in `x` and `weight` from its output's, `(dx, dw)` (`dw` in `x`'s
+/// dtype, as `rms_norm` casts the weight): for a step whose backward is written out.
+pub fn rms_norm_backward(
+    x: &Tensor,
+    weight: &Tensor,
+    dy: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let weight = weight.to_dtype(x.dtype())?.contiguous()?;
+    rms_norm_grads(&x.contiguous()?, &weight, dy, eps)
+}
+
+/// The gradients of `RmsNorm` over contiguous `x` and `w` (of one dtype).
+fn rms_norm_grads(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let dy = dy.contiguous()?;
+    let dx = x.apply_op3_no_bwd(w, &dy, &RmsNormGrad { eps })?;
+    // dw = sum over rows of dy * x * rstd, in partial sums over ranges of rows (a column
+    // reduction over every row, which candle's strided sum does slowly).
+    let dw = x
+        .apply_op2_no_bwd(&dy, &RmsNormWeightGrad { eps })?
+        .sum(0)?
+        .to_dtype(w.dtype())?;
+    Ok((dx, dw))
+}
+
 /// A residual's sum `x + r` and its RMSNorm times `weight`, in one pass over the rows (a frozen
 /// target's layers, where each residual add is followed by the next norm): `(sum, normed)`.
 /// Forward only; `x`, `r` `[rows, n]` of one dtype.
@@ -101,20 +126,23 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op3(&cos, &sin, Rope { sign: 1.0 })
 }
 
+/// [`rope`]'s gradient in `x` from its output's: the inverse rotation.
+pub fn rope_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (cos, sin) = (
+        cos.to_dtype(dy.dtype())?.contiguous()?,
+        sin.to_dtype(dy.dtype())?.contiguous()?,
+    );
+    dy.contiguous()?
+        .apply_op3_no_bwd(&cos, &sin, &Rope { sign: -1.0 })
+}
+
 fused_op! {
     /// RMSNorm over the last dimension, times the weight.
     RmsNorm { eps: f64 } = "rms-norm", inputs(x, w);
     cpu(op) => Ok((rms_norm_cpu(x, w, op.eps)?, x.1.shape().clone()));
     cuda(op) => Ok((super::cuda::rms_norm(x, w, op.eps as f32)?, x.1.shape().clone()));
     bwd(op, _y, dy) => {
-        let dy = dy.contiguous()?;
-        let dx = x.apply_op3_no_bwd(w, &dy, &RmsNormGrad { eps: op.eps })?;
-        // dw = sum over rows of dy * x * rstd, in partial sums over ranges of rows (a column
-        // reduction over every row, which candle's strided sum does slowly).
-        let dw = x
-            .apply_op2_no_bwd(&dy, &RmsNormWeightGrad { eps: op.eps })?
-            .sum(0)?
-            .to_dtype(w.dtype())?;
+        let (dx, dw) = rms_norm_grads(x, w, dy, op.eps)?;
         Ok((Some(dx), Some(dw)))
     };
 }

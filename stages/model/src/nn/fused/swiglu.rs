@@ -21,15 +21,22 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     g.contiguous()?.apply_op2(&u.contiguous()?, Swiglu {})
 }
 
+/// [`swiglu`]'s gradients in the gate and up rows (contiguous, of one shape) from its
+/// output's: `(dg, du)`.
+pub fn swiglu_backward(g: &Tensor, u: &Tensor, dh: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dh = dh.contiguous()?;
+    let dg = g.apply_op3_no_bwd(u, &dh, &SwigluGrad { up: false })?;
+    let du = g.apply_op3_no_bwd(u, &dh, &SwigluGrad { up: true })?;
+    Ok((dg, du))
+}
+
 fused_op! {
     /// `silu(g) * u` elementwise.
     Swiglu {} = "swiglu", inputs(g, u);
     cpu(_op) => Ok((swiglu_cpu(g, u)?, g.1.shape().clone()));
     cuda(_op) => Ok((super::cuda::swiglu(g, u)?, g.1.shape().clone()));
     bwd(_op, _h, dh) => {
-        let dh = dh.contiguous()?;
-        let dg = g.apply_op3_no_bwd(u, &dh, &SwigluGrad { up: false })?;
-        let du = g.apply_op3_no_bwd(u, &dh, &SwigluGrad { up: true })?;
+        let (dg, du) = swiglu_backward(g, u, dh)?;
         Ok((Some(dg), Some(du)))
     };
 }
