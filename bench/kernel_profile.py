@@ -15,12 +15,14 @@ work, which ncu's one-kernel-at-a-time replay cannot show otherwise. The last li
 import argparse, csv, io, json, re, subprocess, sys
 from collections import defaultdict
 
-UNITS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+# ncu's unit row, in its long and short spellings.
+UNITS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3,
+         "ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 
 # Kind of a kernel by its (cut) name; the first pattern that matches wins.
 KINDS = [
+    ("attention", r"flash|fmha|attention|flex|sdpa|dot_do_o|convert_dq"),
     ("matmul", r"gemm|nvjet|xmma|cutlass|sm90_|sm80_|ampere_|cublas|splitK"),
-    ("attention", r"flash|fmha|attention|flex|sdpa"),
     ("fused (dflash)", r"^(cross_entropy|rms_norm|rope|masked_softmax|swiglu|sum_squares|moment|adam|"
                        r"adamw_fused|add_rms_norm|top_k|gather_rows|scatter_add|head_|ce_)"),
     ("triton (torch.compile)", r"^triton_"),
@@ -57,7 +59,10 @@ def rows(report):
     table = list(csv.reader(io.StringIO(text)))
     head = table[0]
     name_col, time_col = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
-    scale = UNITS.get(table[1][time_col], 1e-6)
+    unit = table[1][time_col]
+    if unit not in UNITS:
+        sys.exit(f"kernel_profile: unknown time unit {unit!r} in {report}")
+    scale = UNITS[unit]
     for r in table[2:]:
         if len(r) > time_col and r[time_col]:
             yield r[name_col], float(r[time_col].replace(",", "")) * scale

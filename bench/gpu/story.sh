@@ -461,6 +461,7 @@ flash)
         python3 bench/flash_reference.py check $STASH/flash.ptx || echo "check failed: $?"
         python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
+        $STASH/train_probe fused | grep adamw || echo "train_probe fused failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
         echo '{"phase": "label", "name": "dflash, autograd"}'
@@ -478,7 +479,8 @@ flash)
     ;;
 profile)
     # There: one training step's kernels (ncu, step 2 alone: `--profile-step`), dflash's and
-    # eager PyTorch's (and, given `compiled`, torch.compile's with FlexAttention), each summed
+    # eager PyTorch's (given `dflash`, dflash's alone; given `compiled`, torch.compile's with
+    # FlexAttention too), each summed
     # by kernel family and kind by bench/kernel_profile.py against the step's unprofiled time.
     unpack_probe
     mkdir -p $STASH/assets
@@ -498,6 +500,7 @@ print([r for r in rows if r.get("phase")=="summary"][-1]["total_ms"])')
     {
         prof "dflash (train_probe speed)" /tmp/prof-dflash -- $STASH/train_probe speed --anchors 512
         prof "PyTorch eager (SDPA)" /tmp/prof-torch -- python3 bench/train_reference.py speed --anchors 512
+        [ "${1:-}" = dflash ] && exit 0
         if [ "${1:-}" = compiled ]; then
             prof "PyTorch compiled (FlexAttention)" /tmp/prof-compiled -- python3 bench/train_reference.py \
                 speed --anchors 512 --attention flex --compile --warmup 2
@@ -570,7 +573,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT|drafters:NAME [SEED]] | keep-drafter DIR NAME | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | flash | profile [compiled] | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | promote | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT|drafters:NAME [SEED]] | keep-drafter DIR NAME | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | flash | profile [dflash|compiled] | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | promote | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac

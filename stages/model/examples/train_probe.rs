@@ -62,7 +62,9 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use dflash_model::nn::objective::{Backward, Batch, loss, loss_and_gradients_packed};
+use dflash_model::nn::objective::{
+    Backward, Batch, ComputeWeights, loss, loss_and_gradients_packed,
+};
 use dflash_model::nn::{AdamW, Drafter, DrafterConfig, Target, TargetConfig};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -239,6 +241,11 @@ fn speed(args: &[String]) -> Result<()> {
         "written" => Backward::WrittenOut,
         _ => Backward::on(&device, &drafter),
     };
+    // As `train` does: the written-out step's weights in `dtype`, cast once, kept by AdamW.
+    let kept = match backward {
+        Backward::WrittenOut => Some(ComputeWeights::of(&drafter, dtype)?),
+        Backward::Autograd => None,
+    };
     for step in 0..steps {
         if step == profile_step {
             device.synchronize()?;
@@ -262,6 +269,7 @@ fn speed(args: &[String]) -> Result<()> {
         let t = Instant::now();
         let (l, _, g) = loss_and_gradients_packed(
             &drafter,
+            kept.as_ref(),
             &embed,
             &target.lm_head,
             &context,
@@ -272,7 +280,13 @@ fn speed(args: &[String]) -> Result<()> {
         device.synchronize()?;
         let drafter_ms = t.elapsed().as_secs_f64() * 1e3;
         let t = Instant::now();
-        adam.step(&drafter.vars, &g, 6e-4, 1.0)?;
+        adam.step_keeping(
+            &drafter.vars,
+            &g,
+            6e-4,
+            1.0,
+            kept.as_ref().map(ComputeWeights::tensors),
+        )?;
         device.synchronize()?;
         let optim_ms = t.elapsed().as_secs_f64() * 1e3;
         if step == profile_step {
@@ -488,6 +502,44 @@ fn fused(_args: &[String]) -> Result<()> {
                 "device": format!("{device:?}"), "max_abs_diff": worst(&p, &reference)?})
         );
     }
+    // AdamW over f32 master weights from bf16 gradients, keeping their bf16 copy (what `train`
+    // runs on a GPU): three steps against the CPU's cast, update and cast; the copy must be the
+    // updated weights' cast exactly.
+    let master = |dev: &Device| -> Result<(Tensor, Tensor)> {
+        let mut init = Init::new(8);
+        let p = init
+            .normal(&[3, 4099], 1.0, DType::F32, &cpu)?
+            .to_device(dev)?;
+        let low = p.to_dtype(DType::BF16)?.copy()?;
+        let (m, v) = (
+            Tensor::zeros((3, 4099), DType::F32, dev)?,
+            Tensor::zeros((3, 4099), DType::F32, dev)?,
+        );
+        for t in 1..=3 {
+            let g = init
+                .normal(&[3, 4099], 0.1, DType::F32, &cpu)?
+                .to_dtype(DType::BF16)?
+                .to_device(dev)?;
+            let step = fused::AdamStep {
+                lr: 1e-2,
+                weight_decay: 0.1,
+                betas: (0.9, 0.999),
+                corrections: (1.0 - 0.9f64.powi(t), 1.0 - 0.999f64.powi(t)),
+                eps: 1e-8,
+                clip_scale: 0.7,
+            };
+            fused::adamw_update_master(&p, &g, &m, &v, &low, &step)?;
+        }
+        Ok((p, low))
+    };
+    let ((p, low), (rp, rlow)) = (master(&device)?, master(&cpu)?);
+    println!(
+        "{}",
+        serde_json::json!({"phase": "fused", "check": "adamw_master_3_steps",
+            "device": format!("{device:?}"), "max_abs_diff": worst(&p, &rp)?,
+            "copy_max_abs_diff": worst(&low, &rlow)?,
+            "copy_is_the_cast": worst(&low, &p.to_dtype(DType::BF16)?)? == 0.0})
+    );
     // Top-k (DFlash 2's candidates over a SmolLM2-sized vocabulary): the device's picks against
     // the CPU's on the same values, rows whose k indices differ in any place.
     let logits = (init.normal(&[300, 49_152], 1.0, DType::F32, &cpu)? * 3.0)?;
@@ -1062,6 +1114,7 @@ fn parity(args: &[String]) -> Result<()> {
     let backward = Backward::on(&device, &drafter);
     let (l, _, grads) = loss_and_gradients_packed(
         &drafter,
+        None,
         &embed,
         &target.lm_head,
         &context,

@@ -359,21 +359,23 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     // written out (`nn::written`: no autograd graph, each gradient written once), on CPU it is
     // autograd's, bit for bit as before.
     let backward = objective::Backward::on(&device, &drafter);
-    let forward_backward = |micro: &[(&TokenRow, Batch)], weight: f64| {
-        let context = context_of(micro)?;
-        let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
-        let (_, m, grads) = objective::loss_and_gradients_packed(
-            &drafter,
-            &embed,
-            &target.lm_head,
-            &context,
-            &packed,
-            weight,
-            backward,
-        )
-        .map_err(nn("drafter step"))?;
-        Ok::<_, StageError>((m, grads))
-    };
+    let forward_backward =
+        |micro: &[(&TokenRow, Batch)], weight: f64, kept: Option<&objective::ComputeWeights>| {
+            let context = context_of(micro)?;
+            let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
+            let (_, m, grads) = objective::loss_and_gradients_packed(
+                &drafter,
+                kept,
+                &embed,
+                &target.lm_head,
+                &context,
+                &packed,
+                weight,
+                backward,
+            )
+            .map_err(nn("drafter step"))?;
+            Ok::<_, StageError>((m, grads))
+        };
     // A sequence's blocks, drawn from the random stream `stream`.
     let sample = |s: &TokenRow, stream: u64| {
         Batch::sample(
@@ -407,6 +409,9 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     };
     let eval_start = if start == 0 { evaluate()? } else { None };
     let mut last_eval: Option<StepMetrics> = None;
+    // The written-out step's bf16 weights, cast once here and then kept the updated weights'
+    // casts by AdamW (no step casts the f32 master weights again).
+    let mut kept: Option<objective::ComputeWeights> = None;
     for step in start..total {
         if ctx.cancel.is_cancelled() {
             return Err(StageError::cancelled());
@@ -430,11 +435,21 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut m = StepMetrics::default();
         if weight > 0.0 {
+            if backward == objective::Backward::WrittenOut && kept.is_none() {
+                kept = Some(
+                    objective::ComputeWeights::of(&drafter, compute)
+                        .map_err(nn("casting the weights"))?,
+                );
+            }
             for micro in batches.chunks(stack) {
-                let (sm, g) = forward_backward(micro, weight)?;
+                let (sm, g) = forward_backward(micro, weight, kept.as_ref())?;
                 for (name, t) in g {
+                    // Summed over micro-batches in f32 (the written-out step's are bf16).
                     let sum = match grads.remove(&name) {
-                        Some(prev) => (prev + t).map_err(nn("accumulating"))?,
+                        Some(prev) => prev
+                            .to_dtype(DType::F32)
+                            .and_then(|prev| prev + t.to_dtype(DType::F32)?)
+                            .map_err(nn("accumulating"))?,
                         None => t,
                     };
                     grads.insert(name, sum);
@@ -444,7 +459,13 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         }
         let lr = schedule.lr(step);
         let norm = adam
-            .step(&drafter.vars, &grads, lr, clip)
+            .step_keeping(
+                &drafter.vars,
+                &grads,
+                lr,
+                clip,
+                kept.as_ref().map(objective::ComputeWeights::tensors),
+            )
             .map_err(nn("optimizer step"))?;
         let s1 = step + 1;
         let mut line = json!({"step": s1, "lr": lr, "loss": m.loss, "grad_norm": norm,

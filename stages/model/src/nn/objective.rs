@@ -11,7 +11,7 @@ use rand::seq::index;
 use super::Result;
 use super::drafter::Drafter;
 use super::ops::BlockMask;
-pub use super::written::Backward;
+pub use super::written::{Backward, ComputeWeights};
 
 /// One sequence's blocks, ready for the drafter.
 #[derive(Clone, Debug)]
@@ -414,10 +414,12 @@ pub fn loss_packed(
 
 /// [`loss_packed`]'s loss, its metrics and the gradient of every trainable tensor by name, by
 /// `backward` ([`super::written::Backward::on`] the device and drafter, as `train` does): autograd
-/// over the graph, or the written-out backward pass ([`super::written`]). The LM head runs as
-/// [`Head::on`] the device says.
+/// over the graph, or the written-out backward pass ([`super::written`], from `weights` if
+/// kept across steps; its gradients in the compute dtype). The LM head runs as [`Head::on`]
+/// the device says.
 pub fn loss_and_gradients_packed(
     drafter: &Drafter,
+    weights: Option<&super::written::ComputeWeights>,
     embed: &dyn Fn(&Tensor) -> Result<Tensor>,
     lm_head: &Tensor,
     context: &Tensor,
@@ -427,7 +429,7 @@ pub fn loss_and_gradients_packed(
 ) -> Result<(f64, StepMetrics, std::collections::BTreeMap<String, Tensor>)> {
     match backward {
         super::written::Backward::WrittenOut => super::written::loss_and_gradients(
-            drafter, embed, lm_head, context, batches, normalizer,
+            drafter, weights, embed, lm_head, context, batches, normalizer,
         ),
         super::written::Backward::Autograd => {
             let head = Head::on(context.device());

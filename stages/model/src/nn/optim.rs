@@ -79,6 +79,21 @@ impl AdamW {
         lr: f64,
         clip: f64,
     ) -> Result<f64> {
+        self.step_keeping(vars, grads, lr, clip, None)
+    }
+
+    /// [`Self::step`], also keeping `copies` (the weights in the step's compute dtype, by name:
+    /// [`super::written::ComputeWeights`]) the updated weights' casts, in place: on a GPU the
+    /// update of f32 master weights from bf16 gradients writes them as it goes
+    /// ([`fused::adamw_update_master`]).
+    pub fn step_keeping(
+        &mut self,
+        vars: &BTreeMap<String, Var>,
+        grads: &BTreeMap<String, Tensor>,
+        lr: f64,
+        clip: f64,
+        copies: Option<&BTreeMap<String, Tensor>>,
+    ) -> Result<f64> {
         let mut gs: Vec<(&String, &Var, Tensor)> = Vec::with_capacity(vars.len());
         let mut squares = Vec::with_capacity(vars.len());
         for (name, var) in vars {
@@ -112,7 +127,11 @@ impl AdamW {
             clip_scale,
         };
         for (name, var, g) in gs {
-            fused::adamw_update(var.as_tensor(), &g, &self.m[name], &self.v[name], &step)?;
+            let (p, m, v) = (var.as_tensor(), &self.m[name], &self.v[name]);
+            match copies.and_then(|c| c.get(name)) {
+                Some(low) => fused::adamw_update_master(p, &g, m, v, low, &step)?,
+                None => fused::adamw_update(p, &g.to_dtype(p.dtype())?, m, v, &step)?,
+            }
         }
         Ok(norm)
     }

@@ -51,16 +51,30 @@ impl Backward {
     }
 }
 
-/// The weights of one step in the activations' dtype, untracked, each cast once.
-struct Weights(BTreeMap<String, Tensor>);
+/// A drafter's weights in a step's compute dtype (bf16 on a GPU), untracked, by name: what the
+/// written-out step multiplies with. Made once by a cast ([`Self::of`]); a training loop keeps
+/// them across steps and the optimizer keeps them the updated weights' casts
+/// ([`super::AdamW::step_keeping`]), so no step casts its f32 master weights again.
+pub struct ComputeWeights(BTreeMap<String, Tensor>);
 
-impl Weights {
-    fn of(drafter: &Drafter, dtype: DType) -> Result<Self> {
+impl ComputeWeights {
+    /// Each weight cast to `dtype` (each its own buffer: the optimizer writes them in place).
+    pub fn of(drafter: &Drafter, dtype: DType) -> Result<Self> {
         let cast = drafter.vars.keys().map(|name| {
-            let w = drafter.w(name).detach().to_dtype(dtype)?;
+            let w = drafter.w(name).detach().to_dtype(dtype)?.copy()?;
             Ok((name.clone(), w))
         });
         Ok(Self(cast.collect::<Result<_>>()?))
+    }
+
+    /// By name.
+    pub fn tensors(&self) -> &BTreeMap<String, Tensor> {
+        &self.0
+    }
+
+    /// Their dtype (none: no weights).
+    fn dtype(&self) -> Option<DType> {
+        self.0.values().next().map(Tensor::dtype)
     }
 
     fn get(&self, name: &str) -> Result<Tensor> {
@@ -116,11 +130,14 @@ struct LayerSaved {
     u: Tensor,
 }
 
-/// The loss, the metrics and the gradient of every trainable tensor (in its own dtype, by name)
-/// of [`super::objective::loss_packed`] for a DFlash drafter, computed without a graph (module
-/// docs). The LM head runs in chunks of rows ([`fused::head_cross_entropy_rows`]).
+/// The loss, the metrics and the gradient of every trainable tensor (by name, in the step's
+/// compute dtype, the context's: the optimizer reads them as they are) of
+/// [`super::objective::loss_packed`] for a DFlash drafter, computed without a graph (module
+/// docs). `weights`: the drafter's weights in that dtype, if kept across steps (else cast
+/// here). The LM head runs in chunks of rows ([`fused::head_cross_entropy_rows`]).
 pub fn loss_and_gradients(
     drafter: &Drafter,
+    weights: Option<&ComputeWeights>,
     embed: &dyn Fn(&Tensor) -> Result<Tensor>,
     lm_head: &Tensor,
     context: &Tensor,
@@ -136,7 +153,18 @@ pub fn loss_and_gradients(
     let p = Packed::of(batches)?;
     let (bs, blocks) = (p.bs, p.blocks);
     let context = context.detach();
-    let w = Weights::of(drafter, dtype)?;
+    let cast;
+    let w = match weights {
+        Some(w) if w.dtype() == Some(dtype) => w,
+        Some(w) => candle_core::bail!(
+            "the kept weights are {:?}, the step computes in {dtype:?}",
+            w.dtype()
+        ),
+        None => {
+            cast = ComputeWeights::of(drafter, dtype)?;
+            &cast
+        }
+    };
     let (hd, heads, kv) = (c.head_dim, c.heads, c.kv_heads);
 
     // The context: the tapped layers fused, normed; every layer projects it to keys and values.
@@ -338,14 +366,6 @@ pub fn loss_and_gradients(
         give("hidden_norm.weight".into(), dw)?;
         give("fc.weight".into(), weight_grad(&dc0, &context)?)?;
     }
-    // Each gradient in its variable's dtype (the master weights').
-    let grads = grads
-        .into_iter()
-        .map(|(name, g)| {
-            let to = drafter.w(&name).dtype();
-            Ok((name, g.to_dtype(to)?))
-        })
-        .collect::<Result<_>>()?;
     Ok((loss, metrics, grads))
 }
 
@@ -484,9 +504,16 @@ mod tests {
             )
             .unwrap();
             let autograd = drafter.gradients(&l.backward().unwrap());
-            let (loss, wm, written) =
-                loss_and_gradients(&drafter, &embed, &target.lm_head, &context, &refs, norm)
-                    .unwrap();
+            let (loss, wm, written) = loss_and_gradients(
+                &drafter,
+                None,
+                &embed,
+                &target.lm_head,
+                &context,
+                &refs,
+                norm,
+            )
+            .unwrap();
             let want = l.to_scalar::<f64>().unwrap();
             assert!((loss - want).abs() < 1e-12, "{count}: {loss} vs {want}");
             assert_eq!(
@@ -525,8 +552,16 @@ mod tests {
         let batch = Batch::sample(&ids, &mask, 3, 4, 39, 2.0, 5).unwrap();
         let context = target.tapped(&ids, &drafter.config.target_layers).unwrap();
         let embed = |t: &Tensor| target.embed(t);
-        let err = loss_and_gradients(&drafter, &embed, &target.lm_head, &context, &[&batch], 1.0)
-            .unwrap_err();
+        let err = loss_and_gradients(
+            &drafter,
+            None,
+            &embed,
+            &target.lm_head,
+            &context,
+            &[&batch],
+            1.0,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("DFlash 2"), "{err}");
     }
 }

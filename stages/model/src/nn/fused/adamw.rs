@@ -49,6 +49,30 @@ pub fn adamw_update(
     param.inplace_op3(m, v, step)
 }
 
+/// [`adamw_update`] of f32 master weights `param` from a gradient in the step's dtype, then
+/// `low` (the weights in that dtype, what the next step computes with) made the updated
+/// weights' copy, as a cast would make it. On a GPU with a bf16 gradient one kernel does it all
+/// (`adamw_master_bf16`), reading the bf16 gradient as it is; elsewhere the gradient is cast up,
+/// the update runs, and the weights are cast into `low`.
+pub fn adamw_update_master(
+    param: &Tensor,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    low: &Tensor,
+    step: &AdamStep,
+) -> Result<()> {
+    let grad = grad.contiguous()?;
+    #[cfg(feature = "cuda")]
+    if param.device().is_cuda()
+        && (param.dtype(), grad.dtype(), low.dtype()) == (DType::F32, DType::BF16, DType::BF16)
+    {
+        return super::cuda::adamw_master(param, &grad, m, v, low, step);
+    }
+    adamw_update(param, &grad.to_dtype(param.dtype())?, m, v, step)?;
+    low.slice_set(&param.to_dtype(low.dtype())?, 0, 0)
+}
+
 /// One AdamW step's constants.
 #[derive(Clone, Debug)]
 pub struct AdamStep {

@@ -356,27 +356,67 @@ pub fn adamw_fused(
     v: &candle_core::Tensor,
     s: &AdamStep,
 ) -> Result<()> {
-    use candle_core::Storage;
-    if g.dtype() != p.dtype() || m.dtype() != DType::F32 || v.dtype() != DType::F32 {
+    if g.dtype() != p.dtype() {
         bail!(
-            "adamw-fused: a {:?} parameter, {:?} gradient, {:?} / {:?} moments",
+            "adamw-fused: a {:?} parameter with a {:?} gradient",
+            p.dtype(),
+            g.dtype()
+        );
+    }
+    adamw_launch(p, g, m, v, None, s)
+}
+
+/// [`adamw_fused`] for f32 master weights `p` and the step's bf16 gradient `g`, writing the
+/// updated weights' bf16 copy into `low` too (`adamw_master_bf16`).
+pub fn adamw_master(
+    p: &candle_core::Tensor,
+    g: &candle_core::Tensor,
+    m: &candle_core::Tensor,
+    v: &candle_core::Tensor,
+    low: &candle_core::Tensor,
+    s: &AdamStep,
+) -> Result<()> {
+    if (p.dtype(), g.dtype(), low.dtype()) != (DType::F32, DType::BF16, DType::BF16) {
+        bail!(
+            "adamw-master: a {:?} parameter, {:?} gradient and {:?} copy (f32, bf16, bf16 run here)",
             p.dtype(),
             g.dtype(),
+            low.dtype()
+        );
+    }
+    adamw_launch(p, g, m, v, Some(low), s)
+}
+
+/// The launch of `adamw_fused_T` (no `low`) or `adamw_master_bf16` (with it).
+fn adamw_launch(
+    p: &candle_core::Tensor,
+    g: &candle_core::Tensor,
+    m: &candle_core::Tensor,
+    v: &candle_core::Tensor,
+    low: Option<&candle_core::Tensor>,
+    s: &AdamStep,
+) -> Result<()> {
+    use candle_core::Storage;
+    if m.dtype() != DType::F32 || v.dtype() != DType::F32 {
+        bail!(
+            "adamw: {:?} / {:?} moments (f32 run here)",
             m.dtype(),
             v.dtype()
         );
     }
-    // Four distinct allocations (the optimizer's moments are its own, the gradient the
-    // backward pass's), so the kernel's writes to p, m and v alias nothing it reads elsewhere.
+    // Distinct allocations (the optimizer's moments and copies are its own, the gradient the
+    // backward pass's), so the kernel's writes to p, m, v and low alias nothing it reads
+    // elsewhere.
     let (ps, pl) = p.storage_and_layout();
     let (gs, gl) = g.storage_and_layout();
     let (ms, ml) = m.storage_and_layout();
     let (vs, vl) = v.storage_and_layout();
+    let low = low.map(|t| t.storage_and_layout());
     let (Storage::Cuda(ps), Storage::Cuda(gs), Storage::Cuda(ms), Storage::Cuda(vs)) =
         (&*ps, &*gs, &*ms, &*vs)
     else {
         bail!(
-            "adamw-fused: the parameter, gradient and moments are on {:?}, {:?}, {:?}, {:?}, not all on the GPU",
+            "adamw: the parameter, gradient and moments are on {:?}, {:?}, {:?}, {:?}, not all on the GPU",
             p.device(),
             g.device(),
             m.device(),
@@ -386,17 +426,41 @@ pub fn adamw_fused(
     let (rp, rg, rm, rv) = (span(pl)?, span(gl)?, span(ml)?, span(vl)?);
     let n = rp.len();
     if rg.len() != n || rm.len() != n || rv.len() != n {
-        bail!("adamw-fused: parameter, gradient and moment sizes differ");
+        bail!("adamw: parameter, gradient and moment sizes differ");
+    }
+    let dev = ps.device().clone();
+    let mv = ms.as_cuda_slice::<f32>()?.slice(rm);
+    let vv = vs.as_cuda_slice::<f32>()?.slice(rv);
+    let (b1, b2, scale) = (s.betas.0 as f32, s.betas.1 as f32, s.clip_scale as f32);
+    let (lr, decay) = (s.lr as f32, s.weight_decay as f32);
+    let (c1, c2, eps) = (s.corrections.0 as f32, s.corrections.1 as f32, s.eps as f32);
+    if let Some((ls, ll)) = &low {
+        let Storage::Cuda(ls) = &**ls else {
+            bail!("adamw-master: the bf16 copy is not on the GPU");
+        };
+        let rl = span(ll)?;
+        if rl.len() != n {
+            bail!("adamw-master: the copy's size differs from the parameter's");
+        }
+        let pv = ps.as_cuda_slice::<f32>()?.slice(rp);
+        let gv = gs.as_cuda_slice::<half::bf16>()?.slice(rg);
+        let lv = ls.as_cuda_slice::<half::bf16>()?.slice(rl);
+        // Reads n elements of p, g, m and v; writes n of p, m, v and low (each within its view:
+        // the spans checked above).
+        launch!(
+            &dev,
+            "adamw_master",
+            half::bf16,
+            elementwise(n),
+            [
+                &pv, &gv, &mv, &vv, &lv, &n, &b1, &b2, &scale, &lr, &decay, &c1, &c2, &eps
+            ]
+        );
+        return Ok(());
     }
     by_type!(p.dtype(), "adamw-fused", |T| {
-        let dev = ps.device().clone();
         let pv = ps.as_cuda_slice::<T>()?.slice(rp);
         let gv = gs.as_cuda_slice::<T>()?.slice(rg);
-        let mv = ms.as_cuda_slice::<f32>()?.slice(rm);
-        let vv = vs.as_cuda_slice::<f32>()?.slice(rv);
-        let (b1, b2, scale) = (s.betas.0 as f32, s.betas.1 as f32, s.clip_scale as f32);
-        let (lr, decay) = (s.lr as f32, s.weight_decay as f32);
-        let (c1, c2, eps) = (s.corrections.0 as f32, s.corrections.1 as f32, s.eps as f32);
         // Reads n elements of each of p, g, m and v; writes n of p, m and v (each within its
         // view: the spans checked above).
         launch!(

@@ -132,17 +132,23 @@ __device__ void adam_apply(T* p, const float* m, const float* v, size_t n, float
 
 // AdamW's whole step in one pass: both moments from the clipped gradient (as `moment`), then
 // the parameter (as `adam_apply`): reads g, m, v and p once, writes m, v and p once.
+// One element's AdamW step: m[i] and v[i] updated in place, the new parameter returned.
+__device__ __forceinline__ float adamw_element(float p, float g, float* m, float* v, size_t i, float b1, float b2,
+                                               float scale, float lr, float decay, float c1, float c2, float eps) {
+    float x = g * scale;
+    float mi = b1 * m[i] + (1.0f - b1) * x;
+    float vi = b2 * v[i] + (1.0f - b2) * (x * x);
+    m[i] = mi;
+    v[i] = vi;
+    float w = p * (1.0f - lr * decay);
+    return w - lr * (mi / c1) / (sqrtf(vi / c2) + eps);
+}
+
 template <typename T>
 __device__ void adamw_fused(T* p, const T* g, float* m, float* v, size_t n, float b1, float b2, float scale,
                             float lr, float decay, float c1, float c2, float eps) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float x = load(g, i) * scale;
-        float mi = b1 * m[i] + (1.0f - b1) * x;
-        float vi = b2 * v[i] + (1.0f - b2) * (x * x);
-        m[i] = mi;
-        v[i] = vi;
-        float w = load(p, i) * (1.0f - lr * decay);
-        store(p, i, w - lr * (mi / c1) / (sqrtf(vi / c2) + eps));
+        store(p, i, adamw_element(load(p, i), load(g, i), m, v, i, b1, b2, scale, lr, decay, c1, c2, eps));
     }
 }
 
@@ -593,3 +599,16 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     }
 
 FOR_TYPES(KERNELS)
+
+// AdamW over f32 master weights from the step's bf16 gradient, also writing the bf16 copy of the
+// updated weights that the next step computes with (what a cast would make of them): one pass
+// where casting the gradient up and the weights down took two more over the same bytes.
+extern "C" __global__ void adamw_master_bf16(float* p, const __nv_bfloat16* g, float* m, float* v,
+                                             __nv_bfloat16* low, size_t n, float b1, float b2, float scale,
+                                             float lr, float decay, float c1, float c2, float eps) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float w = adamw_element(p[i], load(g, i), m, v, i, b1, b2, scale, lr, decay, c1, c2, eps);
+        p[i] = w;
+        store(low, i, w);
+    }
+}

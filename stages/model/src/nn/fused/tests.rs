@@ -168,6 +168,40 @@ fn the_adamw_update_is_pytorchs() {
     assert!((m.to_vec1::<f32>().unwrap()[2] - 0.1 * -2.0).abs() < 1e-7);
 }
 
+/// Master weights updated from a bf16 gradient are the update from that gradient widened, and
+/// the kept copy is the updated weights' cast, in place (the copy's buffer is the one passed).
+#[test]
+fn the_master_update_keeps_the_weights_cast() {
+    let p = Tensor::new(&[1.0f32, -2.0, 0.5, 3.0], &Device::Cpu).unwrap();
+    let want = p.copy().unwrap();
+    let low = p.to_dtype(DType::BF16).unwrap().copy().unwrap();
+    let g = Tensor::new(&[0.5f32, 0.25, -4.0, 1e-3], &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let zeros = || p.zeros_like().unwrap();
+    let (m, v, m2, v2) = (zeros(), zeros(), zeros(), zeros());
+    let step = AdamStep {
+        lr: 0.1,
+        weight_decay: 0.01,
+        betas: (0.9, 0.999),
+        corrections: (0.1, 0.001),
+        eps: 1e-8,
+        clip_scale: 0.5,
+    };
+    adamw_update_master(&p, &g, &m, &v, &low, &step).unwrap();
+    adamw_update(&want, &g.to_dtype(DType::F32).unwrap(), &m2, &v2, &step).unwrap();
+    assert_eq!(p.to_vec1::<f32>().unwrap(), want.to_vec1::<f32>().unwrap());
+    assert_ne!(p.to_vec1::<f32>().unwrap(), [1.0f32, -2.0, 0.5, 3.0]);
+    assert_eq!(
+        low.to_vec1::<half::bf16>().unwrap(),
+        p.to_dtype(DType::BF16)
+            .unwrap()
+            .to_vec1::<half::bf16>()
+            .unwrap()
+    );
+}
+
 /// Value and gradients of `sum(f(x, w) * up)` with `x` and `w` as variables.
 fn grads_of(
     f: &dyn Fn(&Tensor, &Tensor) -> Tensor,
