@@ -341,11 +341,13 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             .and_then(|c| c.to_dtype(compute))
             .map_err(nn("target forward"))
     };
-    let forward = |micro: &[(&TokenRow, Batch)], weight: f64| {
+    // The held-out loss: forward only, through the drafter's weights detached (`frozen`: the
+    // same storage), so no graph is recorded and no activation outlives its use.
+    let forward = |frozen: &Drafter, micro: &[(&TokenRow, Batch)], weight: f64| {
         let context = context_of(micro)?;
         let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
         objective::loss_packed(
-            &drafter,
+            frozen,
             &embed,
             &target.lm_head,
             &context,
@@ -401,9 +403,9 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             return Ok(None);
         }
         let mut m = StepMetrics::default();
+        let frozen = drafter.frozen();
         for micro in held_blocks.chunks(stack) {
-            // Forward only: the loss tensor and its graph are dropped unused.
-            m.add(&forward(micro, weight)?.1);
+            m.add(&forward(&frozen, micro, weight)?.1);
         }
         Ok(Some(m))
     };
