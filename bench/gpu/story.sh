@@ -477,6 +477,24 @@ flash)
     } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
     ;;
+step)
+    # There: the step's comparison alone (issue 22; what `flash` ends with, without the kernel
+    # checks): AdamW's kernels against their CPU form, the step as `train` runs it, eager
+    # PyTorch and PyTorch compiled with FlexAttention, each with its peak memory, and the
+    # ratios. Needs only train_probe.xz stashed.
+    unpack_probe
+    mkdir -p $STASH/assets
+    cuda_env
+    {
+        $STASH/train_probe fused | grep adamw || echo "train_probe fused failed: $?"
+        echo '{"phase": "label", "name": "dflash, as train runs it"}'
+        peak_memory $STASH/train_probe speed --anchors 512 || echo "speed failed: $?"
+        peak_memory python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"
+        peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
+            --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
+    } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
+    python3 bench/step_ratio.py "$OUT/step.txt" | tee -a "$OUT/step.txt"
+    ;;
 profile)
     # There: one training step's kernels (ncu, step 2 alone: `--profile-step`), dflash's and
     # eager PyTorch's (given `dflash`, dflash's alone; given `compiled`, torch.compile's with
@@ -573,7 +591,7 @@ bring-back)
     ls -la "$OUT"
     ;;
 *)
-    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT|drafters:NAME [SEED]] | keep-drafter DIR NAME | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | flash | profile [dflash|compiled] | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | promote | bring-back | reference [N]" >&2
+    echo "usage: bench/gpu/story.sh pack-inputs BIN PACK [INIT|drafters:NAME [SEED]] | keep-drafter DIR NAME | stash | setup | smoke SECONDS | train-speed | run SECONDS | train-fit SECONDS [STAGE] | checks | flash | step | profile [dflash|compiled] | hybrid [LAYERS] [TOKENS] | hybrid-decode [LAYERS] [BATCHES] [PROMPT] [STEPS] | decode [BATCH] [PROMPT] [STEPS] | verify [CONTEXT] | round [CONTEXT] [NEW] | dflash ARGS | probe ARGS | promote | bring-back | reference [N]" >&2
     exit 2
     ;;
 esac
