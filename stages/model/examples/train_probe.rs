@@ -439,6 +439,15 @@ fn fused(_args: &[String]) -> Result<()> {
         ])
     };
     let want = run(&cpu, DType::F64)?;
+    // Step t's constants of the AdamW checks below.
+    let adam_step = |t: i32| fused::AdamStep {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        betas: (0.9, 0.999),
+        corrections: (1.0 - 0.9f64.powi(t), 1.0 - 0.999f64.powi(t)),
+        eps: 1e-8,
+        clip_scale: 0.7,
+    };
     // AdamW: three steps of a parameter against the same on CPU.
     let adam = |dev: &Device, dtype: DType| -> Result<Tensor> {
         let mut init = Init::new(7);
@@ -455,15 +464,7 @@ fn fused(_args: &[String]) -> Result<()> {
                 .normal(&[3, 4099], 0.1, DType::F32, &cpu)?
                 .to_dtype(dtype)?
                 .to_device(dev)?;
-            let step = fused::AdamStep {
-                lr: 1e-2,
-                weight_decay: 0.1,
-                betas: (0.9, 0.999),
-                corrections: (1.0 - 0.9f64.powi(t), 1.0 - 0.999f64.powi(t)),
-                eps: 1e-8,
-                clip_scale: 0.7,
-            };
-            fused::adamw_update(&p, &g, &m, &v, &step)?;
+            fused::adamw_update(&p, &g, &m, &v, &adam_step(t))?;
         }
         Ok(p)
     };
@@ -520,15 +521,7 @@ fn fused(_args: &[String]) -> Result<()> {
                 .normal(&[3, 4099], 0.1, DType::F32, &cpu)?
                 .to_dtype(DType::BF16)?
                 .to_device(dev)?;
-            let step = fused::AdamStep {
-                lr: 1e-2,
-                weight_decay: 0.1,
-                betas: (0.9, 0.999),
-                corrections: (1.0 - 0.9f64.powi(t), 1.0 - 0.999f64.powi(t)),
-                eps: 1e-8,
-                clip_scale: 0.7,
-            };
-            fused::adamw_update_master(&p, &g, &m, &v, &low, &step)?;
+            fused::adamw_update_master(&p, &g, &m, &v, &low, &adam_step(t))?;
         }
         Ok((p, low))
     };

@@ -819,6 +819,24 @@ pub(crate) mod tests {
         }
     }
 
+    /// Three sequences of 14, 9 and 21 tokens over the tiny target's vocabulary (the first two
+    /// untrained) and blocks of 4 drawn from each: what the packing tests stack.
+    pub(crate) fn three_sequences() -> (Vec<(Vec<u32>, Vec<i8>)>, Vec<Batch>) {
+        let seqs: Vec<(Vec<u32>, Vec<i8>)> = [14usize, 9, 21]
+            .iter()
+            .map(|&n| {
+                let ids = (0..n as u32).map(|i| (i * 11 + n as u32) % 39).collect();
+                (ids, (0..n).map(|i| i8::from(i >= 2)).collect())
+            })
+            .collect();
+        let batches = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, (ids, mask))| Batch::sample(ids, mask, 3, 4, 39, 2.0, i as u64).unwrap())
+            .collect();
+        (seqs, batches)
+    }
+
     fn packed_equals_separate(dflash2: Option<Dflash2Config>) {
         let dtype = DType::F64;
         let target = tiny_target(dtype);
@@ -836,18 +854,7 @@ pub(crate) mod tests {
             }
         }
         let taps = drafter.config.target_layers.clone();
-        let seqs: Vec<(Vec<u32>, Vec<i8>)> = [14usize, 9, 21]
-            .iter()
-            .map(|&n| {
-                let ids = (0..n as u32).map(|i| (i * 11 + n as u32) % 39).collect();
-                (ids, (0..n).map(|i| i8::from(i >= 2)).collect())
-            })
-            .collect();
-        let batches: Vec<Batch> = seqs
-            .iter()
-            .enumerate()
-            .map(|(i, (ids, mask))| Batch::sample(ids, mask, 3, 4, 39, 2.0, i as u64).unwrap())
-            .collect();
+        let (seqs, batches) = three_sequences();
         let embed = |t: &Tensor| target.embed(t);
         let norm: f64 = batches.iter().map(Batch::weight).sum();
         let grads_of = |loss: &Tensor| -> Vec<Tensor> {

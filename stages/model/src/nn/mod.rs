@@ -55,16 +55,7 @@ pub(crate) mod testing {
 
     /// The largest absolute value of a tensor (in f64).
     pub(crate) fn max_abs(a: &Tensor) -> f64 {
-        a.to_dtype(DType::F64)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
+        max_diff(a, &a.zeros_like().unwrap())
     }
 
     /// The largest absolute difference between two tensors of one shape (in f64).

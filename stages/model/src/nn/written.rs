@@ -472,18 +472,7 @@ mod tests {
             }
         }
         let taps = drafter.config.target_layers.clone();
-        let seqs: Vec<(Vec<u32>, Vec<i8>)> = [14usize, 9, 21]
-            .iter()
-            .map(|&n| {
-                let ids = (0..n as u32).map(|i| (i * 11 + n as u32) % 39).collect();
-                (ids, (0..n).map(|i| i8::from(i >= 2)).collect())
-            })
-            .collect();
-        let batches: Vec<Batch> = seqs
-            .iter()
-            .enumerate()
-            .map(|(i, (ids, mask))| Batch::sample(ids, mask, 3, 4, 39, 2.0, i as u64).unwrap())
-            .collect();
+        let (seqs, batches) = crate::nn::drafter::tests::three_sequences();
         let embed = |t: &Tensor| target.embed(t);
         for count in [1, 3] {
             let refs: Vec<&Batch> = batches[..count].iter().collect();
