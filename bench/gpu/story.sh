@@ -517,8 +517,8 @@ print([r for r in rows if r.get("phase")=="summary"][-1]["total_ms"])')
     }
     {
         prof "dflash (train_probe speed)" /tmp/prof-dflash -- $STASH/train_probe speed --anchors 512
-        prof "PyTorch eager (SDPA)" /tmp/prof-torch -- python3 bench/train_reference.py speed --anchors 512
         [ "${1:-}" = dflash ] && exit 0
+        prof "PyTorch eager (SDPA)" /tmp/prof-torch -- python3 bench/train_reference.py speed --anchors 512
         if [ "${1:-}" = compiled ]; then
             prof "PyTorch compiled (FlexAttention)" /tmp/prof-compiled -- python3 bench/train_reference.py \
                 speed --anchors 512 --attention flex --compile --warmup 2
