@@ -9,8 +9,9 @@
 //! synchronised between them), then a summary line.
 //!
 //! `train_probe parts [--anchors 128]`: where the drafter's step goes at the Qwen3-8B shape:
-//! its forward alone, forward + backward, and each building block's forward + backward at the
-//! step's sizes, one JSON line each (milliseconds, device synchronised around each).
+//! its forward alone (no graph), forward + backward (as `train` runs them on the device), and
+//! each building block's forward + backward at the step's sizes, one JSON line each
+//! (milliseconds, device synchronised around each).
 //!
 //! `train_probe fused`: the fused ops of `nn::fused` on the device in f32 and bf16 against their
 //! CPU implementation in f64 (forward and gradient), one JSON line per check with the largest
@@ -978,17 +979,30 @@ fn parts(args: &[String]) -> Result<()> {
         .ok_or("no anchors")?;
     let context = target.tapped(&ids, &taps)?;
     let embed = |t: &Tensor| target.embed(t);
+    // Forward alone through the detached weights; forward and backward as `train` runs them on
+    // this device (written out on a GPU).
+    let frozen = drafter.frozen();
     let step = |backward: bool| -> Result<()> {
-        let (l, _) = loss(
-            &drafter,
-            &embed,
-            &target.lm_head,
-            &context,
-            &batch,
-            batch.weight(),
-        )?;
         if backward {
-            l.backward()?;
+            loss_and_gradients_packed(
+                &drafter,
+                None,
+                &embed,
+                &target.lm_head,
+                &context,
+                &[&batch],
+                batch.weight(),
+                Backward::on(&device, &drafter),
+            )?;
+        } else {
+            loss(
+                &frozen,
+                &embed,
+                &target.lm_head,
+                &context,
+                &batch,
+                batch.weight(),
+            )?;
         }
         Ok(())
     };

@@ -23,6 +23,7 @@
 //! | `MaskedSoftmax` (`softmax.rs`) | `softmax(scores * scale + mask)` | yes | `masked_softmax` | `SoftmaxGrad` |
 //! | `Swiglu` (`swiglu.rs`) | `silu(g) * u` | yes | `swiglu` | `SwigluGrad` (gate, up) |
 //! | `SumSquares`, `Moment`, `AdamStep` (`adamw.rs`) | gradient norm, AdamW in place | yes | `sum_squares`, `moment`, `adam_apply`; on a GPU `adamw_fused` in one launch | none |
+//! | `adamw_update_master` (`adamw.rs`) | AdamW of f32 master weights from a bf16 gradient, writing the weights' bf16 copy (the written-out step's) | yes (cast, update, cast) | `adamw_master_bf16` | none |
 //! | `SwigluPacked` (`swiglu.rs`) | `silu(g) * u` over rows `[g \| u]` (the frozen target's stacked gate and up) | yes | `swiglu_packed` | none (the target is frozen) |
 //! | `AddRmsNorm` (`norm.rs`) | a residual's sum and the next RMSNorm, `[2, rows, n]` (the frozen target's layers on a GPU) | yes | `add_rms_norm` | none (the target is frozen) |
 //! | `KeepAppend` (`copy.rs`) | a decoding cache's kept positions, then the next pass's keys or values | yes | `keep_append` | none (decoding) |
