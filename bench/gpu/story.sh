@@ -83,6 +83,11 @@
 # `flash` checks and times the pipelined dK/dV kernel (issue 22; the build's flash.ptx, which
 # pack-inputs packs) beside the staged one and FlexAttention, then the step with each and
 # PyTorch's eager step, all in one call.
+# The thirteenth session (2026-12-07, an H100, issue 22; two of seven calls got a machine) ran
+# with .gpu/f only: `stash; flash` (169.8 s: the written-out backward against autograd and
+# PyTorch's three forms), `stash; profile compiled` (242 s), later `stash; step` (129 s: AdamW
+# keeping the bf16 weights) and `profile dflash` (89.6 s); bench/results/issue22-h100-thirteenth/.
+# `step` is the step's comparison alone (~130 s with a start): the cheapest check of a change.
 # Done in the ninth run: `probe fused`, `checks`, `hybrid 4 2048`, `hybrid-decode 4 1,8,64 300
 # 16` (bench/results/smollm2-h100-ninth/). Still to run: `verify 300` and `round 300 128` (the
 # target's pass with its launches cut, README "The eighth run").
