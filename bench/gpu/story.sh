@@ -466,7 +466,7 @@ flash)
         python3 bench/flash_reference.py check $STASH/flash.ptx || echo "check failed: $?"
         python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
-        $STASH/train_probe fused | grep adamw || echo "train_probe fused failed: $?"
+        $STASH/train_probe fused | grep 'adamw\|head_rows' || echo "train_probe fused failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
         echo '{"phase": "label", "name": "dflash, autograd"}'
@@ -491,7 +491,11 @@ step)
     mkdir -p $STASH/assets
     cuda_env
     {
-        $STASH/train_probe fused | grep adamw || echo "train_probe fused failed: $?"
+        $STASH/train_probe fused | grep 'adamw\|head_rows' || echo "train_probe fused failed: $?"
+        # The head's rows in one kernel, opt-in until checked here (`head_rows` above).
+        echo '{"phase": "label", "name": "dflash, DFLASH_HEAD_ROWS=one-pass"}'
+        DFLASH_HEAD_ROWS=one-pass peak_memory $STASH/train_probe speed --anchors 512 ||
+            echo "speed (one-pass head rows) failed: $?"
         echo '{"phase": "label", "name": "dflash, as train runs it"}'
         peak_memory $STASH/train_probe speed --anchors 512 || echo "speed failed: $?"
         peak_memory python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"

@@ -534,6 +534,44 @@ fn fused(_args: &[String]) -> Result<()> {
             "copy_max_abs_diff": worst(&low, &rlow)?,
             "copy_is_the_cast": worst(&low, &p.to_dtype(DType::BF16)?)? == 0.0})
     );
+    // The head's rows in one kernel (opt-in `DFLASH_HEAD_ROWS=one-pass`) against the three it
+    // replaces on the same device: loss, argmax and the gradient written over the logits.
+    #[cfg(feature = "cuda")]
+    for (rows, vocab) in [(300usize, 49_152usize), (64, 151_936)] {
+        let logits = (init.normal(&[rows, vocab], 1.0, DType::F32, &cpu)? * 3.0)?;
+        let labels: Vec<u32> = (0..rows as u32)
+            .map(|r| (r * 7919) % vocab as u32)
+            .collect();
+        for dtype in [DType::F32, DType::BF16] {
+            let z = logits.to_dtype(dtype)?.to_device(&device)?;
+            let want_nll = fused::cross_entropy(&z, &labels)?;
+            let want_top = fused::top_k(&z, 1)?;
+            // softmax - onehot per row: the loss's gradient when each row's weighs 1.
+            let zv = candle_core::Var::from_tensor(&z)?;
+            let grads = fused::cross_entropy(zv.as_tensor(), &labels)?
+                .sum_all()?
+                .backward()?;
+            let want_grad = grads.get(zv.as_tensor()).ok_or("no gradient")?.clone();
+            let io = z.copy()?;
+            let t = Instant::now();
+            let (nll, top) = fused::head_rows_in_place(&io, &labels)?;
+            device.synchronize()?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            let tops_differ = (top.to_device(&cpu)?.flatten_all()?.to_vec1::<u32>()?)
+                .iter()
+                .zip(want_top.to_device(&cpu)?.flatten_all()?.to_vec1::<u32>()?)
+                .filter(|(a, b)| *a != b)
+                .count();
+            println!(
+                "{}",
+                serde_json::json!({"phase": "fused", "check": "head_rows", "rows": rows,
+                    "vocab": vocab, "dtype": format!("{dtype:?}"),
+                    "device": format!("{device:?}"), "nll_max_abs_diff": worst(&nll, &want_nll)?,
+                    "rows_whose_argmax_differs": tops_differ,
+                    "grad_max_abs_diff": worst(&io, &want_grad)?, "ms_first_call": ms})
+            );
+        }
+    }
     // Top-k (DFlash 2's candidates over a SmolLM2-sized vocabulary): the device's picks against
     // the CPU's on the same values, rows whose k indices differ in any place.
     let logits = (init.normal(&[300, 49_152], 1.0, DType::F32, &cpu)? * 3.0)?;

@@ -524,6 +524,68 @@ pub fn top_k(z: Arg<'_>, k: usize) -> Result<CudaStorage> {
     })
 }
 
+/// The LM head's rows (`head_rows_T`): for logits `z` `[count, n]` (contiguous, its own
+/// storage: it is overwritten) and `labels` `[count]` (`u32`, each < n), each row's
+/// cross-entropy into `nll` `[count]` (f32) and argmax into `top` `[count, 1]` (`u32`), then
+/// `softmax - onehot` in place of the logits. Several outputs and one written in place, past what
+/// candle's custom ops take, so this launches on the tensors' device buffers directly.
+pub fn head_rows(
+    z: &candle_core::Tensor,
+    labels: &candle_core::Tensor,
+    nll: &candle_core::Tensor,
+    top: &candle_core::Tensor,
+) -> Result<()> {
+    use candle_core::Storage;
+    let (count, n) = z.dims2()?;
+    if labels.dims() != [count]
+        || nll.dims() != [count]
+        || top.dims() != [count, 1]
+        || (labels.dtype(), nll.dtype(), top.dtype()) != (DType::U32, DType::F32, DType::U32)
+    {
+        bail!(
+            "head-rows: logits {:?}, labels {:?} {:?}, nll {:?} {:?}, top {:?} {:?}",
+            z.dims(),
+            labels.dims(),
+            labels.dtype(),
+            nll.dims(),
+            nll.dtype(),
+            top.dims(),
+            top.dtype()
+        );
+    }
+    let (zs, zl) = z.storage_and_layout();
+    let (ys, yl) = labels.storage_and_layout();
+    let (ns, nl) = nll.storage_and_layout();
+    let (ts, tl) = top.storage_and_layout();
+    let (Storage::Cuda(zs), Storage::Cuda(ys), Storage::Cuda(ns), Storage::Cuda(ts)) =
+        (&*zs, &*ys, &*ns, &*ts)
+    else {
+        bail!("head-rows: the logits, labels and outputs are not all on the GPU");
+    };
+    let (rz, ry, rn, rt) = (span(zl)?, span(yl)?, span(nl)?, span(tl)?);
+    if rz.len() != count * n || ry.len() != count || rn.len() != count || rt.len() != count {
+        bail!("head-rows: non-contiguous operands");
+    }
+    let dev = zs.device().clone();
+    let yv = ys.as_cuda_slice::<u32>()?.slice(ry);
+    let nv = ns.as_cuda_slice::<f32>()?.slice(rn);
+    let tv = ts.as_cuda_slice::<u32>()?.slice(rt);
+    let n32 = n as u32;
+    by_type!(z.dtype(), "head-rows", |T| {
+        let zv = zs.as_cuda_slice::<T>()?.slice(rz);
+        // Reads count*n logits and count labels (< n, checked by the caller); writes count*n
+        // gradients over them and count losses and indices.
+        launch!(
+            &dev,
+            "head_rows",
+            T,
+            per_row(count, n),
+            [&zv, &yv, &nv, &tv, &n32]
+        );
+        Ok(())
+    })
+}
+
 /// Rows `ids` of `table` `[rows, r]`.
 pub fn gather_rows(table: Arg<'_>, ids: Arg<'_>) -> Result<CudaStorage> {
     by_type!(table.0.dtype(), "gather-rows", |T| {

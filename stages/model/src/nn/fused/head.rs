@@ -108,10 +108,19 @@ fn head_chunks(
     let wt = w.t()?;
     let chunk = chunk.clamp(1, m.max(1));
     let (mut nll, mut tops, mut grads) = (Vec::new(), Vec::new(), Vec::new());
+    let one_pass = grad && top == 1 && one_pass_enabled(device, dtype);
     for start in (0..m).step_by(chunk) {
         let n = chunk.min(m - start);
         let logits = x.narrow(0, start, n)?.matmul(&wt)?;
         let labels = &labels[start..start + n];
+        if one_pass {
+            // The chunk's fresh logits become the rows' gradient in place.
+            let (l, t) = head_rows_in_place(&logits, labels)?;
+            nll.push(l);
+            tops.push(t);
+            grads.push(logits.matmul(&w)?);
+            continue;
+        }
         nll.push(super::cross_entropy(&logits, labels)?);
         tops.push(super::super::dflash2::top_k(&logits, top)?);
         if grad {
@@ -137,6 +146,42 @@ fn head_chunks(
         None
     };
     Ok((nll, top, d_hidden))
+}
+
+/// Whether a chunk's loss, argmax and gradient come from one kernel (`head_rows` on a GPU, the
+/// logits read twice where three kernels read them five times), instead of `cross_entropy`,
+/// `top_k` and `cross_entropy_grad`. Opt-in with `DFLASH_HEAD_ROWS=one-pass` until a GPU run has
+/// checked it against the three (`train_probe fused`, `head_rows`) and timed the step with it.
+fn one_pass_enabled(device: &candle_core::Device, dtype: DType) -> bool {
+    cfg!(feature = "cuda")
+        && device.is_cuda()
+        && matches!(dtype, DType::BF16 | DType::F32)
+        && std::env::var("DFLASH_HEAD_ROWS").is_ok_and(|v| v == "one-pass")
+}
+
+/// For fresh logits `[rows, vocab]` on a GPU (their own storage, overwritten) and each row's
+/// label: each row's cross-entropy (`[rows]`, f32) and argmax (`[rows, 1]`, `u32`), the logits
+/// left holding `softmax - onehot` (`head_rows`, one kernel). A label past the vocabulary is
+/// refused.
+pub fn head_rows_in_place(logits: &Tensor, labels: &[u32]) -> Result<(Tensor, Tensor)> {
+    let (rows, vocab) = logits.dims2()?;
+    if labels.len() != rows || labels.iter().any(|&y| y as usize >= vocab) {
+        bail!(
+            "head rows: {rows} rows of {vocab} logits, labels {} (each < {vocab})",
+            labels.len()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let device = logits.device();
+        let y = Tensor::new(labels, device)?;
+        let nll = Tensor::zeros(rows, DType::F32, device)?;
+        let top = Tensor::zeros((rows, 1), DType::U32, device)?;
+        super::cuda::head_rows(logits, &y, &nll, &top)?;
+        Ok((nll, top))
+    }
+    #[cfg(not(feature = "cuda"))]
+    bail!("head rows: a kernel of GPU builds (`--features cuda`)")
 }
 
 /// The graph node of [`head_cross_entropy`]: the losses computed untracked, and each row's

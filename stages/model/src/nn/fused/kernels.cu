@@ -352,6 +352,70 @@ __device__ __forceinline__ bool ranks_before(float a, uint32_t i, float b, uint3
     return a > b || (a == b && i < j);
 }
 
+// The LM head's rows in one read and one read-write (`head_rows`, one block per row of n, a
+// power of two of threads up to 1024): each row's cross-entropy against its label, its argmax
+// (ties to the lower id, NaN never taken, as `top_k` with k = 1), and in place of the logits
+// the loss's gradient per unit of its own, softmax - onehot; `cross_entropy`, `top_k` and
+// `cross_entropy_grad` read each row five times for the same. The log-sum-exp is online: each
+// thread keeps its running max and its sum of exp(x - max), rescaled when the max grows.
+template <typename T>
+__device__ void head_rows(T* logits, const uint32_t* labels, float* nll, uint32_t* top, uint32_t n) {
+    __shared__ float sm[32], ss[32], sb[32];
+    __shared__ uint32_t si[32];
+    size_t row = blockIdx.x;
+    T* z = logits + row * n;
+    float m = -INFINITY, s = 0.0f, best = -INFINITY;
+    uint32_t bi = 0xffffffffu;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+        float x = load(z, j);
+        if (x > m) {
+            s = s * __expf(m - x) + 1.0f;
+            m = x;
+        } else if (x != -INFINITY) {
+            s += __expf(x - m);  // NaN propagates into the sum, as in `row_lse`
+        }
+        if (x == x && ranks_before(x, j, best, bi)) { best = x; bi = j; }
+    }
+    // Warps, then the block: (max, sum) pairs merge by rescaling; (value, index) by rank.
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffff, m, o), s2 = __shfl_xor_sync(0xffffffff, s, o);
+        float b2 = __shfl_xor_sync(0xffffffff, best, o);
+        uint32_t i2 = __shfl_xor_sync(0xffffffff, bi, o);
+        float mm = fmaxf(m, m2);
+        s = (m == -INFINITY ? 0.0f : s * __expf(m - mm)) + (m2 == -INFINITY ? 0.0f : s2 * __expf(m2 - mm));
+        m = mm;
+        if (ranks_before(b2, i2, best, bi)) { best = b2; bi = i2; }
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (lane == 0) { sm[warp] = m; ss[warp] = s; sb[warp] = best; si[warp] = bi; }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < warps ? sm[lane] : -INFINITY;
+        s = lane < warps ? ss[lane] : 0.0f;
+        best = lane < warps ? sb[lane] : -INFINITY;
+        bi = lane < warps ? si[lane] : 0xffffffffu;
+        for (int o = 16; o > 0; o >>= 1) {
+            float m2 = __shfl_xor_sync(0xffffffff, m, o), s2 = __shfl_xor_sync(0xffffffff, s, o);
+            float b2 = __shfl_xor_sync(0xffffffff, best, o);
+            uint32_t i2 = __shfl_xor_sync(0xffffffff, bi, o);
+            float mm = fmaxf(m, m2);
+            s = (m == -INFINITY ? 0.0f : s * __expf(m - mm)) + (m2 == -INFINITY ? 0.0f : s2 * __expf(m2 - mm));
+            m = mm;
+            if (ranks_before(b2, i2, best, bi)) { best = b2; bi = i2; }
+        }
+        if (lane == 0) { sm[0] = m + __logf(s); si[0] = bi; }
+    }
+    __syncthreads();
+    float lse = sm[0];
+    uint32_t y = labels[row];
+    // Every thread reads the label's logit before any thread overwrites the row.
+    float zy = load(z, y);
+    __syncthreads();
+    if (threadIdx.x == 0) { nll[row] = lse - zy; top[row] = si[0]; }
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x)
+        store(z, j, __expf(load(z, j) - lse) - (j == y ? 1.0f : 0.0f));
+}
+
 #define TOP_K_MAX 32
 
 // The k largest entries' indices of each row of length n (one block per row), largest first,
@@ -569,6 +633,10 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     }                                                                                                  \
     extern "C" __global__ void top_k_##NAME(const T* z, uint32_t* out, uint32_t n, uint32_t k) {       \
         top_k(z, out, n, k);                                                                           \
+    }                                                                                                  \
+    extern "C" __global__ void head_rows_##NAME(T* z, const uint32_t* y, float* nll, uint32_t* top,     \
+                                                uint32_t n) {                                          \
+        head_rows(z, y, nll, top, n);                                                                  \
     }                                                                                                  \
     extern "C" __global__ void gather_rows_##NAME(const T* t, const uint32_t* ids, T* out, size_t n,    \
                                                   uint32_t r, uint32_t rows) {                         \

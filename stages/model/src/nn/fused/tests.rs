@@ -610,3 +610,14 @@ fn scaling_by_head_is_the_broadcast_product() {
     let e = scale_by_head_kernel(&x, &Tensor::ones(4, DType::F32, &cpu).unwrap()).unwrap_err();
     assert!(e.to_string().contains("scale_by_head"), "{e}");
 }
+
+/// The one-kernel head rows refuse a label past the vocabulary before anything is launched
+/// (the kernel would read past the row), and on a CPU say they need a GPU build's kernel.
+#[test]
+fn head_rows_refuse_a_label_past_the_vocabulary() {
+    let z = Tensor::zeros((2, 5), DType::F32, &Device::Cpu).unwrap();
+    let err = head_rows_in_place(&z, &[1, 5]).unwrap_err();
+    assert!(err.to_string().contains("each < 5"), "{err}");
+    assert!(head_rows_in_place(&z, &[1]).is_err());
+    assert!(head_rows_in_place(&z, &[1, 4]).is_err(), "no CPU kernel");
+}
