@@ -352,6 +352,20 @@ __device__ __forceinline__ bool ranks_before(float a, uint32_t i, float b, uint3
     return a > b || (a == b && i < j);
 }
 
+// Merge each lane's running (max, sum of exp(x - max)) and best (value, index) with its warp's
+// other lanes' (a butterfly: afterwards every lane holds the warp's).
+__device__ __forceinline__ void warp_merge_rows(float& m, float& s, float& best, uint32_t& bi) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffff, m, o), s2 = __shfl_xor_sync(0xffffffff, s, o);
+        float b2 = __shfl_xor_sync(0xffffffff, best, o);
+        uint32_t i2 = __shfl_xor_sync(0xffffffff, bi, o);
+        float mm = fmaxf(m, m2);
+        s = (m == -INFINITY ? 0.0f : s * __expf(m - mm)) + (m2 == -INFINITY ? 0.0f : s2 * __expf(m2 - mm));
+        m = mm;
+        if (ranks_before(b2, i2, best, bi)) { best = b2; bi = i2; }
+    }
+}
+
 // The LM head's rows in one read and one read-write (`head_rows`, one block per row of n, a
 // power of two of threads up to 1024): each row's cross-entropy against its label, its argmax
 // (ties to the lower id, NaN never taken, as `top_k` with k = 1), and in place of the logits
@@ -377,15 +391,7 @@ __device__ void head_rows(T* logits, const uint32_t* labels, float* nll, uint32_
         if (x == x && ranks_before(x, j, best, bi)) { best = x; bi = j; }
     }
     // Warps, then the block: (max, sum) pairs merge by rescaling; (value, index) by rank.
-    for (int o = 16; o > 0; o >>= 1) {
-        float m2 = __shfl_xor_sync(0xffffffff, m, o), s2 = __shfl_xor_sync(0xffffffff, s, o);
-        float b2 = __shfl_xor_sync(0xffffffff, best, o);
-        uint32_t i2 = __shfl_xor_sync(0xffffffff, bi, o);
-        float mm = fmaxf(m, m2);
-        s = (m == -INFINITY ? 0.0f : s * __expf(m - mm)) + (m2 == -INFINITY ? 0.0f : s2 * __expf(m2 - mm));
-        m = mm;
-        if (ranks_before(b2, i2, best, bi)) { best = b2; bi = i2; }
-    }
+    warp_merge_rows(m, s, best, bi);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     if (lane == 0) { sm[warp] = m; ss[warp] = s; sb[warp] = best; si[warp] = bi; }
     __syncthreads();
@@ -394,15 +400,7 @@ __device__ void head_rows(T* logits, const uint32_t* labels, float* nll, uint32_
         s = lane < warps ? ss[lane] : 0.0f;
         best = lane < warps ? sb[lane] : -INFINITY;
         bi = lane < warps ? si[lane] : 0xffffffffu;
-        for (int o = 16; o > 0; o >>= 1) {
-            float m2 = __shfl_xor_sync(0xffffffff, m, o), s2 = __shfl_xor_sync(0xffffffff, s, o);
-            float b2 = __shfl_xor_sync(0xffffffff, best, o);
-            uint32_t i2 = __shfl_xor_sync(0xffffffff, bi, o);
-            float mm = fmaxf(m, m2);
-            s = (m == -INFINITY ? 0.0f : s * __expf(m - mm)) + (m2 == -INFINITY ? 0.0f : s2 * __expf(m2 - mm));
-            m = mm;
-            if (ranks_before(b2, i2, best, bi)) { best = b2; bi = i2; }
-        }
+        warp_merge_rows(m, s, best, bi);
         if (lane == 0) { sm[0] = m + __logf(s); si[0] = bi; }
     }
     __syncthreads();
