@@ -523,6 +523,50 @@ mod tests {
         }
     }
 
+    /// As `train` runs it: weights cast once, then kept by AdamW (`step_keeping`) across steps.
+    /// After each step the kept copy is what a fresh cast of the updated weights gives, and the
+    /// weights are what AdamW without copies makes of the same gradients (f64 master weights,
+    /// f32 steps: the copy's dtype differs from the weights', as bf16 from f32 on a GPU).
+    #[test]
+    fn kept_weights_follow_the_master_weights() {
+        use crate::nn::AdamW;
+        let target = crate::nn::drafter::tests::tiny_target(DType::F32);
+        let config = DrafterConfig::for_target(&target.config, 1, vec![0, 2], 4, 39);
+        let kept_run = Drafter::init(config.clone(), 3, DType::F64, &Device::Cpu).unwrap();
+        let plain_run = Drafter::init(config, 3, DType::F64, &Device::Cpu).unwrap();
+        let (seqs, batches) = crate::nn::drafter::tests::three_sequences();
+        let context = target
+            .tapped(&seqs[0].0, &kept_run.config.target_layers)
+            .unwrap();
+        let embed = |t: &Tensor| target.embed(t);
+        let batch = [&batches[0]];
+        let kept = super::ComputeWeights::of(&kept_run, DType::F32).unwrap();
+        let (mut a, mut b) = (
+            AdamW::new(&kept_run.vars, 0.1).unwrap(),
+            AdamW::new(&plain_run.vars, 0.1).unwrap(),
+        );
+        for _ in 0..3 {
+            let step = |d: &Drafter, w: Option<&super::ComputeWeights>| {
+                loss_and_gradients(d, w, &embed, &target.lm_head, &context, &batch, 1.0).unwrap()
+            };
+            let (la, _, ga) = step(&kept_run, Some(&kept));
+            let (lb, _, gb) = step(&plain_run, None);
+            assert_eq!(la, lb);
+            a.step_keeping(&kept_run.vars, &ga, 1e-2, 1.0, Some(kept.tensors()))
+                .unwrap();
+            b.step(&plain_run.vars, &gb, 1e-2, 1.0).unwrap();
+            let fresh = super::ComputeWeights::of(&kept_run, DType::F32).unwrap();
+            for (name, t) in kept.tensors() {
+                let (w, v) = (&kept_run.vars[name], &plain_run.vars[name]);
+                assert_eq!(
+                    crate::nn::testing::max_diff(w.as_tensor(), v.as_tensor()),
+                    0.0
+                );
+                assert_eq!(crate::nn::testing::max_diff(t, &fresh.tensors()[name]), 0.0);
+            }
+        }
+    }
+
     /// DFlash 2 has no written-out backward: refused, not computed wrong.
     #[test]
     fn a_dflash2_drafter_is_refused() {
