@@ -11,7 +11,9 @@
 //! the backward reads (per layer: its input, the normed rows, the pre-norm projections, the
 //! attention's operands and output, the MLP's gate and up rows) and the backward walks the
 //! layers in reverse with the same fused kernels the graph nodes call: each gradient is
-//! written once, weights' gradients are cast to the master dtype once.
+//! written once. The weights come in the compute dtype, cast once and then kept by the
+//! optimizer ([`ComputeWeights`]), and their gradients leave in it: on a GPU AdamW reads the
+//! bf16 gradients and updates the f32 master weights and the kept copy in one pass.
 //!
 //! DFlash drafters only (DFlash 2's convolutions and selector keep the autograd path); `train`
 //! takes this path on a GPU ([`Backward::on`]); CPU training keeps autograd, bit for bit. The
@@ -110,10 +112,13 @@ struct Projected {
     heads: Tensor,
 }
 
-/// What one layer's forward keeps for its backward.
+/// What one layer's forward keeps for its backward (`m` block rows, `s` context rows).
 struct LayerSaved {
+    /// The layer's input `[m, H]` and its input norm's output.
     x: Tensor,
     h1: Tensor,
+    /// The queries, the blocks' keys and values `[kv, m, d]`, the context's keys and values
+    /// `[kv, s, d]`.
     q: Projected,
     kb: Projected,
     vb: Tensor,
@@ -124,8 +129,10 @@ struct LayerSaved {
     saved: Vec<Saved>,
     /// The attention's output as rows `[m, heads * d]` (the o projection's input).
     a: Tensor,
+    /// The residual after attention and its norm's output (the MLP's input).
     x1: Tensor,
     h2: Tensor,
+    /// The MLP's gate and up rows `[m, ffn]` (SwiGLU's product is recomputed from them).
     g: Tensor,
     u: Tensor,
 }
