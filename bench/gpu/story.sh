@@ -165,6 +165,20 @@ peak_memory() {
     rm -f $log
     return $rc
 }
+# The training step as `train` runs it, then PyTorch's eager step, (given `flex`) its eager step
+# with FlexAttention, and its compiled step with FlexAttention, each followed by its peak memory:
+# the lines bench/step_ratio.py reads (the dflash run last before PyTorch's is the one compared).
+step_against_pytorch() {
+    echo '{"phase": "label", "name": "dflash, as train runs it"}'
+    peak_memory $STASH/train_probe speed --anchors 512 || echo "speed failed: $?"
+    peak_memory python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"
+    if [ "${1:-}" = flex ]; then
+        peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --steps 5 \
+            --warmup 2 || echo "speed (PyTorch, FlexAttention) failed: $?"
+    fi
+    peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
+        --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
+}
 case $cmd in
 pack-inputs)
     # Here: fill PACK/1, PACK/2, ... (one folder a call) from a CUDA build and .assets/; INIT
@@ -458,10 +472,10 @@ probe)
 flash)
     # There: the drafter's block attention (issue 22): the build's flash PTX checked against
     # autograd in f64 (both dK/dV kernels, the pipelined one bit for bit equal to the staged
-    # one), timed beside SDPA and FlexAttention under torch.compile, the step against PyTorch in
-    # f32, then the training step with each dK/dV kernel (the pipelined one is the default;
-    # `DFLASH_FLASH_DKV=staged` runs the other) beside PyTorch's eager step, the default's and
-    # PyTorch's peak memory by nvidia-smi (`peak_memory`).
+    # one), timed beside SDPA and FlexAttention under torch.compile; AdamW's and the head's
+    # kernels against their references; the step against PyTorch in f32; then the training
+    # step through autograd and as `train` runs it (the backward written out) beside PyTorch's
+    # three forms (`step_against_pytorch flex`), each with its peak memory by nvidia-smi.
     # Needs only flash.ptx and train_probe.xz stashed (a one-part pack of its own, no `setup`):
     # cuda_env points .assets at the stash's, which may not exist yet.
     unpack_probe
@@ -477,14 +491,7 @@ flash)
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
         echo '{"phase": "label", "name": "dflash, autograd"}'
         peak_memory $STASH/train_probe speed --anchors 512 --backward autograd || echo "speed (autograd) failed: $?"
-        echo '{"phase": "label", "name": "dflash, as train runs it"}'
-        peak_memory $STASH/train_probe speed --anchors 512 || echo "speed (pipelined, the default) failed: $?"
-        peak_memory python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"
-        # PyTorch's faster forms, as its users run them (the issue's goal is against the last).
-        peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --steps 5 \
-            --warmup 2 || echo "speed (PyTorch, FlexAttention) failed: $?"
-        peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
-            --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
+        step_against_pytorch flex
     } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
     ;;
@@ -502,11 +509,7 @@ step)
         echo '{"phase": "label", "name": "dflash, DFLASH_HEAD_ROWS=one-pass"}'
         DFLASH_HEAD_ROWS=one-pass peak_memory $STASH/train_probe speed --anchors 512 ||
             echo "speed (one-pass head rows) failed: $?"
-        echo '{"phase": "label", "name": "dflash, as train runs it"}'
-        peak_memory $STASH/train_probe speed --anchors 512 || echo "speed failed: $?"
-        peak_memory python3 bench/train_reference.py speed --anchors 512 || echo "speed (PyTorch) failed: $?"
-        peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
-            --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
+        step_against_pytorch
     } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
     python3 bench/step_ratio.py "$OUT/step.txt" | tee -a "$OUT/step.txt"
     ;;

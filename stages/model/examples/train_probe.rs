@@ -449,13 +449,16 @@ fn fused(_args: &[String]) -> Result<()> {
         eps: 1e-8,
         clip_scale: 0.7,
     };
-    // AdamW: three steps of a parameter against the same on CPU.
-    let adam = |dev: &Device, dtype: DType| -> Result<Tensor> {
+    // AdamW: three steps of a `dtype` parameter from gradients in `grad`, the same on CPU as
+    // the reference; given `keep`, with the bf16 copy kept (`adamw_update_master`, what `train`
+    // runs on a GPU: f32 master weights, bf16 gradients).
+    let adam = |dev: &Device, dtype: DType, grad: DType, keep: bool| {
         let mut init = Init::new(7);
         let p = init
             .normal(&[3, 4099], 1.0, DType::F32, &cpu)?
             .to_dtype(dtype)?
             .to_device(dev)?;
+        let low = keep.then(|| p.to_dtype(DType::BF16)?.copy()).transpose()?;
         let (m, v) = (
             Tensor::zeros((3, 4099), DType::F32, dev)?,
             Tensor::zeros((3, 4099), DType::F32, dev)?,
@@ -463,11 +466,14 @@ fn fused(_args: &[String]) -> Result<()> {
         for t in 1..=3 {
             let g = init
                 .normal(&[3, 4099], 0.1, DType::F32, &cpu)?
-                .to_dtype(dtype)?
+                .to_dtype(grad)?
                 .to_device(dev)?;
-            fused::adamw_update(&p, &g, &m, &v, &adam_step(t))?;
+            match &low {
+                Some(low) => fused::adamw_update_master(&p, &g, &m, &v, low, &adam_step(t))?,
+                None => fused::adamw_update(&p, &g, &m, &v, &adam_step(t))?,
+            }
         }
-        Ok(p)
+        Result::Ok((p, low))
     };
     for dtype in [DType::F32, DType::BF16] {
         let got = run(&device, dtype)?;
@@ -496,37 +502,18 @@ fn fused(_args: &[String]) -> Result<()> {
                     "max_abs": worst(w, &w.zeros_like()?)?})
             );
         }
-        let p = adam(&device, dtype)?;
-        let reference = adam(&cpu, dtype)?;
+        let (p, _) = adam(&device, dtype, dtype, false)?;
+        let (reference, _) = adam(&cpu, dtype, dtype, false)?;
         println!(
             "{}",
             serde_json::json!({"phase": "fused", "check": "adamw_3_steps", "dtype": format!("{dtype:?}"),
                 "device": format!("{device:?}"), "max_abs_diff": worst(&p, &reference)?})
         );
     }
-    // AdamW over f32 master weights from bf16 gradients, keeping their bf16 copy (what `train`
-    // runs on a GPU): three steps against the CPU's cast, update and cast; the copy must be the
-    // updated weights' cast exactly.
-    let master = |dev: &Device| -> Result<(Tensor, Tensor)> {
-        let mut init = Init::new(8);
-        let p = init
-            .normal(&[3, 4099], 1.0, DType::F32, &cpu)?
-            .to_device(dev)?;
-        let low = p.to_dtype(DType::BF16)?.copy()?;
-        let (m, v) = (
-            Tensor::zeros((3, 4099), DType::F32, dev)?,
-            Tensor::zeros((3, 4099), DType::F32, dev)?,
-        );
-        for t in 1..=3 {
-            let g = init
-                .normal(&[3, 4099], 0.1, DType::F32, &cpu)?
-                .to_dtype(DType::BF16)?
-                .to_device(dev)?;
-            fused::adamw_update_master(&p, &g, &m, &v, &low, &adam_step(t))?;
-        }
-        Ok((p, low))
-    };
-    let ((p, low), (rp, rlow)) = (master(&device)?, master(&cpu)?);
+    // The master update's copy must be the updated weights' cast exactly.
+    let (p, low) = adam(&device, DType::F32, DType::BF16, true)?;
+    let (rp, rlow) = adam(&cpu, DType::F32, DType::BF16, true)?;
+    let (low, rlow) = (low.ok_or("no copy")?, rlow.ok_or("no copy")?);
     println!(
         "{}",
         serde_json::json!({"phase": "fused", "check": "adamw_master_3_steps",

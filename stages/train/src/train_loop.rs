@@ -361,23 +361,28 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     // written out (`nn::written`: no autograd graph, each gradient written once), on CPU it is
     // autograd's, bit for bit as before.
     let backward = objective::Backward::on(&device, &drafter);
-    let forward_backward =
-        |micro: &[(&TokenRow, Batch)], weight: f64, kept: Option<&objective::ComputeWeights>| {
-            let context = context_of(micro)?;
-            let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
-            let (_, m, grads) = objective::loss_and_gradients_packed(
-                &drafter,
-                kept,
-                &embed,
-                &target.lm_head,
-                &context,
-                &packed,
-                weight,
-                backward,
-            )
-            .map_err(nn("drafter step"))?;
-            Ok::<_, StageError>((m, grads))
-        };
+    // The written-out step's bf16 weights: cast once here (after `init:` or a resume set the
+    // weights), then kept the updated weights' casts by AdamW, so no step casts them again.
+    let kept = (backward == objective::Backward::WrittenOut)
+        .then(|| objective::ComputeWeights::of(&drafter, compute))
+        .transpose()
+        .map_err(nn("casting the weights"))?;
+    let forward_backward = |micro: &[(&TokenRow, Batch)], weight: f64| {
+        let context = context_of(micro)?;
+        let packed: Vec<&Batch> = micro.iter().map(|(_, b)| b).collect();
+        let (_, m, grads) = objective::loss_and_gradients_packed(
+            &drafter,
+            kept.as_ref(),
+            &embed,
+            &target.lm_head,
+            &context,
+            &packed,
+            weight,
+            backward,
+        )
+        .map_err(nn("drafter step"))?;
+        Ok::<_, StageError>((m, grads))
+    };
     // A sequence's blocks, drawn from the random stream `stream`.
     let sample = |s: &TokenRow, stream: u64| {
         Batch::sample(
@@ -411,9 +416,6 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     };
     let eval_start = if start == 0 { evaluate()? } else { None };
     let mut last_eval: Option<StepMetrics> = None;
-    // The written-out step's bf16 weights, cast once here and then kept the updated weights'
-    // casts by AdamW (no step casts the f32 master weights again).
-    let mut kept: Option<objective::ComputeWeights> = None;
     for step in start..total {
         if ctx.cancel.is_cancelled() {
             return Err(StageError::cancelled());
@@ -437,14 +439,8 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut m = StepMetrics::default();
         if weight > 0.0 {
-            if backward == objective::Backward::WrittenOut && kept.is_none() {
-                kept = Some(
-                    objective::ComputeWeights::of(&drafter, compute)
-                        .map_err(nn("casting the weights"))?,
-                );
-            }
             for micro in batches.chunks(stack) {
-                let (sm, g) = forward_backward(micro, weight, kept.as_ref())?;
+                let (sm, g) = forward_backward(micro, weight)?;
                 for (name, t) in g {
                     // Summed over micro-batches in f32 (the written-out step's are bf16).
                     let sum = match grads.remove(&name) {

@@ -585,7 +585,7 @@ pub(crate) mod tests {
         Target::random(config, 1, dtype, &Device::Cpu).unwrap()
     }
 
-    fn sequence() -> (Vec<u32>, Vec<i8>) {
+    pub(crate) fn sequence() -> (Vec<u32>, Vec<i8>) {
         let ids: Vec<u32> = (0..14).map(|i| (i * 7 + 3) % 39).collect();
         let mask: Vec<i8> = (0..14).map(|i| i8::from(i >= 4)).collect();
         (ids, mask)
@@ -819,6 +819,19 @@ pub(crate) mod tests {
         }
     }
 
+    /// Moves the weights whose names contain `part` off their init by N(0, 0.3) noise (seeded).
+    pub(crate) fn perturb(drafter: &Drafter, part: &str) {
+        let mut init = Init::new(5);
+        for (name, var) in &drafter.vars {
+            if name.contains(part) {
+                let noise = init
+                    .normal(var.as_tensor().dims(), 0.3, var.dtype(), &Device::Cpu)
+                    .unwrap();
+                var.set(&(var.as_tensor() + noise).unwrap()).unwrap();
+            }
+        }
+    }
+
     /// Three sequences of 14, 9 and 21 tokens over the tiny target's vocabulary (the first two
     /// untrained) and blocks of 4 drawn from each: what the packing tests stack.
     pub(crate) fn three_sequences() -> (Vec<(Vec<u32>, Vec<i8>)>, Vec<Batch>) {
@@ -844,15 +857,7 @@ pub(crate) mod tests {
         config.dflash2 = dflash2;
         let drafter = Drafter::init(config, 3, dtype, &Device::Cpu).unwrap();
         // Kernels off the identity, so a convolution across blocks would show.
-        let mut init = Init::new(5);
-        for (name, var) in &drafter.vars {
-            if name.contains("_conv.") {
-                let noise = init
-                    .normal(var.as_tensor().dims(), 0.3, dtype, &Device::Cpu)
-                    .unwrap();
-                var.set(&(var.as_tensor() + noise).unwrap()).unwrap();
-            }
-        }
+        perturb(&drafter, "_conv.");
         let taps = drafter.config.target_layers.clone();
         let (seqs, batches) = three_sequences();
         let embed = |t: &Tensor| target.embed(t);

@@ -202,10 +202,7 @@ pub(crate) fn block_attention_saving(
             geometry.s
         );
     }
-    let (heads, d) = (geometry.heads, geometry.d);
-    if block == super::fused::flash::ROWS
-        && super::fused::flash::supports(q.device(), q.dtype(), d, heads, geometry.kv_heads)
-    {
+    if flash_applies(q, ck, block)? {
         let seen = mask.seen_on(q.device())?;
         let plain: Vec<Tensor> = [q, ck, cv, bk, bv].iter().map(|t| t.detach()).collect();
         let operands = super::fused::flash::BlockOperands {

@@ -457,7 +457,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor};
 
     use super::loss_and_gradients;
-    use crate::nn::drafter::{Drafter, DrafterConfig, Init};
+    use crate::nn::drafter::{Drafter, DrafterConfig};
     use crate::nn::objective::{Batch, Head, loss_packed};
 
     /// The written-out backward gives autograd's loss, metrics and every gradient (f64, so any
@@ -469,15 +469,7 @@ mod tests {
         let config = DrafterConfig::for_target(&target.config, 2, vec![0, 2], 4, 39);
         let drafter = Drafter::init(config, 3, dtype, &Device::Cpu).unwrap();
         // Norm weights off 1, so a norm's weight in a formula shows.
-        let mut init = Init::new(5);
-        for (name, var) in &drafter.vars {
-            if name.contains("norm") {
-                let noise = init
-                    .normal(var.as_tensor().dims(), 0.3, dtype, &Device::Cpu)
-                    .unwrap();
-                var.set(&(var.as_tensor() + noise).unwrap()).unwrap();
-            }
-        }
+        crate::nn::drafter::tests::perturb(&drafter, "norm");
         let taps = drafter.config.target_layers.clone();
         let (seqs, batches) = crate::nn::drafter::tests::three_sequences();
         let embed = |t: &Tensor| target.embed(t);
@@ -587,8 +579,7 @@ mod tests {
             },
         );
         let drafter = Drafter::init(config, 3, DType::F64, &Device::Cpu).unwrap();
-        let ids: Vec<u32> = (0..14).map(|i| (i * 7 + 3) % 39).collect();
-        let mask: Vec<i8> = (0..14).map(|i| i8::from(i >= 4)).collect();
+        let (ids, mask) = crate::nn::drafter::tests::sequence();
         let batch = Batch::sample(&ids, &mask, 3, 4, 39, 2.0, 5).unwrap();
         let context = target.tapped(&ids, &drafter.config.target_layers).unwrap();
         let embed = |t: &Tensor| target.embed(t);
