@@ -179,6 +179,13 @@ step_against_pytorch() {
     peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
         --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
 }
+# The step with the head's rows in one kernel, opt-in until checked (`train_probe fused`'s
+# `head_rows`).
+one_pass_head_rows() {
+    echo '{"phase": "label", "name": "dflash, DFLASH_HEAD_ROWS=one-pass"}'
+    DFLASH_HEAD_ROWS=one-pass peak_memory $STASH/train_probe speed --anchors 512 ||
+        echo "speed (one-pass head rows) failed: $?"
+}
 case $cmd in
 pack-inputs)
     # Here: fill PACK/1, PACK/2, ... (one folder a call) from a CUDA build and .assets/; INIT
@@ -474,8 +481,9 @@ flash)
     # autograd in f64 (both dK/dV kernels, the pipelined one bit for bit equal to the staged
     # one), timed beside SDPA and FlexAttention under torch.compile; AdamW's and the head's
     # kernels against their references; the step against PyTorch in f32; then the training
-    # step through autograd and as `train` runs it (the backward written out) beside PyTorch's
-    # three forms (`step_against_pytorch flex`), each with its peak memory by nvidia-smi.
+    # step with the head's rows in one kernel (opt-in) and as `train` runs it beside eager
+    # and compiled PyTorch (FLEX=flex: eager FlexAttention too), each with its peak memory by
+    # nvidia-smi.
     # Needs only flash.ptx and train_probe.xz stashed (a one-part pack of its own, no `setup`):
     # cuda_env points .assets at the stash's, which may not exist yet.
     unpack_probe
@@ -489,9 +497,8 @@ flash)
         $STASH/train_probe fused | grep 'adamw\|head_rows' || echo "train_probe fused failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
-        echo '{"phase": "label", "name": "dflash, autograd"}'
-        peak_memory $STASH/train_probe speed --anchors 512 --backward autograd || echo "speed (autograd) failed: $?"
-        step_against_pytorch flex
+        one_pass_head_rows
+        step_against_pytorch ${FLEX:-}
     } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
     ;;
@@ -505,10 +512,7 @@ step)
     cuda_env
     {
         $STASH/train_probe fused | grep 'adamw\|head_rows' || echo "train_probe fused failed: $?"
-        # The head's rows in one kernel, opt-in until checked here (`head_rows` above).
-        echo '{"phase": "label", "name": "dflash, DFLASH_HEAD_ROWS=one-pass"}'
-        DFLASH_HEAD_ROWS=one-pass peak_memory $STASH/train_probe speed --anchors 512 ||
-            echo "speed (one-pass head rows) failed: $?"
+        one_pass_head_rows
         step_against_pytorch
     } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
     python3 bench/step_ratio.py "$OUT/step.txt" | tee -a "$OUT/step.txt"

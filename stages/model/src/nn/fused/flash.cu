@@ -47,13 +47,6 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
 // Two neighbouring bf16 of one row.
 __device__ __forceinline__ uint32_t ld32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// p[0] and p[stride] (one column, two rows) as a pair.
-__device__ __forceinline__ uint32_t ld_pair(const bf16* p, int stride) {
-    uint32_t lo = *reinterpret_cast<const uint16_t*>(p);
-    uint32_t hi = *reinterpret_cast<const uint16_t*>(p + stride);
-    return lo | (hi << 16);
-}
-
 // The A fragment of rows [0, 16) x columns [k, k + 16) of a row-major bf16 matrix with row
 // stride `ld` whose rows at or past `valid` read as zero.
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* x, int ld, int k, int valid) {
@@ -64,20 +57,45 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* x, int ld, 
     a[3] = g + 8 < valid ? ld32(x + (g + 8) * ld + k + 2 * c + 8) : 0u;
 }
 
-// B fragment where B[k][n] = Y[n][k] (Y row-major, rows n): keys for scores, queries for dK.
-__device__ __forceinline__ void load_b_rows(uint32_t& b0, uint32_t& b1, const bf16* y, int ld, int n0, int k0) {
-    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const bf16* p = y + (n0 + g) * ld + k0 + 2 * c;
-    b0 = ld32(p);
-    b1 = ld32(p + 8);
+// Fragments from shared memory by ldmatrix: one instruction gives a lane its parts of four 8 x 8
+// bf16 matrices (lanes 8i..8i+7 address the rows of matrix i), where loading them one 32-bit
+// word at a time (or, for a B operand read along its columns, one bf16 at a time) takes four
+// to sixteen shared loads. Row addresses must be 16-byte aligned: shared rows are D + PAD bf16.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
 }
 
-// B fragment where B[k][n] = Y[k][n] (Y row-major, rows k): values for the output.
-__device__ __forceinline__ void load_b_cols(uint32_t& b0, uint32_t& b1, const bf16* y, int ld, int k0, int n0) {
-    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const bf16* p = y + (k0 + 2 * c) * ld + n0 + g;
-    b0 = ld_pair(p, ld);
-    b1 = ld_pair(p + 8 * ld, ld);
+// The same, each matrix transposed as it loads (a lane gets one column's two neighbouring rows).
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const bf16* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// load_a's fragment of a shared matrix whose 16 rows are all valid: matrices (rows 0-7 | 8-15)
+// x (columns k..k+7 | k+8..k+15), in the A fragment's register order.
+__device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const bf16* x, int ld, int k) {
+    int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+    ldsm_x4(a, x + ((i & 1) * 8 + r) * ld + k + (i >> 1) * 8);
+}
+
+// The B fragments of rows [k0, k0 + 16) x columns [n0, n0 + 16) where B[k][n] = Y[n][k] (Y
+// row-major, rows n: keys for scores, queries for dK): b[0], b[1] those of columns n0..n0+7,
+// b[2], b[3] those of n0+8..n0+15.
+__device__ __forceinline__ void ldsm_b_rows2(uint32_t (&b)[4], const bf16* y, int ld, int n0, int k0) {
+    int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+    ldsm_x4(b, y + (n0 + (i >> 1) * 8 + r) * ld + k0 + (i & 1) * 8);
+}
+
+// The same where B[k][n] = Y[k][n] (Y row-major, rows k: values for the output, keys for dQ),
+// by transposing loads.
+__device__ __forceinline__ void ldsm_b_cols2(uint32_t (&b)[4], const bf16* y, int ld, int k0, int n0) {
+    int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+    ldsm_x4_trans(b, y + (k0 + (i & 1) * 8 + r) * ld + n0 + (i >> 1) * 8);
 }
 
 // Copy rows [r0, r0 + n) of a [rows, D] bf16 matrix into shared memory (row stride D + PAD),
@@ -146,10 +164,11 @@ __device__ __forceinline__ void scores(float (&s)[NT][4], const uint32_t (&qa)[D
 #pragma unroll
     for (int k = 0; k < D / 16; k++)
 #pragma unroll
-        for (int n = 0; n < NT; n++) {
-            uint32_t b0, b1;
-            load_b_rows(b0, b1, ks, D + PAD, n * 8, k * 16);
-            mma(s[n], qa[k], b0, b1);
+        for (int n = 0; n < NT; n += 2) {
+            uint32_t b[4];
+            ldsm_b_rows2(b, ks, D + PAD, n * 8, k * 16);
+            mma(s[n], qa[k], b[0], b[1]);
+            mma(s[n + 1], qa[k], b[2], b[3]);
         }
 #pragma unroll
     for (int n = 0; n < NT; n++)
@@ -169,10 +188,11 @@ __device__ __forceinline__ void times_values(float (&out)[D / 8][4], const float
         uint32_t a[4] = {pack(p[2 * j][0], p[2 * j][1]), pack(p[2 * j][2], p[2 * j][3]),
                          pack(p[2 * j + 1][0], p[2 * j + 1][1]), pack(p[2 * j + 1][2], p[2 * j + 1][3])};
 #pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            uint32_t b0, b1;
-            load_b_cols(b0, b1, vs, D + PAD, j * 16, n * 8);
-            mma(out[n], a, b0, b1);
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t b[4];
+            ldsm_b_cols2(b, vs, D + PAD, j * 16, n * 8);
+            mma(out[n], a, b[0], b[1]);
+            mma(out[n + 1], a, b[2], b[3]);
         }
     }
 }
@@ -367,14 +387,16 @@ __device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf
         scores<D, NT>(p, qa, kt, scale2, own ? nullptr : &view, t * KT_DQ);
         int nt = own ? ROWS / 8 : NT;  // the own tile has 16 keys; the rest read as closed
 #pragma unroll
-        for (int n = 0; n < NT; n++) {
-            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
-            if (n >= nt) continue;
+        for (int n = 0; n < NT; n++) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            if (n >= nt) continue;  // nt is even: a pair is open or closed as one
 #pragma unroll
             for (int k = 0; k < D / 16; k++) {
-                uint32_t b0, b1;
-                load_b_rows(b0, b1, vt, D + PAD, n * 8, k * 16);
-                mma(dp[n], da[k], b0, b1);
+                uint32_t b[4];
+                ldsm_b_rows2(b, vt, D + PAD, n * 8, k * 16);
+                mma(dp[n], da[k], b[0], b[1]);
+                mma(dp[n + 1], da[k], b[2], b[3]);
             }
         }
 #pragma unroll
@@ -391,10 +413,11 @@ __device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf
             uint32_t a[4] = {pack(p[2 * j][0], p[2 * j][1]), pack(p[2 * j][2], p[2 * j][3]),
                              pack(p[2 * j + 1][0], p[2 * j + 1][1]), pack(p[2 * j + 1][2], p[2 * j + 1][3])};
 #pragma unroll
-            for (int n = 0; n < D / 8; n++) {
-                uint32_t b0, b1;
-                load_b_cols(b0, b1, kt, D + PAD, j * 16, n * 8);
-                mma(acc[n], a, b0, b1);
+            for (int n = 0; n < D / 8; n += 2) {
+                uint32_t b[4];
+                ldsm_b_cols2(b, kt, D + PAD, j * 16, n * 8);
+                mma(acc[n], a, b[0], b[1]);
+                mma(acc[n + 1], a, b[2], b[3]);
             }
         }
         __syncthreads();  // the next iteration loads into the buffer read here
@@ -424,17 +447,15 @@ __device__ __forceinline__ void dkv_rows(float (&dka)[D / 8][4], float (&dva)[D 
     float dpt[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int k = 0; k < D / 16; k++) {
-        uint32_t ka[4], va[4];
-        load_a(ka, ks, LD, k * 16, ROWS);
-        load_a(va, vs, LD, k * 16, ROWS);
-#pragma unroll
-        for (int n = 0; n < 2; n++) {
-            uint32_t b0, b1;
-            load_b_rows(b0, b1, qs, LD, n * 8, k * 16);
-            mma(st[n], ka, b0, b1);
-            load_b_rows(b0, b1, ds, LD, n * 8, k * 16);
-            mma(dpt[n], va, b0, b1);
-        }
+        uint32_t ka[4], va[4], qb[4], db[4];
+        ldsm_a(ka, ks, LD, k * 16);
+        ldsm_a(va, vs, LD, k * 16);
+        ldsm_b_rows2(qb, qs, LD, 0, k * 16);
+        ldsm_b_rows2(db, ds, LD, 0, k * 16);
+        mma(st[0], ka, qb[0], qb[1]);
+        mma(st[1], ka, qb[2], qb[3]);
+        mma(dpt[0], va, db[0], db[1]);
+        mma(dpt[1], va, db[2], db[3]);
     }
 #pragma unroll
     for (int n = 0; n < 2; n++)
@@ -451,12 +472,14 @@ __device__ __forceinline__ void dkv_rows(float (&dka)[D / 8][4], float (&dva)[D 
     uint32_t sa[4] = {pack(dpt[0][0], dpt[0][1]), pack(dpt[0][2], dpt[0][3]), pack(dpt[1][0], dpt[1][1]),
                       pack(dpt[1][2], dpt[1][3])};
 #pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-        uint32_t b0, b1;
-        load_b_cols(b0, b1, ds, LD, 0, n * 8);
-        mma(dva[n], pa, b0, b1);
-        load_b_cols(b0, b1, qs, LD, 0, n * 8);
-        mma(dka[n], sa, b0, b1);
+    for (int n = 0; n < D / 8; n += 2) {
+        uint32_t db[4], qb[4];
+        ldsm_b_cols2(db, ds, LD, 0, n * 8);
+        mma(dva[n], pa, db[0], db[1]);
+        mma(dva[n + 1], pa, db[2], db[3]);
+        ldsm_b_cols2(qb, qs, LD, 0, n * 8);
+        mma(dka[n], sa, qb[0], qb[1]);
+        mma(dka[n + 1], sa, qb[2], qb[3]);
     }
 }
 
