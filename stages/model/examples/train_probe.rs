@@ -714,6 +714,45 @@ fn fused(_args: &[String]) -> Result<()> {
             )?;
         }
     }
+    // SwiGLU, its packed form and both input gradients on the device against their CPU forms:
+    // 64 rows of 1,536 (the 16-byte vector path) and 7 of 1,531 (element by element).
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, f) in [(64, 1536), (7, 1531)] {
+            let mut on = |s: f64| {
+                init.normal(&[rows, f], s, DType::F32, &cpu)?
+                    .to_dtype(dtype)
+            };
+            let (g, u, dh) = (on(2.0)?, on(1.0)?, on(1.0)?);
+            let gu = Tensor::cat(&[&g, &u], 1)?;
+            let all = |dev: &Device| -> Result<Vec<Tensor>> {
+                let (g, u, dh, gu) = (
+                    g.to_device(dev)?,
+                    u.to_device(dev)?,
+                    dh.to_device(dev)?,
+                    gu.to_device(dev)?,
+                );
+                let (dg, du) = fused::swiglu_backward(&g, &u, &dh)?;
+                Ok(vec![
+                    fused::swiglu(&g, &u)?,
+                    fused::swiglu_packed(&gu)?,
+                    dg,
+                    du,
+                ])
+            };
+            let (got, want) = (all(&device)?, all(&cpu)?);
+            for (name, (a, b)) in ["swiglu", "swiglu_packed", "swiglu_dg", "swiglu_du"]
+                .iter()
+                .zip(got.iter().zip(&want))
+            {
+                println!(
+                    "{}",
+                    serde_json::json!({"phase": "fused", "check": format!("{name}_{rows}x{f}_vs_cpu"),
+                        "dtype": format!("{dtype:?}"), "max_abs_diff": worst(a, b)?,
+                        "max_abs": worst(b, &b.zeros_like()?)?})
+                );
+            }
+        }
+    }
     // The Gated DeltaNet state times each head's chunk decay (48 heads of 128 x 128): the kernel
     // against the broadcast product on the device (exact), and both times, ten in a row.
     let st = init

@@ -18,6 +18,43 @@ __device__ __forceinline__ float load(const __nv_bfloat16* p, size_t i) { return
 __device__ __forceinline__ void store(float* p, size_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, size_t i, float v) { p[i] = __float2bfloat16(v); }
 
+// Sixteen bytes at once (four f32 or eight bf16) for the elementwise kernels: one load or store
+// instruction where element by element takes four or eight, which is what kept those kernels at
+// half the memory bandwidth. A kernel takes its vector path when every pointer is 16-byte
+// aligned and its lengths are whole vectors (the check is uniform over the grid), else its
+// element-by-element loop; both do the same arithmetic on each element, so give the same bits.
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+__device__ __forceinline__ void load16(const float* p, float (&v)[4]) {
+    float4 x = *reinterpret_cast<const float4*>(p);
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+}
+__device__ __forceinline__ void load16(const __nv_bfloat16* p, float (&v)[8]) {
+    uint4 x = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float2 f = __bfloat1622float2(h[k]);
+        v[2 * k] = f.x, v[2 * k + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void store16(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store16(__nv_bfloat16* p, const float (&v)[8]) {
+    uint4 x;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&x);
+#pragma unroll
+    for (int k = 0; k < 4; k++) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+    *reinterpret_cast<uint4*>(p) = x;
+}
+// The first element of this thread's first vector, and the step between its vectors.
+template <typename T>
+__device__ __forceinline__ size_t vec_start() { return (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * kVec<T>; }
+template <typename T>
+__device__ __forceinline__ size_t vec_step() { return (size_t)gridDim.x * blockDim.x * kVec<T>; }
+
 // Reduce over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 template <bool IsMax>
 __device__ float block_reduce(float v) {
@@ -232,6 +269,18 @@ __device__ void sum_squares(const T* x, size_t n, float* out) {
 // h = silu(g) * u, the SwiGLU gate, elementwise.
 template <typename T>
 __device__ void swiglu(const T* g, const T* u, T* h, size_t n) {
+    constexpr int V = kVec<T>;
+    if (n % V == 0 && aligned16(g) && aligned16(u) && aligned16(h)) {
+        for (size_t i = vec_start<T>(); i < n; i += vec_step<T>()) {
+            float a[V], b[V];
+            load16(g + i, a);
+            load16(u + i, b);
+#pragma unroll
+            for (int k = 0; k < V; k++) a[k] = a[k] / (1.0f + __expf(-a[k])) * b[k];
+            store16(h + i, a);
+        }
+        return;
+    }
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float a = load(g, i);
         store(h, i, a / (1.0f + __expf(-a)) * load(u, i));
@@ -242,6 +291,20 @@ __device__ void swiglu(const T* g, const T* u, T* h, size_t n) {
 // the up projection's (one matmul over the two weights stacked), h [rows, f].
 template <typename T>
 __device__ void swiglu_packed(const T* gu, T* h, size_t n, uint32_t f) {
+    constexpr int V = kVec<T>;
+    if (f % V == 0 && aligned16(gu) && aligned16(h)) {
+        // A vector never straddles a row: f is whole vectors.
+        for (size_t i = vec_start<T>(); i < n; i += vec_step<T>()) {
+            size_t r = i / f, j = i % f;
+            float a[V], b[V];
+            load16(gu + 2 * f * r + j, a);
+            load16(gu + 2 * f * r + f + j, b);
+#pragma unroll
+            for (int k = 0; k < V; k++) a[k] = a[k] / (1.0f + __expf(-a[k])) * b[k];
+            store16(h + i, a);
+        }
+        return;
+    }
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         size_t r = i / f, j = i % f;
         float a = load(gu, 2 * f * r + j);
@@ -312,6 +375,22 @@ __device__ void delta_scan(const T* rows, const T* tails, const T* s0, T* out, u
 // The gradient of swiglu's gate input (which == 0) or of its up input (which == 1) given dh.
 template <typename T>
 __device__ void swiglu_grad(const T* g, const T* u, const T* dh, T* out, size_t n, int which) {
+    constexpr int V = kVec<T>;
+    if (n % V == 0 && aligned16(g) && aligned16(u) && aligned16(dh) && aligned16(out)) {
+        for (size_t i = vec_start<T>(); i < n; i += vec_step<T>()) {
+            float a[V], b[V], d[V];
+            load16(g + i, a);
+            load16(dh + i, d);
+            if (which == 0) load16(u + i, b);
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                float s = 1.0f / (1.0f + __expf(-a[k]));
+                d[k] = which == 0 ? d[k] * b[k] * s * (1.0f + a[k] * (1.0f - s)) : d[k] * a[k] * s;
+            }
+            store16(out + i, d);
+        }
+        return;
+    }
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float a = load(g, i), d = load(dh, i);
         float s = 1.0f / (1.0f + __expf(-a));
@@ -545,6 +624,20 @@ __device__ void scale_by_head(const T* x, const T* s, T* out, size_t n, size_t p
 template <typename T>
 __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint32_t d2, size_t s0,
                               size_t s1, size_t s2) {
+    constexpr int V = kVec<T>;
+    if (s2 == 1 && d2 % V == 0 && s1 % V == 0 && s0 % V == 0 && aligned16(src) && aligned16(out) &&
+        n / V <= INT32_MAX) {
+        // Rows of whole vectors (a transpose of heads, a narrowing of positions): one vector a
+        // thread, its position by 32-bit arithmetic (at most 2^31 vectors, so `i` cannot wrap).
+        uint32_t dv = d2 / V, count = n / V;
+        const uint4* from = reinterpret_cast<const uint4*>(src);
+        uint4* to = reinterpret_cast<uint4*>(out);
+        for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+            uint32_t c = i % dv, r = i / dv, b = r % d1, a = r / d1;
+            to[i] = from[(a * s0 + b * s1) / V + c];
+        }
+        return;
+    }
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         size_t c = i % d2, b = (i / d2) % d1, a = i / ((size_t)d1 * d2);
         out[i] = src[a * s0 + b * s1 + c * s2];
