@@ -714,6 +714,33 @@ fn fused(_args: &[String]) -> Result<()> {
             )?;
         }
     }
+    // RMSNorm and its input gradient on the device against their CPU forms: rows of 4,096 (a
+    // block of 512 threads a row), of 128 (16 threads a row, 16 rows a block, 301 rows so the
+    // last block has rows past the end) and of 130 (element by element).
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, n) in [(64, 4096), (301, 128), (7, 130)] {
+            let mut on =
+                |shape: &[usize], s: f64| init.normal(shape, s, DType::F32, &cpu)?.to_dtype(dtype);
+            let (x, dy, w) = (on(&[rows, n], 1.0)?, on(&[rows, n], 1.0)?, on(&[n], 1.0)?);
+            let all = |dev: &Device| -> Result<Vec<Tensor>> {
+                let (x, dy, w) = (x.to_device(dev)?, dy.to_device(dev)?, w.to_device(dev)?);
+                let (dx, dw) = fused::rms_norm_backward(&x, &w, &dy, 1e-6)?;
+                Ok(vec![fused::rms_norm(&x, &w, 1e-6)?, dx, dw])
+            };
+            let (got, want) = (all(&device)?, all(&cpu)?);
+            for (name, (a, b)) in ["rms_norm", "rms_norm_dx", "rms_norm_dw"]
+                .iter()
+                .zip(got.iter().zip(&want))
+            {
+                println!(
+                    "{}",
+                    serde_json::json!({"phase": "fused", "check": format!("{name}_{rows}x{n}_vs_cpu"),
+                        "dtype": format!("{dtype:?}"), "max_abs_diff": worst(a, b)?,
+                        "max_abs": worst(b, &b.zeros_like()?)?})
+                );
+            }
+        }
+    }
     // SwiGLU, its packed form and both input gradients on the device against their CPU forms:
     // 64 rows of 1,536 (the 16-byte vector path) and 7 of 1,531 (element by element).
     for dtype in [DType::F32, DType::BF16] {

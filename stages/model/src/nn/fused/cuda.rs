@@ -50,6 +50,31 @@ fn by_vectors<T>(n: usize) -> LaunchConfig {
     elementwise(n.div_ceil(16 / std::mem::size_of::<T>()))
 }
 
+/// A row kernel's 16-byte form (`kernels.cu`'s `*_vec`) over `rows` rows of `n` elements of
+/// `T`, if every input's rows start 16-byte aligned (allocations are; a view's start may not
+/// be) and a row is whole vectors: its launch and the threads a row takes (`per`, a power of
+/// two: at most 32 share a block of 256 with other rows, more are a block a row).
+fn row_vectors<T>(rows: usize, n: usize, inputs: &[&Layout]) -> Option<(LaunchConfig, u32)> {
+    let size = std::mem::size_of::<T>();
+    let per_vector = 16 / size;
+    let aligned = inputs.iter().all(|l| (l.start_offset() * size) % 16 == 0);
+    if !aligned || n % per_vector != 0 || n == 0 || rows == 0 {
+        return None;
+    }
+    let per = (n / per_vector).next_power_of_two().min(1024);
+    let (grid, block) = if per <= 32 {
+        (rows.div_ceil(256 / per), 256)
+    } else {
+        (rows, per)
+    };
+    let config = LaunchConfig {
+        grid_dim: (u32::try_from(grid).ok()?, 1, 1),
+        block_dim: (block as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    Some((config, per as u32))
+}
+
 /// A grid-stride reduction: few enough blocks that their atomic adds are cheap.
 fn reducing(n: usize) -> LaunchConfig {
     LaunchConfig {
@@ -204,13 +229,23 @@ pub fn rms_norm(x: Arg<'_>, w: Arg<'_>, eps: f32) -> Result<CudaStorage> {
         let out = fresh::<T>(dev, count * n)?;
         let n32 = n as u32;
         // Reads count*n and n elements, writes count*n.
-        launch!(
-            dev,
-            "rms_norm",
-            T,
-            per_row(count, n),
-            [&xs, &ws, &out, &n32, &eps]
-        );
+        if let Some((cfg, per)) = row_vectors::<T>(count, n, &[x.1, w.1]) {
+            launch!(
+                dev,
+                "rms_norm_vec",
+                T,
+                cfg,
+                [&xs, &ws, &out, &count, &n32, &per, &eps]
+            );
+        } else {
+            launch!(
+                dev,
+                "rms_norm",
+                T,
+                per_row(count, n),
+                [&xs, &ws, &out, &n32, &eps]
+            );
+        }
         Ok(stored(dev, out))
     })
 }
@@ -224,13 +259,23 @@ pub fn add_rms_norm(x: Arg<'_>, r: Arg<'_>, w: Arg<'_>, eps: f32) -> Result<Cuda
         let out = fresh::<T>(dev, 2 * count * n)?;
         let n32 = n as u32;
         // Reads count*n elements of x and of r and n of w, writes 2*count*n.
-        launch!(
-            dev,
-            "add_rms_norm",
-            T,
-            per_row(count, n),
-            [&xs, &rs, &ws, &out, &count, &n32, &eps]
-        );
+        if let Some((cfg, per)) = row_vectors::<T>(count, n, &[x.1, r.1, w.1]) {
+            launch!(
+                dev,
+                "add_rms_norm_vec",
+                T,
+                cfg,
+                [&xs, &rs, &ws, &out, &count, &n32, &per, &eps]
+            );
+        } else {
+            launch!(
+                dev,
+                "add_rms_norm",
+                T,
+                per_row(count, n),
+                [&xs, &rs, &ws, &out, &count, &n32, &eps]
+            );
+        }
         Ok(stored(dev, out))
     })
 }
@@ -244,13 +289,23 @@ pub fn rms_norm_grad(x: Arg<'_>, w: Arg<'_>, dy: Arg<'_>, eps: f32) -> Result<Cu
         let out = fresh::<T>(dev, count * n)?;
         let n32 = n as u32;
         // Reads count*n, n and count*n elements, writes count*n.
-        launch!(
-            dev,
-            "rms_norm_grad",
-            T,
-            per_row(count, n),
-            [&xs, &ws, &dys, &out, &n32, &eps]
-        );
+        if let Some((cfg, per)) = row_vectors::<T>(count, n, &[x.1, w.1, dy.1]) {
+            launch!(
+                dev,
+                "rms_norm_grad_vec",
+                T,
+                cfg,
+                [&xs, &ws, &dys, &out, &count, &n32, &per, &eps]
+            );
+        } else {
+            launch!(
+                dev,
+                "rms_norm_grad",
+                T,
+                per_row(count, n),
+                [&xs, &ws, &dys, &out, &n32, &eps]
+            );
+        }
         Ok(stored(dev, out))
     })
 }

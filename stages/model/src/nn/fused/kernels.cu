@@ -239,6 +239,121 @@ __device__ void rms_norm_grad(const T* x, const T* w, const T* dy, T* dx, uint32
         store(dxr, j, r * load(dyr, j) * load(w, j) - load(xr, j) * c);
 }
 
+// The row kernels' 16-byte forms (`*_vec`, launched where every row starts 16-byte aligned and
+// n is whole vectors): a row's `per` threads (a power of two) are consecutive, each taking one
+// vector at a time. per <= 32 packs blockDim / per rows into a block, summed by shuffles
+// within the group (a per-head norm's 128 elements are 16 threads, not a block of 128); per >
+// 32 is a block of per threads a row. Each element's arithmetic is the scalar form's; sums
+// are taken in another order, so they agree to rounding.
+__device__ __forceinline__ float group_sum(float v, uint32_t per) {
+    if (per > 32) return block_reduce<false>(v);
+    for (uint32_t o = per >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+__device__ __forceinline__ size_t group_row(uint32_t per) {
+    return per > 32 ? blockIdx.x : (size_t)blockIdx.x * (blockDim.x / per) + threadIdx.x / per;
+}
+__device__ __forceinline__ uint32_t group_lane(uint32_t per) { return per > 32 ? threadIdx.x : threadIdx.x % per; }
+
+// A float rounded to T, as storing and loading it back gives.
+__device__ __forceinline__ float rounded(float v, const float*) { return v; }
+__device__ __forceinline__ float rounded(float v, const __nv_bfloat16*) { return __bfloat162float(__float2bfloat16(v)); }
+
+template <typename T>
+__device__ void rms_norm_vec(const T* x, const T* w, T* y, size_t rows, uint32_t n, uint32_t per, float eps) {
+    constexpr int V = kVec<T>;
+    size_t row = group_row(per);
+    uint32_t lane = group_lane(per);
+    bool valid = row < rows;  // rows past the end still take part in the group's shuffles
+    const T* xr = x + row * n;
+    T* yr = y + row * n;
+    float sq = 0.0f, v[V], ww[V];
+    if (valid)
+        for (uint32_t j = lane * V; j < n; j += per * V) {
+            load16(xr + j, v);
+#pragma unroll
+            for (int k = 0; k < V; k++) sq += v[k] * v[k];
+        }
+    float r = rsqrtf(group_sum(sq, per) / n + eps);
+    if (valid)
+        for (uint32_t j = lane * V; j < n; j += per * V) {
+            load16(xr + j, v);
+            load16(w + j, ww);
+#pragma unroll
+            for (int k = 0; k < V; k++) v[k] = v[k] * r * ww[k];
+            store16(yr + j, v);
+        }
+}
+
+template <typename T>
+__device__ void add_rms_norm_vec(const T* x, const T* res, const T* w, T* out, size_t rows, uint32_t n, uint32_t per,
+                                 float eps) {
+    constexpr int V = kVec<T>;
+    size_t row = group_row(per);
+    uint32_t lane = group_lane(per);
+    bool valid = row < rows;
+    const T* xr = x + row * n;
+    const T* rr = res + row * n;
+    T* sr = out + row * n;
+    T* yr = out + (rows + row) * n;
+    float sq = 0.0f, a[V], b[V];
+    if (valid)
+        for (uint32_t j = lane * V; j < n; j += per * V) {
+            load16(xr + j, a);
+            load16(rr + j, b);
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                a[k] = rounded(a[k] + b[k], x);
+                sq += a[k] * a[k];
+            }
+            store16(sr + j, a);
+        }
+    float rs = rsqrtf(group_sum(sq, per) / n + eps);
+    if (valid)
+        for (uint32_t j = lane * V; j < n; j += per * V) {
+            load16(sr + j, a);
+            load16(w + j, b);
+#pragma unroll
+            for (int k = 0; k < V; k++) a[k] = a[k] * rs * b[k];
+            store16(yr + j, a);
+        }
+}
+
+template <typename T>
+__device__ void rms_norm_grad_vec(const T* x, const T* w, const T* dy, T* dx, size_t rows, uint32_t n, uint32_t per,
+                                  float eps) {
+    constexpr int V = kVec<T>;
+    size_t row = group_row(per);
+    uint32_t lane = group_lane(per);
+    bool valid = row < rows;
+    const T* xr = x + row * n;
+    const T* dyr = dy + row * n;
+    T* dxr = dx + row * n;
+    float sq = 0.0f, dot = 0.0f, a[V], d[V], ww[V];
+    if (valid)
+        for (uint32_t j = lane * V; j < n; j += per * V) {
+            load16(xr + j, a);
+            load16(dyr + j, d);
+            load16(w + j, ww);
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                sq += a[k] * a[k];
+                dot += d[k] * ww[k] * a[k];
+            }
+        }
+    float r = rsqrtf(group_sum(sq, per) / n + eps);
+    float c = group_sum(dot, per) / n * r * r * r;
+    if (valid)
+        for (uint32_t j = lane * V; j < n; j += per * V) {
+            load16(xr + j, a);
+            load16(dyr + j, d);
+            load16(w + j, ww);
+#pragma unroll
+            for (int k = 0; k < V; k++) d[k] = r * d[k] * ww[k] - a[k] * c;
+            store16(dxr + j, d);
+        }
+}
+
 // Rotate-half rotary embedding of x [.., n, d] by cos/sin [n, d/2]; `sign` -1 rotates back.
 template <typename T>
 __device__ void rope(const T* x, const T* cos, const T* sin, T* y, size_t total, uint32_t n, uint32_t d, float sign) {
@@ -688,6 +803,18 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     extern "C" __global__ void rms_norm_grad_##NAME(const T* x, const T* w, const T* dy, T* dx,        \
                                                     uint32_t n, float eps) {                           \
         rms_norm_grad(x, w, dy, dx, n, eps);                                                           \
+    }                                                                                                  \
+    extern "C" __global__ void rms_norm_vec_##NAME(const T* x, const T* w, T* y, size_t rows, uint32_t n, \
+                                                   uint32_t per, float eps) {                          \
+        rms_norm_vec(x, w, y, rows, n, per, eps);                                                      \
+    }                                                                                                  \
+    extern "C" __global__ void add_rms_norm_vec_##NAME(const T* x, const T* r, const T* w, T* out,      \
+                                                       size_t rows, uint32_t n, uint32_t per, float eps) { \
+        add_rms_norm_vec(x, r, w, out, rows, n, per, eps);                                             \
+    }                                                                                                  \
+    extern "C" __global__ void rms_norm_grad_vec_##NAME(const T* x, const T* w, const T* dy, T* dx,    \
+                                                        size_t rows, uint32_t n, uint32_t per, float eps) { \
+        rms_norm_grad_vec(x, w, dy, dx, rows, n, per, eps);                                            \
     }                                                                                                  \
     extern "C" __global__ void rope_##NAME(const T* x, const T* c, const T* s, T* y, size_t total,     \
                                            uint32_t n, uint32_t d, float sign) {                       \
