@@ -494,7 +494,7 @@ flash)
         python3 bench/flash_reference.py check $STASH/flash.ptx || echo "check failed: $?"
         python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
-        $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm' || echo "train_probe fused failed: $?"
+        $STASH/train_probe fused || echo "train_probe fused failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
         one_pass_head_rows

@@ -319,12 +319,13 @@ pub fn rope(x: Arg<'_>, cos: Arg<'_>, sin: Arg<'_>, sign: f32) -> Result<CudaSto
         let total = x.1.shape().elem_count();
         let (xs, cs, ss) = (view::<T>(x)?, view::<T>(cos)?, view::<T>(sin)?);
         let out = fresh::<T>(dev, total)?;
-        // Reads `total` elements and two n*d/2 tables, writes `total`.
+        // Reads `total` elements and two n*d/2 tables, writes `total` (a thread a pair of
+        // vectors where it can: half as many threads as by_vectors gives).
         launch!(
             dev,
             "rope",
             T,
-            elementwise(total),
+            by_vectors::<T>(total.div_ceil(2)),
             [&xs, &cs, &ss, &out, &total, &n, &d, &sign]
         );
         Ok(stored(dev, out))

@@ -358,6 +358,30 @@ __device__ void rms_norm_grad_vec(const T* x, const T* w, const T* dy, T* dx, si
 template <typename T>
 __device__ void rope(const T* x, const T* cos, const T* sin, T* y, size_t total, uint32_t n, uint32_t d, float sign) {
     uint32_t half = d / 2;
+    constexpr int V = kVec<T>;
+    if (half % V == 0 && aligned16(x) && aligned16(cos) && aligned16(sin) && aligned16(y)) {
+        // A thread a vector of a row's first half and the matching vector of its second.
+        uint32_t per_row = half / V;
+        size_t units = total / 2 / V;
+        for (size_t u = blockIdx.x * (size_t)blockDim.x + threadIdx.x; u < units; u += (size_t)gridDim.x * blockDim.x) {
+            size_t row = u / per_row, t = row % n;
+            uint32_t j = (u % per_row) * V;
+            float a[V], b[V], c[V], sn[V];
+            load16(x + row * d + j, a);
+            load16(x + row * d + half + j, b);
+            load16(cos + t * half + j, c);
+            load16(sin + t * half + j, sn);
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                float sk = sign * sn[k], lo = a[k] * c[k] + -b[k] * sk;
+                b[k] = b[k] * c[k] + a[k] * sk;
+                a[k] = lo;
+            }
+            store16(y + row * d + j, a);
+            store16(y + row * d + half + j, b);
+        }
+        return;
+    }
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         uint32_t j = i % d;
         size_t t = (i / d) % n;
