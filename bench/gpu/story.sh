@@ -179,12 +179,12 @@ step_against_pytorch() {
     peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
         --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
 }
-# The step with the head's rows in one kernel, opt-in until checked (`train_probe fused`'s
-# `head_rows`).
-one_pass_head_rows() {
-    echo '{"phase": "label", "name": "dflash, DFLASH_HEAD_ROWS=one-pass"}'
-    DFLASH_HEAD_ROWS=one-pass peak_memory $STASH/train_probe speed --anchors 512 ||
-        echo "speed (one-pass head rows) failed: $?"
+# The step with the head's rows in three kernels (cross-entropy, top-k, gradient) where `train`
+# runs one (`head_rows`), for comparison.
+separate_head_rows() {
+    echo '{"phase": "label", "name": "dflash, DFLASH_HEAD_ROWS=separate"}'
+    DFLASH_HEAD_ROWS=separate peak_memory $STASH/train_probe speed --anchors 512 ||
+        echo "speed (separate head rows) failed: $?"
 }
 case $cmd in
 pack-inputs)
@@ -481,7 +481,7 @@ flash)
     # autograd in f64 (both dK/dV kernels, the pipelined one bit for bit equal to the staged
     # one), timed beside SDPA and FlexAttention under torch.compile; AdamW's and the head's
     # kernels against their references; the step against PyTorch in f32; then the training
-    # step with the head's rows in one kernel (opt-in) and as `train` runs it beside eager
+    # step with the head's rows in three kernels and as `train` runs it beside eager
     # and compiled PyTorch (FLEX=flex: eager FlexAttention too), each with its peak memory by
     # nvidia-smi.
     # Needs only flash.ptx and train_probe.xz stashed (a one-part pack of its own, no `setup`):
@@ -497,7 +497,7 @@ flash)
         $STASH/train_probe fused || echo "train_probe fused failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
-        one_pass_head_rows
+        separate_head_rows
         step_against_pytorch ${FLEX:-}
     } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
@@ -512,7 +512,7 @@ step)
     cuda_env
     {
         $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm' || echo "train_probe fused failed: $?"
-        one_pass_head_rows
+        separate_head_rows
         step_against_pytorch
     } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
     python3 bench/step_ratio.py "$OUT/step.txt" | tee -a "$OUT/step.txt"

@@ -521,7 +521,7 @@ fn fused(_args: &[String]) -> Result<()> {
             "copy_max_abs_diff": worst(&low, &rlow)?,
             "copy_is_the_cast": worst(&low, &p.to_dtype(DType::BF16)?)? == 0.0})
     );
-    // The head's rows in one kernel (opt-in `DFLASH_HEAD_ROWS=one-pass`) against the three it
+    // The head's rows in one kernel (`train`'s on a GPU: `head_rows`) against the three it
     // replaces on the same device: loss, argmax and the gradient written over the logits.
     #[cfg(feature = "cuda")]
     for (rows, vocab) in [(300usize, 49_152usize), (64, 151_936)] {

@@ -17,7 +17,7 @@
 //! | op | computes | CPU | CUDA | backward |
 //! |---|---|---|---|---|
 //! | `CrossEntropy` (`loss.rs`) | per row, logsumexp minus the label's logit | yes | `cross_entropy` | `CrossEntropyGrad` |
-//! | `head_cross_entropy` (`head.rs`) | the LM head's matmul, cross-entropy and top-k in chunks of rows (logits never whole) | yes (composed) | yes (composed; opt-in `DFLASH_HEAD_ROWS=one-pass`: `head_rows`, loss, argmax and gradient in one kernel) | the rows' gradient, computed in the forward |
+//! | `head_cross_entropy` (`head.rs`) | the LM head's matmul, cross-entropy and top-k in chunks of rows (logits never whole) | yes (composed) | `head_rows`: loss, argmax and gradient in one kernel (`DFLASH_HEAD_ROWS=separate`: the three kernels) | the rows' gradient, computed in the forward |
 //! | `RmsNorm` (`norm.rs`) | RMSNorm times its weight | yes | `rms_norm` | `RmsNormGrad`, `RmsNormWeightGrad` |
 //! | `Rope` (`norm.rs`) | rotate-half rotary embedding | yes | `rope` | itself, inverted |
 //! | `MaskedSoftmax` (`softmax.rs`) | `softmax(scores * scale + mask)` | yes | `masked_softmax` | `SoftmaxGrad` |
