@@ -452,20 +452,20 @@ fn fused(_args: &[String]) -> Result<()> {
     // AdamW: three steps of a `dtype` parameter from gradients in `grad`, the same on CPU as
     // the reference; given `keep`, with the bf16 copy kept (`adamw_update_master`, what `train`
     // runs on a GPU: f32 master weights, bf16 gradients).
-    let adam = |dev: &Device, dtype: DType, grad: DType, keep: bool| {
+    let adam = |dev: &Device, dtype: DType, grad: DType, keep: bool, width: usize| {
         let mut init = Init::new(7);
         let p = init
-            .normal(&[3, 4099], 1.0, DType::F32, &cpu)?
+            .normal(&[3, width], 1.0, DType::F32, &cpu)?
             .to_dtype(dtype)?
             .to_device(dev)?;
         let low = keep.then(|| p.to_dtype(DType::BF16)?.copy()).transpose()?;
         let (m, v) = (
-            Tensor::zeros((3, 4099), DType::F32, dev)?,
-            Tensor::zeros((3, 4099), DType::F32, dev)?,
+            Tensor::zeros((3, width), DType::F32, dev)?,
+            Tensor::zeros((3, width), DType::F32, dev)?,
         );
         for t in 1..=3 {
             let g = init
-                .normal(&[3, 4099], 0.1, DType::F32, &cpu)?
+                .normal(&[3, width], 0.1, DType::F32, &cpu)?
                 .to_dtype(grad)?
                 .to_device(dev)?;
             match &low {
@@ -502,25 +502,47 @@ fn fused(_args: &[String]) -> Result<()> {
                     "max_abs": worst(w, &w.zeros_like()?)?})
             );
         }
-        let (p, _) = adam(&device, dtype, dtype, false)?;
-        let (reference, _) = adam(&cpu, dtype, dtype, false)?;
+        let (p, _) = adam(&device, dtype, dtype, false, 4099)?;
+        let (reference, _) = adam(&cpu, dtype, dtype, false, 4099)?;
         println!(
             "{}",
             serde_json::json!({"phase": "fused", "check": "adamw_3_steps", "dtype": format!("{dtype:?}"),
                 "device": format!("{device:?}"), "max_abs_diff": worst(&p, &reference)?})
         );
     }
-    // The master update's copy must be the updated weights' cast exactly.
-    let (p, low) = adam(&device, DType::F32, DType::BF16, true)?;
-    let (rp, rlow) = adam(&cpu, DType::F32, DType::BF16, true)?;
-    let (low, rlow) = (low.ok_or("no copy")?, rlow.ok_or("no copy")?);
-    println!(
-        "{}",
-        serde_json::json!({"phase": "fused", "check": "adamw_master_3_steps",
-            "device": format!("{device:?}"), "max_abs_diff": worst(&p, &rp)?,
-            "copy_max_abs_diff": worst(&low, &rlow)?,
-            "copy_is_the_cast": worst(&low, &p.to_dtype(DType::BF16)?)? == 0.0})
-    );
+    // The master update's copy must be the updated weights' cast exactly: rows of 4,099 (an
+    // element a thread) and of 4,096 (eight a thread).
+    for width in [4099, 4096] {
+        let (p, low) = adam(&device, DType::F32, DType::BF16, true, width)?;
+        let (rp, rlow) = adam(&cpu, DType::F32, DType::BF16, true, width)?;
+        let (low, rlow) = (low.ok_or("no copy")?, rlow.ok_or("no copy")?);
+        println!(
+            "{}",
+            serde_json::json!({"phase": "fused", "check": format!("adamw_master_3_steps_{width}"),
+                "device": format!("{device:?}"), "max_abs_diff": worst(&p, &rp)?,
+                "copy_max_abs_diff": worst(&low, &rlow)?,
+                "copy_is_the_cast": worst(&low, &p.to_dtype(DType::BF16)?)? == 0.0})
+        );
+    }
+    // The sum of two tensors (the written-out step's residuals) against candle's add on the
+    // device (exact): 64 x 4,096 (16 bytes a thread) and 7 x 4,099.
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, n) in [(64, 4096), (7, 4099)] {
+            let mut on = || {
+                init.normal(&[rows, n], 1.0, DType::F32, &cpu)?
+                    .to_dtype(dtype)?
+                    .to_device(&device)
+            };
+            let (a, b) = (on()?, on()?);
+            compare(
+                &device,
+                &format!("add_{rows}x{n}"),
+                dtype,
+                &|| Ok(fused::add(&a, &b)?),
+                &|| Ok((&a + &b)?),
+            )?;
+        }
+    }
     // The head's rows in one kernel (`train`'s on a GPU: `head_rows`) against the three it
     // replaces on the same device: loss, argmax and the gradient written over the logits.
     #[cfg(feature = "cuda")]

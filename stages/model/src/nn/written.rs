@@ -216,7 +216,7 @@ pub fn loss_and_gradients(
         let vc = heads_of(&linear(&ctx, &wv)?, kv, hd)?;
         let (out, saved) = attend(&q.heads, (&kc.heads, &vc), (&kb.heads, &vb), bs, &p.masks)?;
         let a = rows_of(&out)?;
-        let x1 = (&x + linear(&a, &w.get(&name("self_attn.o_proj.weight"))?)?)?;
+        let x1 = fused::add(&x, &linear(&a, &w.get(&name("self_attn.o_proj.weight"))?)?)?;
         let h2 = rms_norm(
             &x1,
             &w.get(&name("post_attention_layernorm.weight"))?,
@@ -225,7 +225,7 @@ pub fn loss_and_gradients(
         let g = linear(&h2, &w.get(&name("mlp.gate_proj.weight"))?)?;
         let u = linear(&h2, &w.get(&name("mlp.up_proj.weight"))?)?;
         let down = linear(&swiglu(&g, &u)?, &w.get(&name("mlp.down_proj.weight"))?)?;
-        let x2 = (&x1 + down)?;
+        let x2 = fused::add(&x1, &down)?;
         layers.push(LayerSaved {
             x,
             h1,
@@ -268,7 +268,7 @@ pub fn loss_and_gradients(
     let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
     let mut give = |name: String, g: Tensor| -> Result<()> {
         let g = match grads.remove(&name) {
-            Some(prev) => (prev + g)?,
+            Some(prev) => fused::add(&prev, &g)?,
             None => g,
         };
         grads.insert(name, g);
@@ -305,11 +305,11 @@ pub fn loss_and_gradients(
         );
         give(name("mlp.gate_proj.weight"), weight_grad(&dg, &s.h2)?)?;
         give(name("mlp.up_proj.weight"), weight_grad(&du, &s.h2)?)?;
-        let dh2 = (dg.matmul(&wg)? + du.matmul(&wu)?)?;
+        let dh2 = fused::add(&dg.matmul(&wg)?, &du.matmul(&wu)?)?;
         let post = name("post_attention_layernorm.weight");
         let (dx1, dw) = rms_norm_backward(&s.x1, &w.get(&post)?, &dh2, c.eps)?;
         give(post, dw)?;
-        let dx1 = (&dx + dx1)?;
+        let dx1 = fused::add(&dx, &dx1)?;
         // Attention: x1 = x + o(attend(q, k, v)).
         let wo = w.get(&name("self_attn.o_proj.weight"))?;
         give(name("self_attn.o_proj.weight"), weight_grad(&dx1, &s.a)?)?;
@@ -342,7 +342,7 @@ pub fn loss_and_gradients(
         let (dkb_raw, dkn_b) = unproject(&dkb, &s.kb, &kn, (&cos_b, &sin_b))?;
         let (dkc_raw, dkn_c) = unproject(&dkc, &s.kc, &kn, (&cos_c, &sin_c))?;
         give(q_norm, dqn)?;
-        give(k_norm, (dkn_b + dkn_c)?)?;
+        give(k_norm, fused::add(&dkn_b, &dkn_c)?)?;
         let (dvb, dvc) = (rows_of(&dvb)?, rows_of(&dvc)?);
         give(
             name("self_attn.q_proj.weight"),
@@ -350,22 +350,28 @@ pub fn loss_and_gradients(
         )?;
         give(
             name("self_attn.k_proj.weight"),
-            (weight_grad(&dkb_raw, &s.h1)? + weight_grad(&dkc_raw, &ctx)?)?,
+            fused::add(
+                &weight_grad(&dkb_raw, &s.h1)?,
+                &weight_grad(&dkc_raw, &ctx)?,
+            )?,
         )?;
         give(
             name("self_attn.v_proj.weight"),
-            (weight_grad(&dvb, &s.h1)? + weight_grad(&dvc, &ctx)?)?,
+            fused::add(&weight_grad(&dvb, &s.h1)?, &weight_grad(&dvc, &ctx)?)?,
         )?;
-        let dh1 = ((dq_raw.matmul(&wq)? + dkb_raw.matmul(&wk)?)? + dvb.matmul(&wv)?)?;
-        let dc = (dkc_raw.matmul(&wk)? + dvc.matmul(&wv)?)?;
+        let dh1 = fused::add(
+            &fused::add(&dq_raw.matmul(&wq)?, &dkb_raw.matmul(&wk)?)?,
+            &dvb.matmul(&wv)?,
+        )?;
+        let dc = fused::add(&dkc_raw.matmul(&wk)?, &dvc.matmul(&wv)?)?;
         d_ctx = Some(match d_ctx {
-            Some(prev) => (prev + dc)?,
+            Some(prev) => fused::add(&prev, &dc)?,
             None => dc,
         });
         let pre = name("input_layernorm.weight");
         let (dxn, dw) = rms_norm_backward(&s.x, &w.get(&pre)?, &dh1, c.eps)?;
         give(pre, dw)?;
-        dx = (dx1 + dxn)?;
+        dx = fused::add(&dx1, &dxn)?;
     }
     // The context's fusion: ctx = hidden_norm(fc(context)); the target's taps get no gradient.
     if let Some(d_ctx) = d_ctx {

@@ -514,7 +514,7 @@ fn adamw_launch(
             &dev,
             "adamw_master",
             half::bf16,
-            elementwise(n),
+            by_vectors::<half::bf16>(n),
             [
                 &pv, &gv, &mv, &vv, &lv, &n, &b1, &b2, &scale, &lr, &decay, &c1, &c2, &eps
             ]
@@ -732,6 +732,22 @@ pub fn swiglu(g: Arg<'_>, u: Arg<'_>) -> Result<CudaStorage> {
         let out = fresh::<T>(dev, n)?;
         // Reads n elements of each input, writes n.
         launch!(dev, "swiglu", T, by_vectors::<T>(n), [&gs, &us, &out, &n]);
+        Ok(stored(dev, out))
+    })
+}
+
+/// `a + b`, contiguous operands of one shape (`add.rs`).
+pub fn add(a: Arg<'_>, b: Arg<'_>) -> Result<CudaStorage> {
+    by_type!(a.0.dtype(), "add", |T| {
+        let dev = a.0.device();
+        let n = a.1.shape().elem_count();
+        if b.1.shape().elem_count() != n {
+            bail!("add: {:?} and {:?}", a.1.dims(), b.1.dims());
+        }
+        let (av, bv) = (view::<T>(a)?, view::<T>(b)?);
+        let out = fresh::<T>(dev, n)?;
+        // Reads n elements of each, writes n.
+        launch!(dev, "add", T, by_vectors::<T>(n), [&av, &bv, &out, &n]);
         Ok(stored(dev, out))
     })
 }

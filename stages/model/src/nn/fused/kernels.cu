@@ -169,16 +169,24 @@ __device__ void adam_apply(T* p, const float* m, const float* v, size_t n, float
 
 // AdamW's whole step in one pass: both moments from the clipped gradient (as `moment`), then
 // the parameter (as `adam_apply`): reads g, m, v and p once, writes m, v and p once.
-// One element's AdamW step: m[i] and v[i] updated in place, the new parameter returned.
+// One element's AdamW step: its moments m and v updated, the new parameter returned.
+__device__ __forceinline__ float adamw_value(float p, float g, float& m, float& v, float b1, float b2, float scale,
+                                             float lr, float decay, float c1, float c2, float eps) {
+    float x = g * scale;
+    m = b1 * m + (1.0f - b1) * x;
+    v = b2 * v + (1.0f - b2) * (x * x);
+    float w = p * (1.0f - lr * decay);
+    return w - lr * (m / c1) / (sqrtf(v / c2) + eps);
+}
+
+// The same for element i, its moments in place.
 __device__ __forceinline__ float adamw_element(float p, float g, float* m, float* v, size_t i, float b1, float b2,
                                                float scale, float lr, float decay, float c1, float c2, float eps) {
-    float x = g * scale;
-    float mi = b1 * m[i] + (1.0f - b1) * x;
-    float vi = b2 * v[i] + (1.0f - b2) * (x * x);
+    float mi = m[i], vi = v[i];
+    float w = adamw_value(p, g, mi, vi, b1, b2, scale, lr, decay, c1, c2, eps);
     m[i] = mi;
     v[i] = vi;
-    float w = p * (1.0f - lr * decay);
-    return w - lr * (mi / c1) / (sqrtf(vi / c2) + eps);
+    return w;
 }
 
 template <typename T>
@@ -397,6 +405,16 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* y, size_t total,
 template <typename T>
 __device__ void sum_squares(const T* x, size_t n, float* out) {
     float acc = 0.0f;
+    constexpr int V = kVec<T>;
+    if (n % V == 0 && aligned16(x)) {
+        for (size_t i = vec_start<T>(); i < n; i += vec_step<T>()) {
+            float e[V];
+            load16(x + i, e);
+#pragma unroll
+            for (int k = 0; k < V; k++) acc += e[k] * e[k];
+        }
+        n = 0;  // the loop below has nothing left
+    }
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float v = load(x, i);
         acc += v * v;
@@ -424,6 +442,25 @@ __device__ void swiglu(const T* g, const T* u, T* h, size_t n) {
         float a = load(g, i);
         store(h, i, a / (1.0f + __expf(-a)) * load(u, i));
     }
+}
+
+// out = a + b elementwise (`add.rs`).
+template <typename T>
+__device__ void add(const T* a, const T* b, T* out, size_t n) {
+    constexpr int V = kVec<T>;
+    if (n % V == 0 && aligned16(a) && aligned16(b) && aligned16(out)) {
+        for (size_t i = vec_start<T>(); i < n; i += vec_step<T>()) {
+            float x[V], y[V];
+            load16(a + i, x);
+            load16(b + i, y);
+#pragma unroll
+            for (int k = 0; k < V; k++) x[k] += y[k];
+            store16(out + i, x);
+        }
+        return;
+    }
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        store(out, i, load(a, i) + load(b, i));
 }
 
 // h[r, j] = silu(gu[r, j]) * gu[r, f + j]: SwiGLU over rows that hold the gate's f outputs then
@@ -850,6 +887,9 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     extern "C" __global__ void swiglu_##NAME(const T* g, const T* u, T* h, size_t n) {                 \
         swiglu(g, u, h, n);                                                                            \
     }                                                                                                  \
+    extern "C" __global__ void add_##NAME(const T* a, const T* b, T* out, size_t n) {                   \
+        add(a, b, out, n);                                                                             \
+    }                                                                                                  \
     extern "C" __global__ void swiglu_packed_##NAME(const T* gu, T* h, size_t n, uint32_t f) {          \
         swiglu_packed(gu, h, n, f);                                                                    \
     }                                                                                                  \
@@ -916,6 +956,31 @@ FOR_TYPES(KERNELS)
 extern "C" __global__ void adamw_master_bf16(float* p, const __nv_bfloat16* g, float* m, float* v,
                                              __nv_bfloat16* low, size_t n, float b1, float b2, float scale,
                                              float lr, float decay, float c1, float c2, float eps) {
+    typedef __nv_bfloat16 bf16;
+    if (n % 8 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && aligned16(low)) {
+        // Eight elements a thread: the gradient's and the copy's sixteen bytes, the weights' and
+        // moments' thirty-two.
+        for (size_t i = vec_start<bf16>(); i < n; i += vec_step<bf16>()) {
+            float gs[8], ps[8], ms[8], vs[8];
+            load16(g + i, gs);
+            load16(p + i, *reinterpret_cast<float(*)[4]>(ps));
+            load16(p + i + 4, *reinterpret_cast<float(*)[4]>(ps + 4));
+            load16(m + i, *reinterpret_cast<float(*)[4]>(ms));
+            load16(m + i + 4, *reinterpret_cast<float(*)[4]>(ms + 4));
+            load16(v + i, *reinterpret_cast<float(*)[4]>(vs));
+            load16(v + i + 4, *reinterpret_cast<float(*)[4]>(vs + 4));
+#pragma unroll
+            for (int k = 0; k < 8; k++) ps[k] = adamw_value(ps[k], gs[k], ms[k], vs[k], b1, b2, scale, lr, decay, c1, c2, eps);
+            store16(p + i, *reinterpret_cast<float(*)[4]>(ps));
+            store16(p + i + 4, *reinterpret_cast<float(*)[4]>(ps + 4));
+            store16(m + i, *reinterpret_cast<float(*)[4]>(ms));
+            store16(m + i + 4, *reinterpret_cast<float(*)[4]>(ms + 4));
+            store16(v + i, *reinterpret_cast<float(*)[4]>(vs));
+            store16(v + i + 4, *reinterpret_cast<float(*)[4]>(vs + 4));
+            store16(low + i, ps);
+        }
+        return;
+    }
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float w = adamw_element(p[i], load(g, i), m, v, i, b1, b2, scale, lr, decay, c1, c2, eps);
         p[i] = w;

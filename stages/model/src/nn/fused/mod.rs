@@ -31,6 +31,7 @@
 //! | `TopK` (`topk.rs`) | the `k` largest entries' indices per row (DFlash 2's candidates) | yes | `top_k` | none (indices) |
 //! | `CausalConvSilu` (`conv.rs`) | a Gated DeltaNet layer's causal depthwise convolution and SiLU, f32 out | yes | `causal_conv_silu` | none (the target is frozen) |
 //! | `DeltaScan` (`scan.rs`) | the chunked Gated DeltaNet's pass over its chunks (the state carried across); checked, off the forward's path: 4.7 ms on an H100 where the matmuls per chunk take 2.9 | yes (the reference) | `delta_scan` | none (the target is frozen) |
+//! | `Add` (`add.rs`) | `a + b`, contiguous operands of one shape (the written-out step's residuals and gradient sums) | yes (candle's add where it runs) | `add`, 16 bytes a thread | none (written-out step) |
 //! | `StridedCopy3` (`copy.rs`) | a 3-D view (transposed, narrowed) made contiguous, its strides kernel arguments (candle uploads them before each copy) | yes | `strided_copy3` | none (decoding) |
 //! | `ChunkDecay` (`scan.rs`) | each chunk's `[L, L]` decay matrix from its cumulative log-decays (the chunked Gated DeltaNet) | yes (the reference; the CPU path keeps the composed ops) | `chunk_decay` | none (the target is frozen) |
 //! | `UnitLowerInverse` (`scan.rs`) | `(I + A)^-1` per 64 x 64 strictly lower A (the chunked Gated DeltaNet's WY inverse), forward substitution in shared memory | yes (the reference; the CPU path keeps the squarings) | `unit_lower_inverse` | none (the target is frozen) |
@@ -257,6 +258,7 @@ macro_rules! fused_op {
 type CpuArg<'a> = (&'a CpuStorage, &'a Layout);
 
 mod adamw;
+mod add;
 mod conv;
 mod copy;
 #[cfg(feature = "cuda")]
@@ -276,6 +278,7 @@ mod tests;
 mod topk;
 
 pub use adamw::{AdamStep, adamw_update, adamw_update_master, sum_squares};
+pub use add::add;
 pub use conv::causal_conv_silu;
 pub use copy::{contiguous3, keep_append, strided_copy3};
 pub use scan::{
