@@ -511,7 +511,7 @@ step)
     mkdir -p $STASH/assets
     cuda_env
     {
-        $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm' || echo "train_probe fused failed: $?"
+        $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm\|"add_' || echo "train_probe fused failed: $?"
         separate_head_rows
         step_against_pytorch
     } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
