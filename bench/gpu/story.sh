@@ -88,12 +88,18 @@
 # PyTorch's three forms), `stash; profile compiled` (242 s), later `stash; step` (129 s: AdamW
 # keeping the bf16 weights) and `profile dflash` (89.6 s); bench/results/issue22-h100-thirteenth/.
 # `step` is the step's comparison alone (~130 s with a start): the cheapest check of a change.
-# Next, first: `stash; step` with .gpu/f (train_probe built after the session: `head_rows`
-# checked against the three kernels and the step timed with DFLASH_HEAD_ROWS=one-pass beside
-# the default); if the check holds and the step is faster, make it the default (head.rs's
-# `one_pass_enabled`). Then the block-16 training plan above, with .gpu/1..5 as repacked after
-# this session (its dflash trains through the written-out backward; its speed at the story's
-# small shape is unmeasured: budget the twelfth run's ~720 s for 2,800 steps).
+# The fourteenth (2026-12-07, an H100; one of eleven calls got a machine): `stash; flash` with
+# .gpu/f (217.6 s): ldmatrix in the flash kernels, the elementwise and row kernels in 16-byte
+# vectors, `head_rows` checked (then made the default): bench/results/issue22-h100-fourteenth/.
+# Next, first: `stash; step` with .gpu/f (train_probe built at the end of that session): the
+# kernels written after the call (AdamW's master update eight elements a thread, the gradient
+# norm's squares and `fused::add` in 16-byte vectors) checked with DFLASH_UNCHECKED_KERNELS=1
+# (`adamw_master_3_steps_4096`, `sum_squares_over_1e4`, `add_*`) and the step timed with them
+# beside the default; if the checks hold and the step is faster, make them the default
+# (`fused::unchecked_kernels`). Then `stash; profile dflash` (where the step's time goes now),
+# and the block-16 training plan above, with .gpu/1..5 as repacked after the thirteenth session
+# (its dflash predates the fourteenth's kernels; repack from a fresh CUDA build first: budget
+# the twelfth run's ~720 s for 2,800 steps).
 # Done in the ninth run: `probe fused`, `checks`, `hybrid 4 2048`, `hybrid-decode 4 1,8,64 300
 # 16` (bench/results/smollm2-h100-ninth/). Still to run: `verify 300` and `round 300 128` (the
 # target's pass with its launches cut, README "The eighth run").
@@ -503,16 +509,21 @@ flash)
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
     ;;
 step)
-    # There: the step's comparison alone (issue 22; what `flash` ends with, without the kernel
-    # checks): AdamW's kernels against their CPU form, the step as `train` runs it, eager
+    # There: the step's comparison alone (issue 22; what `flash` ends with, without the flash
+    # checks): the elementwise kernels against their CPU forms (with DFLASH_UNCHECKED_KERNELS=1,
+    # so the opt-in ones too), the step with the opt-in kernels and as `train` runs it, eager
     # PyTorch and PyTorch compiled with FlexAttention, each with its peak memory, and the
     # ratios. Needs only train_probe.xz stashed.
     unpack_probe
     mkdir -p $STASH/assets
     cuda_env
     {
-        $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm\|"add_' || echo "train_probe fused failed: $?"
-        separate_head_rows
+        DFLASH_UNCHECKED_KERNELS=1 $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm\|sum_squares\|"add_' ||
+            echo "train_probe fused failed: $?"
+        # The kernels written since the last check, opt-in until the lines above hold.
+        echo '{"phase": "label", "name": "dflash, DFLASH_UNCHECKED_KERNELS=1"}'
+        DFLASH_UNCHECKED_KERNELS=1 peak_memory $STASH/train_probe speed --anchors 512 ||
+            echo "speed (unchecked kernels) failed: $?"
         step_against_pytorch
     } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
     python3 bench/step_ratio.py "$OUT/step.txt" | tee -a "$OUT/step.txt"
