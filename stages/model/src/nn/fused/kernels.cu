@@ -267,6 +267,22 @@ __device__ __forceinline__ uint32_t group_lane(uint32_t per) { return per > 32 ?
 __device__ __forceinline__ float rounded(float v, const float*) { return v; }
 __device__ __forceinline__ float rounded(float v, const __nv_bfloat16*) { return __bfloat162float(__float2bfloat16(v)); }
 
+// yr = xr * r * w over one row's vectors, the group's lane `lane` of `per` (a norm's second
+// pass).
+template <typename T>
+__device__ __forceinline__ void scale_row_vec(const T* xr, const T* w, T* yr, float r, uint32_t n, uint32_t lane,
+                                              uint32_t per) {
+    constexpr int V = kVec<T>;
+    float v[V], ww[V];
+    for (uint32_t j = lane * V; j < n; j += per * V) {
+        load16(xr + j, v);
+        load16(w + j, ww);
+#pragma unroll
+        for (int k = 0; k < V; k++) v[k] = v[k] * r * ww[k];
+        store16(yr + j, v);
+    }
+}
+
 template <typename T>
 __device__ void rms_norm_vec(const T* x, const T* w, T* y, size_t rows, uint32_t n, uint32_t per, float eps) {
     constexpr int V = kVec<T>;
@@ -275,7 +291,7 @@ __device__ void rms_norm_vec(const T* x, const T* w, T* y, size_t rows, uint32_t
     bool valid = row < rows;  // rows past the end still take part in the group's shuffles
     const T* xr = x + row * n;
     T* yr = y + row * n;
-    float sq = 0.0f, v[V], ww[V];
+    float sq = 0.0f, v[V];
     if (valid)
         for (uint32_t j = lane * V; j < n; j += per * V) {
             load16(xr + j, v);
@@ -283,14 +299,7 @@ __device__ void rms_norm_vec(const T* x, const T* w, T* y, size_t rows, uint32_t
             for (int k = 0; k < V; k++) sq += v[k] * v[k];
         }
     float r = rsqrtf(group_sum(sq, per) / n + eps);
-    if (valid)
-        for (uint32_t j = lane * V; j < n; j += per * V) {
-            load16(xr + j, v);
-            load16(w + j, ww);
-#pragma unroll
-            for (int k = 0; k < V; k++) v[k] = v[k] * r * ww[k];
-            store16(yr + j, v);
-        }
+    if (valid) scale_row_vec(xr, w, yr, r, n, lane, per);
 }
 
 template <typename T>
@@ -317,14 +326,7 @@ __device__ void add_rms_norm_vec(const T* x, const T* res, const T* w, T* out, s
             store16(sr + j, a);
         }
     float rs = rsqrtf(group_sum(sq, per) / n + eps);
-    if (valid)
-        for (uint32_t j = lane * V; j < n; j += per * V) {
-            load16(sr + j, a);
-            load16(w + j, b);
-#pragma unroll
-            for (int k = 0; k < V; k++) a[k] = a[k] * rs * b[k];
-            store16(yr + j, a);
-        }
+    if (valid) scale_row_vec(sr, w, yr, rs, n, lane, per);
 }
 
 template <typename T>
