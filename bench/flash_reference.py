@@ -7,14 +7,16 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
     python3 bench/flash_reference.py check flash.ptx
         Small and odd shapes, block mode (forward, dQ, dK, dV) and causal mode (forward),
         against autograd on float64 copies of the same bf16 inputs: the largest error of each,
-        relative to the reference's largest magnitude, and whether the pipelined dK/dV kernel's
-        gradients equal the staged one's bit for bit (JSON lines).
+        relative to the reference's largest magnitude (`wide_*`: the forward with tiles of 64
+        keys, flash_forward_wide), and whether the pipelined dK/dV kernel's gradients equal the
+        staged one's bit for bit (JSON lines).
     python3 bench/flash_reference.py speed flash.ptx [--anchors 512] [--seq 3072]
         The Qwen3-8B attention shapes of one training step (32 heads, 8 KV heads, d 128): the
         drafter's block attention forward + backward against SDPA under the dense block mask
         (what bench/train_reference.py runs), and the target's causal forward against SDPA with
         an additive causal mask (train_reference.py) and with is_causal (PyTorch's flash
-        kernel); both dK/dV kernels (staged, pipelined); FlexAttention under torch.compile with
+        kernel); both forward kernels (`*_wide_ms`: tiles of 64 keys) and both dK/dV kernels
+        (staged, pipelined); FlexAttention under torch.compile with
         the same block mask, forward and backward. Milliseconds, TFLOP/s and the ratios (JSON
         lines).
 """
@@ -70,7 +72,9 @@ def scales(d):
     return scale, scale * math.log2(math.e)
 
 
-def forward(K, q, k1, v1, k2, v2, hi, past):
+def forward(K, q, k1, v1, k2, v2, hi, past, wide=False):
+    """flash_forward, or given `wide` flash_forward_wide (tiles of 64 keys, dynamic shared
+    memory: flash.rs's forward_kernel)."""
     heads, m, d = q.shape
     kv, s1 = k1.shape[0], k1.shape[1]
     group = heads // kv
@@ -78,10 +82,23 @@ def forward(K, q, k1, v1, k2, v2, hi, past):
     lse = torch.empty(heads, m, device=q.device, dtype=torch.float32)
     scale, scale2 = scales(d)
     z = q  # an unused pointer in causal mode
-    K.launch(f"flash_forward_d{d}", ((m + ROWS - 1) // ROWS, kv, 1), (32 * group, 1, 1),
+    name, shared = (f"flash_forward_wide_d{d}", 2 * 2 * 64 * (d + 8) * 2) if wide else (f"flash_forward_d{d}", 0)
+    K.launch(name, ((m + ROWS - 1) // ROWS, kv, 1), (32 * group, 1, 1),
              [q, k1, v1, k2 if k2 is not None else z, v2 if v2 is not None else z, hi if hi is not None else z,
-              out, lse, m, s1, group, past, scale2])
+              out, lse, m, s1, group, past, scale2], shared)
     return out, lse
+
+
+def wide_forward_errors(K, ref_out, ref_lse, *operands):
+    """The wide forward's errors against the reference, or None (named in the output) where it
+    fails to launch (a PTX built before it)."""
+    try:
+        out, lse = forward(K, *operands, wide=True)
+        torch.cuda.synchronize()
+        return {"wide_out": rel(out, ref_out), "wide_lse": rel(lse * math.log(2), ref_lse)}
+    except Exception as e:
+        print(json.dumps({"wide_forward_error": repr(e)[:300]}))
+        return {}
 
 
 def dkv_pipelined_smem(group, d):
@@ -173,6 +190,7 @@ def check(K, args):
         ro.backward(dout.double())
         grads = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout)
         errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
+        errs.update(wide_forward_errors(K, ro, rl, q, k1, v1, k2, v2, hi, -1))
         for name, g, r in zip(["dq", "dk1", "dv1", "dk2", "dv2"], grads, ref):
             errs[name] = rel(g, r.grad)
         worst = max(worst, *errs.values())
@@ -194,6 +212,7 @@ def check(K, args):
         out, lse = forward(K, q, k, v, None, None, None, past)
         ro, rl = reference_causal(q.double(), k.double(), v.double(), past)
         errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
+        errs.update(wide_forward_errors(K, ro, rl, q, k, v, None, None, None, past))
         worst = max(worst, *errs.values())
         print(json.dumps({"mode": "causal", "heads": heads, "kv": kv, "d": d, "n": n, "past": past, **errs}))
     print(json.dumps({"worst": worst, "pipelined_dkv_equal": equal_all, "pass": worst < 2e-2 and equal_all}))
@@ -223,6 +242,10 @@ def speed(K, args):
     res = {}
     fw = lambda: forward(K, q, k1, v1, k2, v2, hi, -1)
     res["dflash_block_fwd_ms"] = timed(fw)
+    try:
+        res["dflash_block_fwd_wide_ms"] = timed(lambda: forward(K, q, k1, v1, k2, v2, hi, -1, wide=True))
+    except Exception as e:  # a PTX built before the wide forward: say so, time the rest
+        print(json.dumps({"metric": "wide_forward_error", "value": repr(e)[:300]}))
     out, lse = fw()
     res["dflash_block_bwd_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout))
     res["dflash_block_bwd_dq_only_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True))
@@ -290,6 +313,10 @@ def speed(K, args):
     n = s
     q, k, v = randn(heads, n, d), randn(kv, n, d), randn(kv, n, d)
     res["dflash_causal_fwd_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0))
+    try:
+        res["dflash_causal_fwd_wide_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0, wide=True))
+    except Exception as e:
+        print(json.dumps({"metric": "wide_forward_error", "value": repr(e)[:300]}))
     causal = torch.full((n, n), float("-inf"), device="cuda", dtype=torch.bfloat16).triu(1)
     kr, vr = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
     with torch.no_grad():

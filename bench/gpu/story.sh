@@ -91,12 +91,13 @@
 # The fourteenth (2026-12-07, an H100; one of eleven calls got a machine): `stash; flash` with
 # .gpu/f (217.6 s): ldmatrix in the flash kernels, the elementwise and row kernels in 16-byte
 # vectors, `head_rows` checked (then made the default): bench/results/issue22-h100-fourteenth/.
-# Next, first: `stash; step` with .gpu/f (train_probe built at the end of that session): the
-# kernels written after the call (AdamW's master update eight elements a thread, the gradient
-# norm's squares and `fused::add` in 16-byte vectors) checked with DFLASH_UNCHECKED_KERNELS=1
-# (`adamw_master_3_steps_4096`, `sum_squares_over_1e4`, `add_*`) and the step timed with them
-# beside the default; if the checks hold and the step is faster, make them the default
-# (`fused::unchecked_kernels`). Then `stash; profile dflash` (where the step's time goes now),
+# Next, first: `stash; flash` with .gpu/f (train_probe and flash.ptx built at the end of that
+# session, ~220 s): the kernels written after the call (AdamW's master update eight elements a
+# thread, the gradient norm's squares and `fused::add` in 16-byte vectors, the forward with
+# tiles of 64 keys) checked with DFLASH_UNCHECKED_KERNELS=1 (`adamw_master_3_steps_4096`,
+# `sum_squares_over_1e4`, `add_*`, `wide_out`/`wide_lse`, `train_probe flash`) and the step timed
+# with them beside the default (`*_wide_ms` for the forward alone); where the checks hold and a
+# kernel pays, make it the default (`fused::unchecked_kernels`, flash.rs's `forward_kernel`). Then `stash; profile dflash` (where the step's time goes now),
 # and the block-16 training plan above, with .gpu/1..5 as repacked after the thirteenth session
 # (its dflash predates the fourteenth's kernels; repack from a fresh CUDA build first: budget
 # the twelfth run's ~720 s for 2,800 steps).
@@ -185,12 +186,12 @@ step_against_pytorch() {
     peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
         --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
 }
-# The step with the head's rows in three kernels (cross-entropy, top-k, gradient) where `train`
-# runs one (`head_rows`), for comparison.
-separate_head_rows() {
-    echo '{"phase": "label", "name": "dflash, DFLASH_HEAD_ROWS=separate"}'
-    DFLASH_HEAD_ROWS=separate peak_memory $STASH/train_probe speed --anchors 512 ||
-        echo "speed (separate head rows) failed: $?"
+# The step with the kernels written since the last GPU check (`fused::unchecked_kernels`),
+# opt-in until their checks hold.
+unchecked_kernels_step() {
+    echo '{"phase": "label", "name": "dflash, DFLASH_UNCHECKED_KERNELS=1"}'
+    DFLASH_UNCHECKED_KERNELS=1 peak_memory $STASH/train_probe speed --anchors 512 ||
+        echo "speed (unchecked kernels) failed: $?"
 }
 case $cmd in
 pack-inputs)
@@ -486,8 +487,9 @@ flash)
     # There: the drafter's block attention (issue 22): the build's flash PTX checked against
     # autograd in f64 (both dK/dV kernels, the pipelined one bit for bit equal to the staged
     # one), timed beside SDPA and FlexAttention under torch.compile; AdamW's and the head's
-    # kernels against their references; the step against PyTorch in f32; then the training
-    # step with the head's rows in three kernels and as `train` runs it beside eager
+    # kernels against their references (with DFLASH_UNCHECKED_KERNELS=1, so the opt-in ones
+    # too); the step against PyTorch in f32; then the training step with the opt-in kernels and
+    # as `train` runs it beside eager
     # and compiled PyTorch (FLEX=flex: eager FlexAttention too), each with its peak memory by
     # nvidia-smi.
     # Needs only flash.ptx and train_probe.xz stashed (a one-part pack of its own, no `setup`):
@@ -500,10 +502,12 @@ flash)
         python3 bench/flash_reference.py check $STASH/flash.ptx || echo "check failed: $?"
         python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
-        $STASH/train_probe fused || echo "train_probe fused failed: $?"
+        # The kernels written since the last check (the wide forward among them), opt-in.
+        DFLASH_UNCHECKED_KERNELS=1 $STASH/train_probe flash || echo "train_probe flash (unchecked) failed: $?"
+        DFLASH_UNCHECKED_KERNELS=1 $STASH/train_probe fused || echo "train_probe fused failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
-        separate_head_rows
+        unchecked_kernels_step
         step_against_pytorch ${FLEX:-}
     } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
@@ -520,10 +524,7 @@ step)
     {
         DFLASH_UNCHECKED_KERNELS=1 $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm\|sum_squares\|"add_' ||
             echo "train_probe fused failed: $?"
-        # The kernels written since the last check, opt-in until the lines above hold.
-        echo '{"phase": "label", "name": "dflash, DFLASH_UNCHECKED_KERNELS=1"}'
-        DFLASH_UNCHECKED_KERNELS=1 peak_memory $STASH/train_probe speed --anchors 512 ||
-            echo "speed (unchecked kernels) failed: $?"
+        unchecked_kernels_step
         step_against_pytorch
     } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
     python3 bench/step_ratio.py "$OUT/step.txt" | tee -a "$OUT/step.txt"

@@ -241,20 +241,32 @@ struct Running {
     }
 };
 
-constexpr int KT = 64;     // keys per staged tile in the dK/dV pass
-constexpr int KT_FWD = 32; // keys per tile in the forward pass, two tiles in flight
+constexpr int KT = 64;          // keys per staged tile in the dK/dV pass
+constexpr int KT_FWD = 32;      // keys per tile in the forward pass, two tiles in flight
+constexpr int KT_FWD_WIDE = 64; // the same in `flash_forward_wide` (dynamic shared memory)
+
+// The forward pass's shared memory: two tiles of KTF keys and of their values.
+template <int D, int KTF>
+struct ForwardSmem {
+    static constexpr int bytes = 2 * 2 * KTF * (D + PAD) * (int)sizeof(bf16);
+};
 
 // Row tiles are taken last first: the last rows see the most keys (causal mode, and block mode's
 // anchors ascend), so the longest blocks of threads start first and the short ones fill in.
 __device__ __forceinline__ int row_tile() { return gridDim.x - 1 - blockIdx.x; }
 
 // Grid (row tiles, kv_heads); block 32 * group threads, warp w = query head kv * group + w.
-template <int D>
-__device__ void flash_forward(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2,
-                              const uint32_t* hi, bf16* out, float* lse, int m, int s1, int group, int past,
-                              float scale2) {
-    __shared__ __align__(16) bf16 ks[2][KT_FWD * (D + PAD)];
-    __shared__ __align__(16) bf16 vs[2][KT_FWD * (D + PAD)];
+// Keys come in tiles of KTF, two in flight, staged at `smem` (ForwardSmem<D, KTF>::bytes:
+// key tiles, then value tiles).
+template <int D, int KTF>
+__device__ void flash_forward(unsigned char* smem, const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,
+                              const bf16* v2, const uint32_t* hi, bf16* out, float* lse, int m, int s1, int group,
+                              int past, float scale2) {
+    constexpr int TILE = KTF * (D + PAD);
+    bf16* ks_all = reinterpret_cast<bf16*>(smem);
+    bf16* vs_all = ks_all + 2 * TILE;
+    auto ks = [&](int b) { return ks_all + b * TILE; };
+    auto vs = [&](int b) { return vs_all + b * TILE; };
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     int kv = blockIdx.y, head = kv * group + warp, tile = row_tile(), row0 = tile * ROWS;
     const bf16* qh = q + ((size_t)head * m + row0) * D;
@@ -268,36 +280,36 @@ __device__ void flash_forward(const bf16* q, const bf16* k1, const bf16* v1, con
     Running<D> run;
     const bf16* kh = k1 + (size_t)kv * s1 * D;
     const bf16* vh = v1 + (size_t)kv * s1 * D;
-    int tiles = (view.hi + KT_FWD - 1) / KT_FWD;
+    int tiles = (view.hi + KTF - 1) / KTF;
     if (tiles > 0) {
-        stage_async<D>(ks[0], kh, 0, KT_FWD, s1);
-        stage_async<D>(vs[0], vh, 0, KT_FWD, s1);
+        stage_async<D>(ks(0), kh, 0, KTF, s1);
+        stage_async<D>(vs(0), vh, 0, KTF, s1);
     }
     async_commit();
     for (int t = 0; t < tiles; t++) {
         // Tile t + 1 loads while tile t is multiplied; its buffer was last read before the
         // barrier that ended the previous iteration.
         if (t + 1 < tiles) {
-            stage_async<D>(ks[(t + 1) & 1], kh, (t + 1) * KT_FWD, KT_FWD, s1);
-            stage_async<D>(vs[(t + 1) & 1], vh, (t + 1) * KT_FWD, KT_FWD, s1);
+            stage_async<D>(ks((t + 1) & 1), kh, (t + 1) * KTF, KTF, s1);
+            stage_async<D>(vs((t + 1) & 1), vh, (t + 1) * KTF, KTF, s1);
         }
         async_commit();
         async_wait<1>();
         __syncthreads();
-        float sc[KT_FWD / 8][4];
-        scores<D, KT_FWD / 8>(sc, qa, ks[t & 1], scale2, &view, t * KT_FWD);
-        run.template fold<KT_FWD / 8>(sc, vs[t & 1]);
+        float sc[KTF / 8][4];
+        scores<D, KTF / 8>(sc, qa, ks(t & 1), scale2, &view, t * KTF);
+        run.template fold<KTF / 8>(sc, vs(t & 1));
         __syncthreads();
     }
     if (past < 0) {
         // The block's own 16 keys, all open.
         async_wait<0>();
-        stage<D>(ks[0], k2 + (size_t)kv * m * D, row0, ROWS, m);
-        stage<D>(vs[0], v2 + (size_t)kv * m * D, row0, ROWS, m);
+        stage<D>(ks(0), k2 + (size_t)kv * m * D, row0, ROWS, m);
+        stage<D>(vs(0), v2 + (size_t)kv * m * D, row0, ROWS, m);
         __syncthreads();
         float sc[ROWS / 8][4];
-        scores<D, ROWS / 8>(sc, qa, ks[0], scale2, nullptr, 0);
-        run.template fold<ROWS / 8>(sc, vs[0]);
+        scores<D, ROWS / 8>(sc, qa, ks(0), scale2, nullptr, 0);
+        run.template fold<ROWS / 8>(sc, vs(0));
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -681,7 +693,15 @@ __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf1
     extern "C" __global__ void flash_forward_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,    \
                                                   const bf16* v2, const uint32_t* hi, bf16* out, float* lse, int m, \
                                                   int s1, int group, int past, float scale2) {                      \
-        flash_forward<D>(q, k1, v1, k2, v2, hi, out, lse, m, s1, group, past, scale2);                               \
+        __shared__ __align__(16) unsigned char smem[ForwardSmem<D, KT_FWD>::bytes];                                \
+        flash_forward<D, KT_FWD>(smem, q, k1, v1, k2, v2, hi, out, lse, m, s1, group, past, scale2);                \
+    }                                                                                                               \
+    extern "C" __global__ void flash_forward_wide_d##D(const bf16* q, const bf16* k1, const bf16* v1,              \
+                                                       const bf16* k2, const bf16* v2, const uint32_t* hi,          \
+                                                       bf16* out, float* lse, int m, int s1, int group, int past,   \
+                                                       float scale2) {                                              \
+        extern __shared__ __align__(16) unsigned char smem[];                                                       \
+        flash_forward<D, KT_FWD_WIDE>(smem, q, k1, v1, k2, v2, hi, out, lse, m, s1, group, past, scale2);          \
     }                                                                                                               \
     extern "C" __global__ void flash_dq_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,         \
                                              const bf16* v2, const uint32_t* hi, const bf16* out, const bf16* dout, \

@@ -170,6 +170,29 @@ mod cuda {
         Ok((kernel(dev, "flash_dkv", d)?, 0))
     }
 
+    /// Keys per tile of `flash_forward_wide` (flash.cu's `KT_FWD_WIDE`).
+    const WIDE_KEY_TILE: usize = 64;
+
+    /// The forward kernel to launch and its dynamic shared memory: `flash_forward` (two tiles
+    /// of 32 keys in static shared memory), or, with `DFLASH_UNCHECKED_KERNELS=1`,
+    /// `flash_forward_wide` (two tiles of 64: half the barriers and softmax rescales a key, in
+    /// twice the shared memory), written after the last GPU check and kept beside it until
+    /// `flash_reference.py check` has held it to autograd and `speed` has timed both.
+    fn forward_kernel(dev: &CudaDevice, d: usize) -> Result<(CudaFunction, u32)> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+        if !crate::nn::fused::unchecked_kernels() {
+            return Ok((kernel(dev, "flash_forward", d)?, 0));
+        }
+        let bytes = 2 * 2 * WIDE_KEY_TILE * (d + 8) * 2;
+        let f = kernel(dev, "flash_forward_wide", d)?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .w()?;
+        Ok((f, bytes as u32))
+    }
+
     fn kernel(dev: &CudaDevice, name: &str, d: usize) -> Result<CudaFunction> {
         Ok(dev
             .get_or_load_custom_func(&format!("{name}_d{d}"), "dflash_flash", PTX)?
@@ -242,7 +265,7 @@ mod cuda {
         let lse = unsafe { dev.alloc::<f32>(heads * n)? };
         let (group, m32, s32, past32) = (heads / kv, n as i32, s1 as i32, past as i32);
         let (g32, (_, scale2)) = (group as i32, scales(d));
-        let f = kernel(&dev, "flash_forward", d)?;
+        let (f, smem) = forward_kernel(&dev, d)?;
         with_slices!([q: bf16, k: bf16, v: bf16], {
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);
@@ -252,7 +275,7 @@ mod cuda {
             let cfg = LaunchConfig {
                 grid_dim: (n.div_ceil(ROWS) as u32, kv as u32, 1),
                 block_dim: (32 * group as u32, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: smem,
             };
             // SAFETY: reads heads*n*d of q and kv*s1*d of k and v; writes heads*n*d and heads*n.
             unsafe { b.launch(cfg) }.w()?;
@@ -305,7 +328,7 @@ mod cuda {
         let group = heads / kv;
         let (m32, s32, g32, past, (_, scale2)) =
             (m as i32, s as i32, group as i32, -1i32, scales(d));
-        let f = kernel(&dev, "flash_forward", d)?;
+        let (f, smem) = forward_kernel(&dev, d)?;
         with_slices!([q: bf16, ck: bf16, cv: bf16, bk: bf16, bv: bf16, seen: u32], {
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);
@@ -314,7 +337,7 @@ mod cuda {
             let cfg = LaunchConfig {
                 grid_dim: ((m / ROWS) as u32, kv as u32, 1),
                 block_dim: (32 * group as u32, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: smem,
             };
             // SAFETY: reads heads*m*d of q, kv*s*d of ck/cv, kv*m*d of bk/bv, m/16 of seen
             // (each at most s, checked by the caller); writes heads*m*d and heads*m.
