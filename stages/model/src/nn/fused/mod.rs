@@ -12,7 +12,9 @@
 //!
 //! Every op has a CPU implementation (used by CPU training and by the tests, which check it
 //! against the composed ops and finite differences) and, with the `cuda` feature, CUDA kernels
-//! (`kernels.cu`) for f32 and bf16; arithmetic is f32 on the GPU and f64 on the CPU.
+//! (`kernels.cu`) for f32 and bf16; arithmetic is f32 on the GPU and f64 on the CPU. The
+//! elementwise and row kernels move 16 bytes a thread where their operands are aligned and their
+//! rows whole vectors (`load16`, `store16`; the `*_vec` row kernels), else an element a thread.
 //!
 //! | op | computes | CPU | CUDA | backward |
 //! |---|---|---|---|---|
@@ -51,10 +53,12 @@ use super::Result;
 
 /// Whether the kernels written since the last GPU check run (`DFLASH_UNCHECKED_KERNELS=1`): the
 /// f32 master AdamW update eight elements a thread, the gradient norm's squares and [`add`]
-/// sixteen bytes a thread. Off by default until a GPU run has held them to their CPU forms
-/// (`train_probe fused`: `adamw_master_3_steps_4096`, `sum_squares_over_1e4`, `add_*`) and
-/// timed the step with them (`bench/gpu/story.sh step`); off, AdamW and the norm run their
-/// element-a-thread loops and `add` is candle's.
+/// sixteen bytes a thread, the flash forward with tiles of 64 keys (`flash_forward_wide`). Off
+/// by default until a GPU run has held them to their references (`train_probe fused`:
+/// `adamw_master_3_steps_4096`, `sum_squares_over_1e4`, `add_*`; `flash_reference.py check`:
+/// `wide_out`, `wide_lse`) and timed the step with them (`bench/gpu/story.sh flash`); off,
+/// AdamW and the norm run their element-a-thread loops, `add` is candle's and the forward
+/// stages tiles of 32 keys.
 pub fn unchecked_kernels() -> bool {
     std::env::var("DFLASH_UNCHECKED_KERNELS").is_ok_and(|v| v == "1")
 }
