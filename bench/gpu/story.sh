@@ -98,9 +98,10 @@
 # `sum_squares_over_1e4`, `add_*`, `wide_out`/`wide_lse`, `train_probe flash`) and the step timed
 # with them beside the default (`*_wide_ms` for the forward alone); where the checks hold and a
 # kernel pays, make it the default (`fused::unchecked_kernels`, flash.rs's `forward_kernel`). Then `stash; profile dflash` (where the step's time goes now),
-# and the block-16 training plan above, with .gpu/1..5 as repacked after the thirteenth session
-# (its dflash predates the fourteenth's kernels; repack from a fresh CUDA build first: budget
-# the twelfth run's ~720 s for 2,800 steps).
+# and the block-16 training plan above, with .gpu/1..5 as repacked at the end of the
+# fourteenth session (`pack-inputs BIN .gpu drafters:smollm2-5600
+# drafters:smollm2-expansion-seed`, its dflash with that session's kernels: `stash` x4, then
+# `stash; setup; ...` with .gpu/5; budget the twelfth run's ~720 s for 2,800 steps).
 # Done in the ninth run: `probe fused`, `checks`, `hybrid 4 2048`, `hybrid-decode 4 1,8,64 300
 # 16` (bench/results/smollm2-h100-ninth/). Still to run: `verify 300` and `round 300 128` (the
 # target's pass with its launches cut, README "The eighth run").
