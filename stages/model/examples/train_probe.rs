@@ -750,18 +750,9 @@ fn fused(_args: &[String]) -> Result<()> {
                 let (dx, dw) = fused::rms_norm_backward(&x, &w, &dy, 1e-6)?;
                 Ok(vec![fused::rms_norm(&x, &w, 1e-6)?, dx, dw])
             };
-            let (got, want) = (all(&device)?, all(&cpu)?);
-            for (name, (a, b)) in ["rms_norm", "rms_norm_dx", "rms_norm_dw"]
-                .iter()
-                .zip(got.iter().zip(&want))
-            {
-                println!(
-                    "{}",
-                    serde_json::json!({"phase": "fused", "check": format!("{name}_{rows}x{n}_vs_cpu"),
-                        "dtype": format!("{dtype:?}"), "max_abs_diff": worst(a, b)?,
-                        "max_abs": worst(b, &b.zeros_like()?)?})
-                );
-            }
+            let shape = format!("{rows}x{n}");
+            let names = ["rms_norm", "rms_norm_dx", "rms_norm_dw"];
+            print_vs_cpu(&names, &shape, dtype, &all(&device)?, &all(&cpu)?)?;
         }
     }
     // SwiGLU, its packed form and both input gradients on the device against their CPU forms:
@@ -789,18 +780,9 @@ fn fused(_args: &[String]) -> Result<()> {
                     du,
                 ])
             };
-            let (got, want) = (all(&device)?, all(&cpu)?);
-            for (name, (a, b)) in ["swiglu", "swiglu_packed", "swiglu_dg", "swiglu_du"]
-                .iter()
-                .zip(got.iter().zip(&want))
-            {
-                println!(
-                    "{}",
-                    serde_json::json!({"phase": "fused", "check": format!("{name}_{rows}x{f}_vs_cpu"),
-                        "dtype": format!("{dtype:?}"), "max_abs_diff": worst(a, b)?,
-                        "max_abs": worst(b, &b.zeros_like()?)?})
-                );
-            }
+            let shape = format!("{rows}x{f}");
+            let names = ["swiglu", "swiglu_packed", "swiglu_dg", "swiglu_du"];
+            print_vs_cpu(&names, &shape, dtype, &all(&device)?, &all(&cpu)?)?;
         }
     }
     // The Gated DeltaNet state times each head's chunk decay (48 heads of 128 x 128): the kernel
@@ -1029,6 +1011,26 @@ fn compare(
             "device": format!("{device:?}"), "max_abs_diff": worst(&got, &want)?,
             "ms": ms, "ms_reference": ms_reference})
     );
+    Ok(())
+}
+
+/// One line per tensor: the device's `got` against the CPU's `want`, the check named
+/// `{name}_{shape}_vs_cpu`, with the largest difference and the reference's largest magnitude.
+fn print_vs_cpu(
+    names: &[&str],
+    shape: &str,
+    dtype: DType,
+    got: &[Tensor],
+    want: &[Tensor],
+) -> Result<()> {
+    for (name, (a, b)) in names.iter().zip(got.iter().zip(want)) {
+        println!(
+            "{}",
+            serde_json::json!({"phase": "fused", "check": format!("{name}_{shape}_vs_cpu"),
+                "dtype": format!("{dtype:?}"), "max_abs_diff": worst(a, b)?,
+                "max_abs": worst(b, &b.zeros_like()?)?})
+        );
+    }
     Ok(())
 }
 

@@ -157,7 +157,13 @@ fn one_pass_enabled(device: &candle_core::Device, dtype: DType) -> bool {
     cfg!(feature = "cuda")
         && device.is_cuda()
         && matches!(dtype, DType::BF16 | DType::F32)
-        && !std::env::var("DFLASH_HEAD_ROWS").is_ok_and(|v| v == "separate")
+        && !separate_head_rows()
+}
+
+/// `DFLASH_HEAD_ROWS=separate`, read once per process.
+fn separate_head_rows() -> bool {
+    static SEPARATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SEPARATE.get_or_init(|| std::env::var("DFLASH_HEAD_ROWS").is_ok_and(|v| v == "separate"))
 }
 
 /// For fresh logits `[rows, vocab]` on a GPU (their own storage, overwritten) and each row's

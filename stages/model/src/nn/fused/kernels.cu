@@ -415,11 +415,11 @@ __device__ void sum_squares(const T* x, size_t n, float* out, int vectors) {
 #pragma unroll
             for (int k = 0; k < V; k++) acc += e[k] * e[k];
         }
-        n = 0;  // the loop below has nothing left
-    }
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float v = load(x, i);
-        acc += v * v;
+    } else {
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+            float v = load(x, i);
+            acc += v * v;
+        }
     }
     acc = block_reduce<false>(acc);
     if (threadIdx.x == 0) atomicAdd(out, acc);

@@ -59,8 +59,10 @@ use super::Result;
 /// `wide_out`, `wide_lse`) and timed the step with them (`bench/gpu/story.sh flash`); off,
 /// AdamW and the norm run their element-a-thread loops, `add` is candle's and the forward
 /// stages tiles of 32 keys.
+/// Read once per process: it is asked at every launch of those kernels (hundreds a step).
 pub fn unchecked_kernels() -> bool {
-    std::env::var("DFLASH_UNCHECKED_KERNELS").is_ok_and(|v| v == "1")
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DFLASH_UNCHECKED_KERNELS").is_ok_and(|v| v == "1"))
 }
 
 /// The contiguous elements of a CPU tensor.

@@ -141,14 +141,7 @@ fn the_adamw_update_is_pytorchs() {
     let p = Tensor::new(&[1.0f32, -2.0, 0.5], &Device::Cpu).unwrap();
     let g = Tensor::new(&[0.5f32, 0.25, -4.0], &Device::Cpu).unwrap();
     let (m, v) = (p.zeros_like().unwrap(), p.zeros_like().unwrap());
-    let step = AdamStep {
-        lr: 0.1,
-        weight_decay: 0.01,
-        betas: (0.9, 0.999),
-        corrections: (0.1, 0.001),
-        eps: 1e-8,
-        clip_scale: 0.5,
-    };
+    let step = hand_step();
     adamw_update(&p, &g, &m, &v, &step).unwrap();
     let got = p.to_vec1::<f32>().unwrap();
     for (i, (&p0, &g0)) in [1.0f32, -2.0, 0.5]
@@ -168,6 +161,19 @@ fn the_adamw_update_is_pytorchs() {
     assert!((m.to_vec1::<f32>().unwrap()[2] - 0.1 * -2.0).abs() < 1e-7);
 }
 
+/// The AdamW step the hand-checked tests take: the first (bias corrections 0.1 and 0.001), the
+/// gradient clipped by half.
+fn hand_step() -> AdamStep {
+    AdamStep {
+        lr: 0.1,
+        weight_decay: 0.01,
+        betas: (0.9, 0.999),
+        corrections: (0.1, 0.001),
+        eps: 1e-8,
+        clip_scale: 0.5,
+    }
+}
+
 /// Master weights updated from a bf16 gradient are the update from that gradient widened, and
 /// the kept copy is the updated weights' cast, in place (the copy's buffer is the one passed).
 #[test]
@@ -181,14 +187,7 @@ fn the_master_update_keeps_the_weights_cast() {
         .unwrap();
     let zeros = || p.zeros_like().unwrap();
     let (m, v, m2, v2) = (zeros(), zeros(), zeros(), zeros());
-    let step = AdamStep {
-        lr: 0.1,
-        weight_decay: 0.01,
-        betas: (0.9, 0.999),
-        corrections: (0.1, 0.001),
-        eps: 1e-8,
-        clip_scale: 0.5,
-    };
+    let step = hand_step();
     adamw_update_master(&p, &g, &m, &v, &low, &step).unwrap();
     adamw_update(&want, &g.to_dtype(DType::F32).unwrap(), &m2, &v2, &step).unwrap();
     assert_eq!(p.to_vec1::<f32>().unwrap(), want.to_vec1::<f32>().unwrap());
