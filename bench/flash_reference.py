@@ -8,14 +8,15 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
         Small and odd shapes, block mode (forward, dQ, dK, dV) and causal mode (forward),
         against autograd on float64 copies of the same bf16 inputs: the largest error of each,
         relative to the reference's largest magnitude (`wide_*`: the forward with tiles of 64
-        keys, flash_forward_wide), and whether the pipelined dK/dV kernel's gradients equal the
-        staged one's bit for bit (JSON lines).
+        keys, flash_forward_wide; `tall_*`: 32 query rows a warp, flash_forward_tall), and
+        whether the pipelined dK/dV kernel's gradients equal the staged one's bit for bit
+        (JSON lines).
     python3 bench/flash_reference.py speed flash.ptx [--anchors 512] [--seq 3072]
         The Qwen3-8B attention shapes of one training step (32 heads, 8 KV heads, d 128): the
         drafter's block attention forward + backward against SDPA under the dense block mask
         (what bench/train_reference.py runs), and the target's causal forward against SDPA with
         an additive causal mask (train_reference.py) and with is_causal (PyTorch's flash
-        kernel); both forward kernels (`*_wide_ms`: tiles of 64 keys) and both dK/dV kernels
+        kernel); the three forward kernels (`*_wide_ms`, `*_tall_ms`) and both dK/dV kernels
         (staged, pipelined); FlexAttention under torch.compile with
         the same block mask, forward and backward. Milliseconds, TFLOP/s and the ratios (JSON
         lines).
@@ -39,6 +40,7 @@ class Kernels:
             image = f.read() + b"\0"
         self._ok(self.cu.cuModuleLoadData(ctypes.byref(self.mod), image), "cuModuleLoadData")
         self.funcs = {}
+        self.opted = {}  # the dynamic shared memory each function has opted in to
 
     def _ok(self, rc, what):
         if rc != 0:
@@ -48,10 +50,13 @@ class Kernels:
         if name not in self.funcs:
             f = ctypes.c_void_p()
             self._ok(self.cu.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
-            if shared > 48 * 1024:
-                # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: past 48 KB a kernel must opt in.
-                self._ok(self.cu.cuFuncSetAttribute(f, 8, shared), f"{name}: shared memory {shared}")
             self.funcs[name] = f
+            self.opted[name] = 48 * 1024
+        if shared > self.opted[name]:
+            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: past 48 KB a kernel must opt in
+            # (a group's size changes a kernel's need).
+            self._ok(self.cu.cuFuncSetAttribute(self.funcs[name], 8, shared), f"{name}: shared memory {shared}")
+            self.opted[name] = shared
         holders = []
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -72,9 +77,18 @@ def scales(d):
     return scale, scale * math.log2(math.e)
 
 
-def forward(K, q, k1, v1, k2, v2, hi, past, wide=False):
-    """flash_forward, or given `wide` flash_forward_wide (tiles of 64 keys, dynamic shared
-    memory: flash.rs's forward_kernel)."""
+def forward_kernel(kind, group, d):
+    """The forward kernel's name, query rows a block and dynamic shared memory (flash.rs's
+    `Forward`): `narrow` (flash_forward), `wide` (tiles of 64 keys), `tall` (32 rows a warp)."""
+    ld = d + 8
+    return {
+        "narrow": (f"flash_forward_d{d}", ROWS, 0),
+        "wide": (f"flash_forward_wide_d{d}", ROWS, 2 * 2 * 64 * ld * 2),
+        "tall": (f"flash_forward_tall_d{d}", 2 * ROWS, (2 * 2 * 32 + group * 2 * ROWS) * ld * 2),
+    }[kind]
+
+
+def forward(K, q, k1, v1, k2, v2, hi, past, kind="narrow"):
     heads, m, d = q.shape
     kv, s1 = k1.shape[0], k1.shape[1]
     group = heads // kv
@@ -82,23 +96,28 @@ def forward(K, q, k1, v1, k2, v2, hi, past, wide=False):
     lse = torch.empty(heads, m, device=q.device, dtype=torch.float32)
     scale, scale2 = scales(d)
     z = q  # an unused pointer in causal mode
-    name, shared = (f"flash_forward_wide_d{d}", 2 * 2 * 64 * (d + 8) * 2) if wide else (f"flash_forward_d{d}", 0)
-    K.launch(name, ((m + ROWS - 1) // ROWS, kv, 1), (32 * group, 1, 1),
+    name, rows, shared = forward_kernel(kind, group, d)
+    K.launch(name, ((m + rows - 1) // rows, kv, 1), (32 * group, 1, 1),
              [q, k1, v1, k2 if k2 is not None else z, v2 if v2 is not None else z, hi if hi is not None else z,
               out, lse, m, s1, group, past, scale2], shared)
     return out, lse
 
 
-def wide_forward_errors(K, ref_out, ref_lse, *operands):
-    """The wide forward's errors against the reference, or None (named in the output) where it
-    fails to launch (a PTX built before it)."""
-    try:
-        out, lse = forward(K, *operands, wide=True)
-        torch.cuda.synchronize()
-        return {"wide_out": rel(out, ref_out), "wide_lse": rel(lse * math.log(2), ref_lse)}
-    except Exception as e:
-        print(json.dumps({"wide_forward_error": repr(e)[:300]}))
-        return {}
+OTHER_FORWARDS = ("wide", "tall")
+
+
+def other_forward_errors(K, ref_out, ref_lse, *operands):
+    """The other forward kernels' errors against the reference (`wide_out`, `tall_lse`, ...),
+    each left out (named in the output) where it fails to launch (a PTX built before it)."""
+    errs = {}
+    for kind in OTHER_FORWARDS:
+        try:
+            out, lse = forward(K, *operands, kind=kind)
+            torch.cuda.synchronize()
+            errs.update({f"{kind}_out": rel(out, ref_out), f"{kind}_lse": rel(lse * math.log(2), ref_lse)})
+        except Exception as e:
+            print(json.dumps({f"{kind}_forward_error": repr(e)[:300]}))
+    return errs
 
 
 def dkv_pipelined_smem(group, d):
@@ -190,7 +209,7 @@ def check(K, args):
         ro.backward(dout.double())
         grads = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout)
         errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
-        errs.update(wide_forward_errors(K, ro, rl, q, k1, v1, k2, v2, hi, -1))
+        errs.update(other_forward_errors(K, ro, rl, q, k1, v1, k2, v2, hi, -1))
         for name, g, r in zip(["dq", "dk1", "dv1", "dk2", "dv2"], grads, ref):
             errs[name] = rel(g, r.grad)
         worst = max(worst, *errs.values())
@@ -212,7 +231,7 @@ def check(K, args):
         out, lse = forward(K, q, k, v, None, None, None, past)
         ro, rl = reference_causal(q.double(), k.double(), v.double(), past)
         errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
-        errs.update(wide_forward_errors(K, ro, rl, q, k, v, None, None, None, past))
+        errs.update(other_forward_errors(K, ro, rl, q, k, v, None, None, None, past))
         worst = max(worst, *errs.values())
         print(json.dumps({"mode": "causal", "heads": heads, "kv": kv, "d": d, "n": n, "past": past, **errs}))
     print(json.dumps({"worst": worst, "pipelined_dkv_equal": equal_all, "pass": worst < 2e-2 and equal_all}))
@@ -242,10 +261,11 @@ def speed(K, args):
     res = {}
     fw = lambda: forward(K, q, k1, v1, k2, v2, hi, -1)
     res["dflash_block_fwd_ms"] = timed(fw)
-    try:
-        res["dflash_block_fwd_wide_ms"] = timed(lambda: forward(K, q, k1, v1, k2, v2, hi, -1, wide=True))
-    except Exception as e:  # a PTX built before the wide forward: say so, time the rest
-        print(json.dumps({"metric": "wide_forward_error", "value": repr(e)[:300]}))
+    for kind in OTHER_FORWARDS:
+        try:
+            res[f"dflash_block_fwd_{kind}_ms"] = timed(lambda: forward(K, q, k1, v1, k2, v2, hi, -1, kind=kind))
+        except Exception as e:  # a PTX built before this kernel: say so, time the rest
+            print(json.dumps({"metric": f"{kind}_forward_error", "value": repr(e)[:300]}))
     out, lse = fw()
     res["dflash_block_bwd_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout))
     res["dflash_block_bwd_dq_only_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True))
@@ -313,10 +333,11 @@ def speed(K, args):
     n = s
     q, k, v = randn(heads, n, d), randn(kv, n, d), randn(kv, n, d)
     res["dflash_causal_fwd_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0))
-    try:
-        res["dflash_causal_fwd_wide_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0, wide=True))
-    except Exception as e:
-        print(json.dumps({"metric": "wide_forward_error", "value": repr(e)[:300]}))
+    for kind in OTHER_FORWARDS:
+        try:
+            res[f"dflash_causal_fwd_{kind}_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0, kind=kind))
+        except Exception as e:
+            print(json.dumps({"metric": f"{kind}_forward_error", "value": repr(e)[:300]}))
     causal = torch.full((n, n), float("-inf"), device="cuda", dtype=torch.bfloat16).triu(1)
     kr, vr = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
     with torch.no_grad():

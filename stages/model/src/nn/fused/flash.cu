@@ -326,6 +326,146 @@ __device__ void flash_forward(unsigned char* smem, const bf16* q, const bf16* k1
     }
 }
 
+// The scores of MT row tiles of 16 (queries staged at `qs`, row stride D + PAD) against NT * 8
+// keys staged at `ks`, as `scores` gives them: each key fragment loaded once serves every row
+// tile, and the query fragments come from shared memory (registers hold the accumulators of
+// MT row tiles instead). `views` (one a row tile, or null: all open) close keys as `scores`'
+// view does.
+template <int D, int NT, int MT>
+__device__ __forceinline__ void scores_tall(float (&s)[MT][NT][4], const bf16* qs, const bf16* ks, float scale2,
+                                            const View* views, int key0) {
+    constexpr int LD = D + PAD;
+    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int n = 0; n < NT; n++) s[i][n][0] = s[i][n][1] = s[i][n][2] = s[i][n][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < D / 16; k++) {
+        uint32_t qa[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; i++) ldsm_a(qa[i], qs + i * ROWS * LD, LD, k * 16);
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            uint32_t b[4];
+            ldsm_b_rows2(b, ks, LD, n * 8, k * 16);
+#pragma unroll
+            for (int i = 0; i < MT; i++) {
+                mma(s[i][n], qa[i], b[0], b[1]);
+                mma(s[i][n + 1], qa[i], b[2], b[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int key = key0 + n * 8 + 2 * c + (e & 1);
+                int row = (views ? views[i].row0 : 0) + g + (e >= 2 ? 8 : 0);
+                bool open = !views || views[i].sees(key, row);
+                s[i][n][e] = open ? s[i][n][e] * scale2 : -INFINITY;
+            }
+}
+
+constexpr int TALL = 2;  // row tiles of 16 a warp in `flash_forward_tall`
+
+// The forward's shared memory in `flash_forward_tall`: two tiles of KTF keys and of their
+// values, then every head's TALL * 16 query rows.
+__host__ __device__ constexpr int tall_smem(int d, int ktf, int group) {
+    return (2 * 2 * ktf + group * TALL * ROWS) * (d + PAD) * 2;
+}
+
+// flash_forward with TALL row tiles a warp (32 query rows of one head; FlashAttention-2's
+// shape for d = 128): each key and value fragment read from shared memory feeds twice the
+// products, and each block of threads stages its key tiles for twice the rows, which halves
+// what the forward reads from L2 and shared memory per product. Queries wait in shared memory
+// (ldmatrix per product step) where flash_forward holds them in registers: the registers hold
+// two row tiles' accumulators instead. Grid (row tiles of TALL * 16, kv_heads); block 32 *
+// group threads; dynamic shared memory tall_smem(D, KTF, group). Row tile i of a warp keeps its
+// own online softmax and view (block mode: its own `hi` and its own 16 keys of k2).
+template <int D, int KTF>
+__device__ void flash_forward_tall(unsigned char* smem, const bf16* q, const bf16* k1, const bf16* v1,
+                                   const bf16* k2, const bf16* v2, const uint32_t* hi, bf16* out, float* lse, int m,
+                                   int s1, int group, int past, float scale2) {
+    constexpr int LD = D + PAD, TILE = KTF * LD;
+    bf16* ks_all = reinterpret_cast<bf16*>(smem);
+    bf16* vs_all = ks_all + 2 * TILE;
+    bf16* qs_all = vs_all + 2 * TILE;
+    auto ks = [&](int b) { return ks_all + b * TILE; };
+    auto vs = [&](int b) { return vs_all + b * TILE; };
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int kv = blockIdx.y, head = kv * group + warp, tile = row_tile(), row0 = tile * TALL * ROWS;
+    bf16* qs = qs_all + warp * TALL * ROWS * LD;
+    for (int h = 0; h < group; h++)
+        stage_async<D>(qs_all + h * TALL * ROWS * LD, q + (size_t)(kv * group + h) * m * D, row0, TALL * ROWS, m);
+    View views[TALL];
+    int reach = 0;  // keys of k1 the last row tile sees (row tiles see ascending prefixes)
+#pragma unroll
+    for (int i = 0; i < TALL; i++) {
+        int r0 = row0 + i * ROWS;
+        views[i].past = past;
+        views[i].row0 = r0;
+        views[i].hi = r0 >= m ? 0 : past >= 0 ? min(past + r0 + ROWS, s1) : (int)hi[r0 / ROWS];
+        reach = max(reach, views[i].hi);
+    }
+    Running<D> run[TALL];
+    const bf16* kh = k1 + (size_t)kv * s1 * D;
+    const bf16* vh = v1 + (size_t)kv * s1 * D;
+    int tiles = (reach + KTF - 1) / KTF;
+    if (tiles > 0) {
+        stage_async<D>(ks(0), kh, 0, KTF, s1);
+        stage_async<D>(vs(0), vh, 0, KTF, s1);
+    }
+    async_commit();  // the queries and the first tile, one group
+    for (int t = 0; t < tiles; t++) {
+        if (t + 1 < tiles) {
+            stage_async<D>(ks((t + 1) & 1), kh, (t + 1) * KTF, KTF, s1);
+            stage_async<D>(vs((t + 1) & 1), vh, (t + 1) * KTF, KTF, s1);
+        }
+        async_commit();
+        async_wait<1>();
+        __syncthreads();
+        float sc[TALL][KTF / 8][4];
+        scores_tall<D, KTF / 8, TALL>(sc, qs, ks(t & 1), scale2, views, t * KTF);
+#pragma unroll
+        for (int i = 0; i < TALL; i++)
+            if (t * KTF < views[i].hi) run[i].template fold<KTF / 8>(sc[i], vs(t & 1));  // uniform over the warp
+        __syncthreads();
+    }
+    async_wait<0>();  // the queries, where no tile of k1 was staged
+    if (past < 0) {
+        // Each row tile's own 16 keys, all open.
+        stage<D>(ks(0), k2 + (size_t)kv * m * D, row0, TALL * ROWS, m);
+        stage<D>(vs(0), v2 + (size_t)kv * m * D, row0, TALL * ROWS, m);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < TALL; i++) {
+            if (row0 + i * ROWS >= m) continue;
+            float sc[1][ROWS / 8][4];
+            scores_tall<D, ROWS / 8, 1>(sc, qs + i * ROWS * LD, ks(0) + i * ROWS * LD, scale2, nullptr, 0);
+            run[i].template fold<ROWS / 8>(sc[0], vs(0) + i * ROWS * LD);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < TALL; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float l = quad_sum(run[i].l[h]);
+            float inv = l > 0.f ? 1.f / l : 0.f;
+            int row = row0 + i * ROWS + g + 8 * h;
+            if (row < m) {
+                bf16* o = out + ((size_t)head * m + row) * D;
+#pragma unroll
+                for (int n = 0; n < D / 8; n++)
+                    *reinterpret_cast<uint32_t*>(o + n * 8 + 2 * c) =
+                        pack(run[i].o[n][2 * h] * inv, run[i].o[n][2 * h + 1] * inv);
+                if (c == 0) lse[(size_t)head * m + row] = l > 0.f ? run[i].m[h] + log2f(l) : INFINITY;
+            }
+        }
+}
+
 constexpr int KT_DQ = 32;  // keys per staged tile in the dQ pass (two more accumulators live)
 
 // dQ for block mode, and delta = rowsum(dO * O), which the dK/dV pass reads. Same grid as the
@@ -702,6 +842,13 @@ __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf1
                                                        float scale2) {                                              \
         extern __shared__ __align__(16) unsigned char smem[];                                                       \
         flash_forward<D, KT_FWD_WIDE>(smem, q, k1, v1, k2, v2, hi, out, lse, m, s1, group, past, scale2);          \
+    }                                                                                                               \
+    extern "C" __global__ void flash_forward_tall_d##D(const bf16* q, const bf16* k1, const bf16* v1,              \
+                                                       const bf16* k2, const bf16* v2, const uint32_t* hi,          \
+                                                       bf16* out, float* lse, int m, int s1, int group, int past,   \
+                                                       float scale2) {                                              \
+        extern __shared__ __align__(16) unsigned char smem[];                                                       \
+        flash_forward_tall<D, KT_FWD>(smem, q, k1, v1, k2, v2, hi, out, lse, m, s1, group, past, scale2);          \
     }                                                                                                               \
     extern "C" __global__ void flash_dq_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,         \
                                              const bf16* v2, const uint32_t* hi, const bf16* out, const bf16* dout, \

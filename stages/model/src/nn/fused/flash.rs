@@ -170,27 +170,95 @@ mod cuda {
         Ok((kernel(dev, "flash_dkv", d)?, 0))
     }
 
-    /// Keys per tile of `flash_forward_wide` (flash.cu's `KT_FWD_WIDE`).
-    const WIDE_KEY_TILE: usize = 64;
+    /// The forward kernels (flash.cu), by what `DFLASH_FLASH_FORWARD` calls them.
+    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+    enum Forward {
+        /// `flash_forward`: 16 query rows a warp, two tiles of 32 keys in static shared memory.
+        Narrow,
+        /// `flash_forward_wide`: tiles of 64 keys (half the barriers and softmax rescales a
+        /// key, in twice the shared memory).
+        Wide,
+        /// `flash_forward_tall`: 32 query rows a warp (each key fragment feeds twice the
+        /// products, each staged tile twice the rows), queries in shared memory.
+        Tall,
+    }
 
-    /// The forward kernel to launch and its dynamic shared memory: `flash_forward` (two tiles
-    /// of 32 keys in static shared memory), or, with `DFLASH_UNCHECKED_KERNELS=1`,
-    /// `flash_forward_wide` (two tiles of 64: half the barriers and softmax rescales a key, in
-    /// twice the shared memory), written after the last GPU check and kept beside it until
-    /// `flash_reference.py check` has held it to autograd and `speed` has timed both.
-    fn forward_kernel(dev: &CudaDevice, d: usize) -> Result<(CudaFunction, u32)> {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-        if !crate::nn::fused::unchecked_kernels() {
-            return Ok((kernel(dev, "flash_forward", d)?, 0));
+    impl Forward {
+        /// `DFLASH_FLASH_FORWARD=narrow|wide|tall` picks one (to time one against another);
+        /// unset, `narrow`, or with `DFLASH_UNCHECKED_KERNELS=1` `tall`: the wide and tall
+        /// kernels were written after the last GPU check and stay beside the narrow one until
+        /// `flash_reference.py check` has held them to autograd and `speed` has timed them.
+        fn chosen() -> Forward {
+            static CHOSEN: std::sync::OnceLock<Forward> = std::sync::OnceLock::new();
+            *CHOSEN.get_or_init(|| match std::env::var("DFLASH_FLASH_FORWARD").as_deref() {
+                Ok("narrow") => Forward::Narrow,
+                Ok("wide") => Forward::Wide,
+                Ok("tall") => Forward::Tall,
+                _ if crate::nn::fused::unchecked_kernels() => Forward::Tall,
+                _ => Forward::Narrow,
+            })
         }
-        let bytes = 2 * 2 * WIDE_KEY_TILE * (d + 8) * 2;
-        let f = kernel(dev, "flash_forward_wide", d)?;
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .w()?;
-        Ok((f, bytes as u32))
+
+        fn name(self) -> &'static str {
+            match self {
+                Forward::Narrow => "flash_forward",
+                Forward::Wide => "flash_forward_wide",
+                Forward::Tall => "flash_forward_tall",
+            }
+        }
+
+        /// Query rows a block of threads takes (the grid's x walks them).
+        fn rows(self) -> usize {
+            match self {
+                Forward::Tall => 2 * ROWS,
+                Forward::Narrow | Forward::Wide => ROWS,
+            }
+        }
+
+        /// Dynamic shared memory (flash.cu's `ForwardSmem` and `tall_smem`).
+        fn smem(self, group: usize, d: usize) -> usize {
+            let ld = d + 8;
+            match self {
+                Forward::Narrow => 0,
+                Forward::Wide => 2 * 2 * 64 * ld * 2,
+                Forward::Tall => (2 * 2 * 32 + group * 2 * ROWS) * ld * 2,
+            }
+        }
+    }
+
+    /// The forward kernel to launch, the query rows a block takes and its dynamic shared
+    /// memory ([`Forward::chosen`]).
+    fn forward_kernel(
+        dev: &CudaDevice,
+        group: usize,
+        d: usize,
+    ) -> Result<(CudaFunction, usize, u32)> {
+        use candle_core::cuda_backend::cudarc::driver::sys::{
+            CUdevice_attribute, CUfunction_attribute,
+        };
+        let mut which = Forward::chosen();
+        if which != Forward::Narrow {
+            let most = dev
+                .cuda_stream()
+                .context()
+                .attribute(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
+                .w()?;
+            if which.smem(group, d) > most.max(0) as usize {
+                which = Forward::Narrow; // a large group on a small GPU
+            }
+        }
+        let f = kernel(dev, which.name(), d)?;
+        let bytes = which.smem(group, d);
+        if bytes > 0 {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .w()?;
+        }
+        Ok((f, which.rows(), bytes as u32))
     }
 
     fn kernel(dev: &CudaDevice, name: &str, d: usize) -> Result<CudaFunction> {
@@ -265,7 +333,7 @@ mod cuda {
         let lse = unsafe { dev.alloc::<f32>(heads * n)? };
         let (group, m32, s32, past32) = (heads / kv, n as i32, s1 as i32, past as i32);
         let (g32, (_, scale2)) = (group as i32, scales(d));
-        let (f, smem) = forward_kernel(&dev, d)?;
+        let (f, rows, smem) = forward_kernel(&dev, group, d)?;
         with_slices!([q: bf16, k: bf16, v: bf16], {
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);
@@ -273,7 +341,7 @@ mod cuda {
             b.arg(&q).arg(&k).arg(&v).arg(&k).arg(&v).arg(&q);
             b.arg(&out).arg(&lse).arg(&m32).arg(&s32).arg(&g32).arg(&past32).arg(&scale2);
             let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(ROWS) as u32, kv as u32, 1),
+                grid_dim: (n.div_ceil(rows) as u32, kv as u32, 1),
                 block_dim: (32 * group as u32, 1, 1),
                 shared_mem_bytes: smem,
             };
@@ -328,14 +396,14 @@ mod cuda {
         let group = heads / kv;
         let (m32, s32, g32, past, (_, scale2)) =
             (m as i32, s as i32, group as i32, -1i32, scales(d));
-        let (f, smem) = forward_kernel(&dev, d)?;
+        let (f, rows, smem) = forward_kernel(&dev, group, d)?;
         with_slices!([q: bf16, ck: bf16, cv: bf16, bk: bf16, bv: bf16, seen: u32], {
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);
             b.arg(&q).arg(&ck).arg(&cv).arg(&bk).arg(&bv).arg(&seen);
             b.arg(&out).arg(&lse).arg(&m32).arg(&s32).arg(&g32).arg(&past).arg(&scale2);
             let cfg = LaunchConfig {
-                grid_dim: ((m / ROWS) as u32, kv as u32, 1),
+                grid_dim: (m.div_ceil(rows) as u32, kv as u32, 1),
                 block_dim: (32 * group as u32, 1, 1),
                 shared_mem_bytes: smem,
             };
