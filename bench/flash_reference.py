@@ -20,6 +20,8 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
         (staged, pipelined); FlexAttention under torch.compile with
         the same block mask, forward and backward. Milliseconds, TFLOP/s and the ratios (JSON
         lines).
+    python3 bench/flash_reference.py once flash.ptx
+        Each kernel launched once at those shapes, for a profiler (story.sh `flash-profile`).
 """
 import argparse, ctypes, json, math, time
 
@@ -352,15 +354,34 @@ def speed(K, args):
         print(json.dumps({"metric": key, "value": value}))
 
 
+def once(K, args):
+    """Each kernel once at `speed`'s shapes, for a profiler (ncu --kernel-name regex:flash)."""
+    torch.manual_seed(0)
+    heads, kv, d, s, anchors_n = 32, 8, 128, args.seq, args.anchors
+    m = anchors_n * ROWS
+    q, dout = randn(heads, m, d), randn(heads, m, d)
+    k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
+    anchors = torch.sort(torch.randperm(s - ROWS, device="cuda")[:anchors_n]).values
+    hi = anchors.to(torch.int32).contiguous()
+    for kind in ("narrow",) + OTHER_FORWARDS:
+        out, lse = forward(K, q, k1, v1, k2, v2, hi, -1, kind=kind)
+    out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
+    backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined")
+    q, k, v = randn(heads, s, d), randn(kv, s, d), randn(kv, s, d)
+    for kind in ("narrow",) + OTHER_FORWARDS:
+        forward(K, q, k, v, None, None, None, 0, kind=kind)
+    torch.cuda.synchronize()
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["check", "speed"])
+    p.add_argument("mode", choices=["check", "speed", "once"])
     p.add_argument("ptx")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--seq", type=int, default=3072)
     args = p.parse_args()
     K = Kernels(args.ptx)
-    (check if args.mode == "check" else speed)(K, args)
+    {"check": check, "speed": speed, "once": once}[args.mode](K, args)
 
 
 if __name__ == "__main__":

@@ -530,6 +530,15 @@ step)
     } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
     python3 bench/step_ratio.py "$OUT/step.txt" | tee -a "$OUT/step.txt"
     ;;
+flash-profile)
+    # There: each flash kernel once at the step's shapes under ncu (flash_reference.py `once`):
+    # its time, what bounds it (speed of light: tensor pipe, shared memory, L2, DRAM),
+    # occupancy and where its warps stall. Needs only flash.ptx stashed.
+    ncu --kernel-name regex:flash --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        python3 bench/flash_reference.py once $STASH/flash.ptx --anchors 512 2>&1 | grep -v Warning |
+        tee "$OUT/flash-profile.txt"
+    ;;
 profile)
     # There: one training step's kernels (ncu, step 2 alone: `--profile-step`), dflash's and
     # eager PyTorch's (given `dflash`, dflash's alone; given `compiled`, torch.compile's with
