@@ -10,14 +10,14 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
         relative to the reference's largest magnitude (`wide_*`: the forward with tiles of 64
         keys, flash_forward_wide; `tall_*`: 32 query rows a warp, flash_forward_tall), and
         whether the pipelined dK/dV kernel's gradients equal the staged one's bit for bit
-        (JSON lines).
+        (`tiled_*`: the tiled dK/dV pass's errors; JSON lines).
     python3 bench/flash_reference.py speed flash.ptx [--anchors 512] [--seq 3072]
         The Qwen3-8B attention shapes of one training step (32 heads, 8 KV heads, d 128): the
         drafter's block attention forward + backward against SDPA under the dense block mask
         (what bench/train_reference.py runs), and the target's causal forward against SDPA with
         an additive causal mask (train_reference.py) and with is_causal (PyTorch's flash
-        kernel); the three forward kernels (`*_wide_ms`, `*_tall_ms`) and both dK/dV kernels
-        (staged, pipelined); FlexAttention under torch.compile with
+        kernel); the three forward kernels (`*_wide_ms`, `*_tall_ms`) and the three dK/dV
+        passes (staged, pipelined, tiled); FlexAttention under torch.compile with
         the same block mask, forward and backward. Milliseconds, TFLOP/s and the ratios (JSON
         lines).
     python3 bench/flash_reference.py once flash.ptx
@@ -128,7 +128,15 @@ def dkv_pipelined_smem(group, d):
     return 2 * 64 * ld * 2 + 2 * 2 * group * ROWS * ld * 2 + 2 * 2 * group * ROWS * 4
 
 
+def dkv_tiled_smem(group, d):
+    """flash_dkv_tiled's dynamic shared memory (flash.rs's dkv_tiled_smem)."""
+    ld, pld = d + 8, 4 * ROWS + 8
+    return (2 * 128 * ld + 2 * 2 * group * ROWS * ld + 2 * 128 * pld) * 2 + 2 * 2 * group * ROWS * 4
+
+
 def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False, dkv="staged"):
+    """dQ, then dK and dV by `dkv`: the staged kernel, the pipelined one, or the tiled one (with
+    flash_dkv_own for the block's own keys)."""
     heads, m, d = q.shape
     kv, s1 = k1.shape[0], k1.shape[1]
     group = heads // kv
@@ -144,9 +152,18 @@ def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False, dkv="stage
     chunks = min(max((m // ROWS + 63) // 64, 1), 8)
     part_k = torch.empty(chunks, *k1.shape, device=q.device, dtype=torch.float32)
     part_v = torch.empty_like(part_k)
-    name, shared = (f"flash_dkv_d{d}", 0) if dkv == "staged" else (f"flash_dkv_pipelined_d{d}", dkv_pipelined_smem(group, d))
-    K.launch(name, (tiles, kv, chunks), (128, 1, 1),
-             [q, k1, v1, k2, v2, hi, dout, lse, delta, part_k, part_v, dk2, dv2, m, s1, group, scale2, scale], shared)
+    common = [dout, lse, delta, part_k, part_v]
+    tail = [m, s1, group, scale2, scale]
+    if dkv == "tiled":
+        # flash_dkv_tiled over k1's keys (tiles of 128, 8 warps), flash_dkv_own over k2's.
+        K.launch(f"flash_dkv_tiled_d{d}", ((s1 + 127) // 128, kv, chunks), (256, 1, 1),
+                 [q, k1, v1, hi, *common, *tail], dkv_tiled_smem(group, d))
+        K.launch(f"flash_dkv_own_d{d}", ((m + 63) // 64, kv, 1), (128, 1, 1),
+                 [q, k1, v1, k2, v2, hi, *common, dk2, dv2, *tail], dkv_pipelined_smem(group, d))
+    else:
+        name, shared = ((f"flash_dkv_d{d}", 0) if dkv == "staged"
+                        else (f"flash_dkv_pipelined_d{d}", dkv_pipelined_smem(group, d)))
+        K.launch(name, (tiles, kv, chunks), (128, 1, 1), [q, k1, v1, k2, v2, hi, *common, dk2, dv2, *tail], shared)
     n = k1.numel()
     K.launch("flash_dkv_sum", (min((n + 255) // 256, 1 << 16), 1, 1), (256, 1, 1),
              [part_k, part_v, dk1, dv1, ctypes.c_uint64(n), chunks])
@@ -198,7 +215,8 @@ def check(K, args):
     torch.manual_seed(0)
     worst = 0.0
     equal_all = True
-    for heads, kv, d, s, blocks in [(4, 2, 64, 40, 3), (8, 2, 128, 200, 9), (32, 8, 128, 300, 12), (2, 2, 64, 64, 4)]:
+    for heads, kv, d, s, blocks in [(4, 2, 64, 40, 3), (8, 2, 128, 200, 9), (32, 8, 128, 300, 12), (2, 2, 64, 64, 4),
+                                     (6, 2, 128, 150, 5)]:
         m = blocks * ROWS
         q, dout = randn(heads, m, d), randn(heads, m, d)
         k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
@@ -224,6 +242,15 @@ def check(K, args):
         except Exception as e:  # say so, and go on checking the staged kernels
             print(json.dumps({"pipelined_dkv_error": repr(e)[:300]}))
             same = False
+        # The tiled dK/dV kernels (FlashAttention-2's tiling: other sums, so within bounds only).
+        try:
+            tiled = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled")
+            torch.cuda.synchronize()
+            for name, g, r in zip(["dk1", "dv1", "dk2", "dv2"], tiled[1:], ref[1:]):
+                errs[f"tiled_{name}"] = rel(g, r.grad)
+            worst = max(worst, *errs.values())
+        except Exception as e:
+            print(json.dumps({"tiled_dkv_error": repr(e)[:300]}))
         print(json.dumps({"mode": "block", "heads": heads, "kv": kv, "d": d, "s": s, "blocks": blocks, **errs,
                           "pipelined_dkv_equal": same}))
         equal_all = equal_all and same
@@ -278,6 +305,12 @@ def speed(K, args):
         res["dflash_dkv_pipelined_ms"] = res["dflash_block_bwd_pipelined_dkv_ms"] - res["dflash_block_bwd_dq_only_ms"]
     except Exception as e:  # say so, time the rest
         print(json.dumps({"metric": "pipelined_dkv_error", "value": repr(e)[:300]}))
+    try:
+        res["dflash_block_bwd_tiled_dkv_ms"] = timed(
+            lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled"))
+        res["dflash_dkv_tiled_ms"] = res["dflash_block_bwd_tiled_dkv_ms"] - res["dflash_block_bwd_dq_only_ms"]
+    except Exception as e:  # say so, time the rest
+        print(json.dumps({"metric": "tiled_dkv_error", "value": repr(e)[:300]}))
     # FlexAttention under torch.compile with the block mask as a mask_mod: the block-sparse
     # kernel a PyTorch user trains DFlash with (the issue's peer), forward and backward.
     try:
@@ -367,6 +400,7 @@ def once(K, args):
         out, lse = forward(K, q, k1, v1, k2, v2, hi, -1, kind=kind)
     out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
     backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined")
+    backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled")
     q, k, v = randn(heads, s, d), randn(kv, s, d), randn(kv, s, d)
     for kind in ("narrow",) + OTHER_FORWARDS:
         forward(K, q, k, v, None, None, None, 0, kind=kind)

@@ -671,14 +671,14 @@ __device__ __forceinline__ void dkv_store(const float (&dka)[D / 8][4], const fl
 // `keys` in that array; and the row tiles [t_first, t_end) it walks (its chunk's, or the k2
 // keys' own). False for a block with nothing to do (chunks past the first own no k2 keys).
 template <int D>
-__device__ __forceinline__ bool dkv_block(bf16* ks, bf16* vs, const bf16* k1, const bf16* v1, const bf16* k2,
-                                          const bf16* v2, int m, int s1, bool& second, int& key0, int& keys,
-                                          int& t_first, int& t_end) {
+__device__ __forceinline__ bool dkv_block(int bx, bf16* ks, bf16* vs, const bf16* k1, const bf16* v1,
+                                          const bf16* k2, const bf16* v2, int m, int s1, bool& second, int& key0,
+                                          int& keys, int& t_first, int& t_end) {
     int kv = blockIdx.y;
     int tiles1 = (s1 + KT - 1) / KT;
-    second = (int)blockIdx.x >= tiles1;
+    second = bx >= tiles1;
     if (second && blockIdx.z > 0) return false;  // uniform over the block
-    key0 = (second ? blockIdx.x - tiles1 : blockIdx.x) * KT;
+    key0 = (second ? bx - tiles1 : bx) * KT;
     keys = second ? m : s1;
     const bf16* kh = (second ? k2 + (size_t)kv * m * D : k1 + (size_t)kv * s1 * D);
     const bf16* vh = (second ? v2 + (size_t)kv * m * D : v1 + (size_t)kv * s1 * D);
@@ -709,7 +709,7 @@ __device__ void flash_dkv(const bf16* q, const bf16* k1, const bf16* v1, const b
     int warp = threadIdx.x >> 5, kv = blockIdx.y;
     bool second;
     int key0, keys, t_first, t_end;
-    if (!dkv_block<D>(ks, vs, k1, v1, k2, v2, m, s1, second, key0, keys, t_first, t_end)) return;
+    if (!dkv_block<D>(blockIdx.x, ks, vs, k1, v1, k2, v2, m, s1, second, key0, keys, t_first, t_end)) return;
     int mine = key0 + warp * ROWS;  // this warp's first key
     float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
@@ -746,7 +746,9 @@ __device__ void flash_dkv(const bf16* q, const bf16* k1, const bf16* v1, const b
 // flash_dkv has two per row tile and head, each after a load that nothing overlaps. Shared
 // memory is dynamic (dkv_pipelined_smem bytes, past the 48 KB a static array may use): the key
 // tile, then two buffers of group * 16 rows of q and dout, then two of group * 16 lse and delta.
-template <int D>
+// With OWN, the grid's x walks the k2 tiles alone (their blocks follow the k1 tiles'), for
+// flash_dkv_tiled, which takes the k1 tiles.
+template <int D, bool OWN>
 __device__ void flash_dkv_pipelined(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2,
                                     const uint32_t* hi, const bf16* dout, const float* lse, const float* delta,
                                     float* part_k, float* part_v, bf16* dk2, bf16* dv2, int m, int s1, int group,
@@ -763,7 +765,8 @@ __device__ void flash_dkv_pipelined(const bf16* q, const bf16* k1, const bf16* v
     int warp = threadIdx.x >> 5, kv = blockIdx.y;
     bool second;
     int key0, keys, t_first, t_end;
-    if (!dkv_block<D>(ks, vs, k1, v1, k2, v2, m, s1, second, key0, keys, t_first, t_end)) return;
+    int bx = OWN ? (int)blockIdx.x + (s1 + KT - 1) / KT : (int)blockIdx.x;
+    if (!dkv_block<D>(bx, ks, vs, k1, v1, k2, v2, m, s1, second, key0, keys, t_first, t_end)) return;
     int mine = key0 + warp * ROWS;  // this warp's first key
     float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
@@ -812,6 +815,200 @@ __device__ void flash_dkv_pipelined(const bf16* q, const bf16* k1, const bf16* v
         t = next;
     }
     dkv_store<D>(dka, dva, mine, keys, second, kv, s1, scale, part_k, part_v, dk2, dv2);
+}
+
+constexpr int KT_TILED = 128;  // keys a block in flash_dkv_tiled
+constexpr int SLOTS = 4;       // heads a row tile in flash_dkv_tiled (group <= SLOTS)
+constexpr int PLD = SLOTS * ROWS + PAD;  // row stride of its P^T and dS^T in shared memory
+
+// flash_dkv_tiled's dynamic shared memory: the key tile's keys and values, two buffers of a row
+// tile's q and dout for every head of the group, P^T and dS^T, two buffers of lse and delta.
+__host__ __device__ constexpr int dkv_tiled_smem(int d, int group) {
+    return (2 * KT_TILED * (d + PAD) + 2 * 2 * group * ROWS * (d + PAD) + 2 * KT_TILED * PLD) * 2 +
+           2 * 2 * group * ROWS * 4;
+}
+
+// dK and dV of the context keys (k1) in block mode, FlashAttention-2's way: a block of 8 warps
+// owns 128 keys and walks the row tiles that see them (its chunk's, as flash_dkv's grid.z
+// splits them), each row tile's 16 rows of every head of the group at once (64 rows at most),
+// staged by cp.async into one of two buffers while the other's are multiplied. Per row tile:
+//   1. S^T = K Q^T and dP^T = V dO^T (128 keys x 64 rows), warp w taking keys 32 (w / 2) .. + 32
+//      and the rows of heads 2 (w % 2) and 2 (w % 2) + 1, so each fragment read from shared
+//      memory feeds 4 products (flash_dkv's warp reads two fragments for 2);
+//   2. P^T and dS^T = P^T (dP^T - delta), rounded to bf16, into shared memory;
+//   3. dV += P^T dO and dK += dS^T Q (128 keys x D), warp w taking keys 32 (w / 2) .. + 32 and
+//      columns (w % 2) D / 2 .. + D / 2: half the accumulators a thread of flash_dkv holds.
+// The k2 keys (each seen by its own row tile alone) are flash_dkv_own's. Grid (k1 tiles of 128,
+// kv_heads, chunks); 256 threads; dkv_tiled_smem(D, group) bytes; group <= SLOTS.
+template <int D>
+__device__ void flash_dkv_tiled(const bf16* q, const bf16* k1, const bf16* v1, const uint32_t* hi, const bf16* dout,
+                                const float* lse, const float* delta, float* part_k, float* part_v, int m, int s1,
+                                int group, float scale2, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int LD = D + PAD, HALF = D / 2;
+    int rows = group * ROWS;
+    bf16* ks = reinterpret_cast<bf16*>(smem);
+    bf16* vs = ks + KT_TILED * LD;
+    bf16* qb = vs + KT_TILED * LD;  // [2][rows * LD]
+    bf16* db = qb + 2 * rows * LD;  // [2][rows * LD]
+    bf16* pt = db + 2 * rows * LD;  // [KT_TILED][PLD]: P^T, keys by rows
+    bf16* st = pt + KT_TILED * PLD;  // [KT_TILED][PLD]: dS^T
+    float* lb = reinterpret_cast<float*>(st + KT_TILED * PLD);  // [2][rows]
+    float* dlb = lb + 2 * rows;                                  // [2][rows]
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int kv = blockIdx.y, key0 = blockIdx.x * KT_TILED;
+    stage<D>(ks, k1 + (size_t)kv * s1 * D, key0, KT_TILED, s1);
+    stage<D>(vs, v1 + (size_t)kv * s1 * D, key0, KT_TILED, s1);
+    int row_tiles = m / ROWS;
+    int chunk = (row_tiles + gridDim.z - 1) / gridDim.z;
+    int t_first = blockIdx.z * chunk, t_end = min(t_first + chunk, row_tiles);
+    int kq = warp >> 1, half = warp & 1;  // this warp's 32 keys; its heads (1) or columns (3)
+    int mine = key0 + kq * 32;            // its first key
+    float dka[2][HALF / 8][4], dva[2][HALF / 8][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int n = 0; n < HALF / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) dka[i][n][e] = dva[i][n][e] = 0.f;
+    auto next_open = [&](int t) {
+        for (int u = t + 1; u < t_end; u++)
+            if ((int)hi[u] > key0) return u;
+        return t_end;
+    };
+    auto issue = [&](int t, int buf) {
+        for (int h = 0; h < group; h++) {
+            size_t head = (size_t)kv * group + h;
+            stage_async<D>(qb + (buf * rows + h * ROWS) * LD, q + head * m * D, t * ROWS, ROWS, m);
+            stage_async<D>(db + (buf * rows + h * ROWS) * LD, dout + head * m * D, t * ROWS, ROWS, m);
+        }
+        for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+            size_t at = ((size_t)kv * group + i / ROWS) * m + t * ROWS + i % ROWS;
+            lb[buf * rows + i] = lse[at];
+            dlb[buf * rows + i] = delta[at];
+        }
+    };
+    int t = next_open(t_first - 1);
+    if (t < t_end) issue(t, 0);
+    async_commit();
+    for (int buf = 0; t < t_end; buf ^= 1) {
+        int next = next_open(t);
+        if (next < t_end) issue(next, buf ^ 1);
+        async_commit();
+        async_wait<1>();
+        __syncthreads();
+        int open_hi = min((int)hi[t], s1);
+        const bf16* qt = qb + buf * rows * LD;
+        const bf16* dt = db + buf * rows * LD;
+        // 1. S^T and dP^T of this warp's 32 keys and (at most) two heads' 16 rows.
+        bool keys_open = mine < open_hi;  // uniform over the warp
+        float sa[2][4][4], pa[2][4][4];   // [key half][row n-tile][fragment]
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sa[i][n][e] = pa[i][n][e] = 0.f;
+        if (keys_open) {
+#pragma unroll
+            for (int k = 0; k < D / 16; k++) {
+                uint32_t ka[2][4], va[2][4];
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    ldsm_a(ka[i], ks + (kq * 32 + i * 16) * LD, LD, k * 16);
+                    ldsm_a(va[i], vs + (kq * 32 + i * 16) * LD, LD, k * 16);
+                }
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    int slot = half * 2 + j;
+                    if (slot >= group) continue;  // uniform over the warp
+                    uint32_t qf[4], df[4];
+                    ldsm_b_rows2(qf, qt + slot * ROWS * LD, LD, 0, k * 16);
+                    ldsm_b_rows2(df, dt + slot * ROWS * LD, LD, 0, k * 16);
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        mma(sa[i][2 * j], ka[i], qf[0], qf[1]);
+                        mma(sa[i][2 * j + 1], ka[i], qf[2], qf[3]);
+                        mma(pa[i][2 * j], va[i], df[0], df[1]);
+                        mma(pa[i][2 * j + 1], va[i], df[2], df[3]);
+                    }
+                }
+            }
+        }
+        // 2. P^T and dS^T into shared memory (zeros where closed, and for the heads past the
+        // group: their columns are never read).
+        const float* ls = lb + buf * rows;
+        const float* dl = dlb + buf * rows;
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                int col = half * 32 + n * 8 + 2 * c;  // this thread's first row of the step
+                bool in = col < rows;
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    int key_row = kq * 32 + i * 16 + g + 8 * hh;  // in the tile
+                    bool open = in && keys_open && key0 + key_row < open_hi;
+                    float p0 = 0.f, p1 = 0.f, d0 = 0.f, d1 = 0.f;
+                    if (open) {
+                        p0 = exp2f(sa[i][n][2 * hh] * scale2 - ls[col]);
+                        p1 = exp2f(sa[i][n][2 * hh + 1] * scale2 - ls[col + 1]);
+                        d0 = p0 * (pa[i][n][2 * hh] - dl[col]);
+                        d1 = p1 * (pa[i][n][2 * hh + 1] - dl[col + 1]);
+                    }
+                    *reinterpret_cast<uint32_t*>(pt + key_row * PLD + col) = pack(p0, p1);
+                    *reinterpret_cast<uint32_t*>(st + key_row * PLD + col) = pack(d0, d1);
+                }
+            }
+        __syncthreads();
+        // 3. dV += P^T dO, dK += dS^T Q: this warp's 32 keys x its half of the columns.
+        if (keys_open) {
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++) {
+                if (j >= group) continue;  // uniform over the block
+                uint32_t pf[2][4], sf[2][4];
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    ldsm_a(pf[i], pt + (kq * 32 + i * 16) * PLD, PLD, j * ROWS);
+                    ldsm_a(sf[i], st + (kq * 32 + i * 16) * PLD, PLD, j * ROWS);
+                }
+#pragma unroll
+                for (int n = 0; n < HALF / 8; n += 2) {
+                    uint32_t b[4];
+                    ldsm_b_cols2(b, dt + j * ROWS * LD, LD, 0, half * HALF + n * 8);
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        mma(dva[i][n], pf[i], b[0], b[1]);
+                        mma(dva[i][n + 1], pf[i], b[2], b[3]);
+                    }
+                    ldsm_b_cols2(b, qt + j * ROWS * LD, LD, 0, half * HALF + n * 8);
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        mma(dka[i][n], sf[i], b[0], b[1]);
+                        mma(dka[i][n + 1], sf[i], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the next row tile's issue and P^T overwrite what was read here
+        t = next;
+    }
+    // This chunk's partial sums of the block's keys (zeros for keys no row tile of it saw).
+    float* pk = part_k + ((size_t)blockIdx.z * gridDim.y + kv) * s1 * D;
+    float* pv = part_v + ((size_t)blockIdx.z * gridDim.y + kv) * s1 * D;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            int key = mine + i * 16 + g + 8 * hh;
+            if (key >= s1) continue;
+#pragma unroll
+            for (int n = 0; n < HALF / 8; n++) {
+                size_t at = (size_t)key * D + half * HALF + n * 8 + 2 * c;
+                *reinterpret_cast<float2*>(pk + at) = make_float2(dka[i][n][2 * hh] * scale, dka[i][n][2 * hh + 1] * scale);
+                *reinterpret_cast<float2*>(pv + at) = make_float2(dva[i][n][2 * hh], dva[i][n][2 * hh + 1]);
+            }
+        }
 }
 
 // dk1 and dv1: the sums of flash_dkv's `chunks` partials of `n` elements each.
@@ -868,8 +1065,20 @@ __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf1
         const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2, const uint32_t* hi,          \
         const bf16* dout, const float* lse, const float* delta, float* part_k, float* part_v, bf16* dk2, bf16* dv2, \
         int m, int s1, int group, float scale2, float scale) {                                                      \
-        flash_dkv_pipelined<D>(q, k1, v1, k2, v2, hi, dout, lse, delta, part_k, part_v, dk2, dv2, m, s1, group,    \
-                               scale2, scale);                                                                      \
+        flash_dkv_pipelined<D, false>(q, k1, v1, k2, v2, hi, dout, lse, delta, part_k, part_v, dk2, dv2, m, s1,    \
+                                      group, scale2, scale);                                                        \
+    }                                                                                                               \
+    extern "C" __global__ void flash_dkv_own_d##D(                                                                  \
+        const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2, const uint32_t* hi,          \
+        const bf16* dout, const float* lse, const float* delta, float* part_k, float* part_v, bf16* dk2, bf16* dv2, \
+        int m, int s1, int group, float scale2, float scale) {                                                      \
+        flash_dkv_pipelined<D, true>(q, k1, v1, k2, v2, hi, dout, lse, delta, part_k, part_v, dk2, dv2, m, s1,     \
+                                     group, scale2, scale);                                                         \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, 1) flash_dkv_tiled_d##D(                                      \
+        const bf16* q, const bf16* k1, const bf16* v1, const uint32_t* hi, const bf16* dout, const float* lse,      \
+        const float* delta, float* part_k, float* part_v, int m, int s1, int group, float scale2, float scale) {    \
+        flash_dkv_tiled<D>(q, k1, v1, hi, dout, lse, delta, part_k, part_v, m, s1, group, scale2, scale);          \
     }
 
 FLASH_KERNELS(64)

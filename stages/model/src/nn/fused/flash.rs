@@ -136,38 +136,79 @@ mod cuda {
         2 * KEY_TILE * ld * 2 + 2 * 2 * group * ROWS * ld * 2 + 2 * 2 * group * ROWS * 4
     }
 
-    /// The dK/dV kernel to launch and its dynamic shared memory: `flash_dkv_pipelined` where
-    /// the device lets a block have that much shared memory (its sums equal `flash_dkv`'s bit
-    /// for bit, checked on an H100 by `flash_reference.py check`, and it is 18% faster at the
-    /// Qwen3-8B shape: 3.38 ms against 4.10), `flash_dkv` otherwise or when
-    /// `DFLASH_FLASH_DKV=staged` asks for it (to time one against the other).
-    fn dkv_kernel(dev: &CudaDevice, group: usize, d: usize) -> Result<(CudaFunction, u32)> {
+    /// Keys a block of `flash_dkv_tiled` takes, and the most heads a group may have for it.
+    const TILED_KEY_TILE: usize = 128;
+    const TILED_MAX_GROUP: usize = 4;
+
+    /// `flash_dkv_tiled`'s dynamic shared memory (flash.cu's `dkv_tiled_smem`).
+    fn dkv_tiled_smem(group: usize, d: usize) -> usize {
+        let (ld, pld) = (d + 8, TILED_MAX_GROUP * ROWS + 8);
+        (2 * TILED_KEY_TILE * ld + 2 * 2 * group * ROWS * ld + 2 * TILED_KEY_TILE * pld) * 2
+            + 2 * 2 * group * ROWS * 4
+    }
+
+    /// How the dK/dV pass runs (`DFLASH_FLASH_DKV=staged|pipelined|tiled` picks one, to time
+    /// one against another).
+    enum Dkv {
+        /// `flash_dkv` (static shared memory, the fallback): every key tile, k1's and k2's.
+        Staged(CudaFunction),
+        /// `flash_dkv_pipelined` and its dynamic shared memory: the same sums bit for bit
+        /// (checked on an H100 by `flash_reference.py check`), 18% faster at the Qwen3-8B shape
+        /// (3.38 ms against 4.10). The default.
+        Pipelined(CudaFunction, u32),
+        /// `flash_dkv_tiled` over k1 (tiles of 128 keys, 8 warps; its shared memory) then
+        /// `flash_dkv_own` over k2 (the pipelined kernel's k2 blocks; its shared memory):
+        /// FlashAttention-2's tiling, written after the last GPU check; with
+        /// `DFLASH_UNCHECKED_KERNELS=1` until `flash_reference.py check` has held it to
+        /// autograd. Groups of at most four heads.
+        Tiled(CudaFunction, u32, CudaFunction, u32),
+    }
+
+    /// The dK/dV pass's kernels where the device lets a block have their shared memory,
+    /// else the staged kernel.
+    fn dkv_kernels(dev: &CudaDevice, group: usize, d: usize) -> Result<Dkv> {
         use candle_core::cuda_backend::cudarc::driver::sys::{
             CUdevice_attribute, CUfunction_attribute,
         };
-        static STAGED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let staged =
-            *STAGED.get_or_init(|| std::env::var("DFLASH_FLASH_DKV").is_ok_and(|v| v == "staged"));
-        let bytes = dkv_pipelined_smem(group, d);
-        if !staged {
-            let most = dev
-                .cuda_stream()
-                .context()
-                .attribute(
-                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                )
-                .w()?;
-            if bytes <= most.max(0) as usize {
-                let f = kernel(dev, "flash_dkv_pipelined", d)?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-                .w()?;
-                return Ok((f, bytes as u32));
-            }
+        static ASKED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+        let asked = ASKED.get_or_init(|| std::env::var("DFLASH_FLASH_DKV").ok());
+        let most = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .w()?
+            .max(0) as usize;
+        let opted = |name: &str, bytes: usize| -> Result<CudaFunction> {
+            let f = kernel(dev, name, d)?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .w()?;
+            Ok(f)
+        };
+        let piped = dkv_pipelined_smem(group, d);
+        let tiled = dkv_tiled_smem(group, d);
+        let want_tiled = match asked.as_deref() {
+            Some("tiled") => true,
+            Some(_) => false,
+            None => crate::nn::fused::unchecked_kernels(),
+        };
+        if asked.as_deref() == Some("staged") || piped > most {
+            return Ok(Dkv::Staged(kernel(dev, "flash_dkv", d)?));
         }
-        Ok((kernel(dev, "flash_dkv", d)?, 0))
+        if want_tiled && group <= TILED_MAX_GROUP && tiled <= most {
+            return Ok(Dkv::Tiled(
+                opted("flash_dkv_tiled", tiled)?,
+                tiled as u32,
+                opted("flash_dkv_own", piped)?,
+                piped as u32,
+            ));
+        }
+        Ok(Dkv::Pipelined(
+            opted("flash_dkv_pipelined", piped)?,
+            piped as u32,
+        ))
     }
 
     /// The forward kernels (flash.cu), by what `DFLASH_FLASH_FORWARD` calls them.
@@ -453,7 +494,7 @@ mod cuda {
         let group = heads / kv;
         let (m32, s32, g32, (scale, scale2)) = (m as i32, s as i32, group as i32, scales(d));
         let fq = kernel(&dev, "flash_dq", d)?;
-        let (fkv, fkv_smem) = dkv_kernel(&dev, group, d)?;
+        let dkv = dkv_kernels(&dev, group, d)?;
         let fsum = dev
             .get_or_load_custom_func("flash_dkv_sum", "dflash_flash", PTX)?
             .into_cuda_function();
@@ -471,22 +512,39 @@ mod cuda {
             // SAFETY: reads the forward's operands, out, d_out (heads*m*d) and lse (heads*m);
             // writes delta (heads*m) and dq (heads*m*d).
             unsafe { b.launch(cfg) }.w()?;
-            let mut b = stream.launch_builder(&fkv);
-            b.arg(&q).arg(&ck).arg(&cv).arg(&bk).arg(&bv).arg(&seen);
-            b.arg(&d_out).arg(&lse).arg(&delta).arg(&part_k).arg(&part_v).arg(&dbk).arg(&dbv);
-            b.arg(&m32).arg(&s32).arg(&g32).arg(&scale2).arg(&scale);
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    (s.div_ceil(KEY_TILE) + m.div_ceil(KEY_TILE)) as u32,
-                    kv as u32,
-                    chunks as u32,
-                ),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: fkv_smem,
+            // The dK/dV kernels: (kernel, grid, threads, shared memory) each, one launch or two.
+            let (k1_tiles, all_tiles) = (s.div_ceil(KEY_TILE), s.div_ceil(KEY_TILE) + m.div_ceil(KEY_TILE));
+            let launches = match &dkv {
+                Dkv::Staged(f) => vec![(f, (all_tiles, chunks), 128, 0)],
+                Dkv::Pipelined(f, bytes) => vec![(f, (all_tiles, chunks), 128, *bytes)],
+                Dkv::Tiled(f, bytes, own, own_bytes) => vec![
+                    (f, (s.div_ceil(TILED_KEY_TILE), chunks), 256, *bytes),
+                    (own, (all_tiles - k1_tiles, 1), 128, *own_bytes),
+                ],
             };
-            // SAFETY: reads as above plus delta; writes chunks*kv*s*d of part_k/part_v (every
-            // chunk writes all of its keys) and kv*m*d of dbk/dbv.
-            unsafe { b.launch(cfg) }.w()?;
+            for (f, (x, z), threads, bytes) in launches {
+                let tiled = threads == 256;
+                let mut b = stream.launch_builder(f);
+                b.arg(&q).arg(&ck).arg(&cv);
+                if !tiled {
+                    b.arg(&bk).arg(&bv);
+                }
+                b.arg(&seen).arg(&d_out).arg(&lse).arg(&delta).arg(&part_k).arg(&part_v);
+                if !tiled {
+                    b.arg(&dbk).arg(&dbv);
+                }
+                b.arg(&m32).arg(&s32).arg(&g32).arg(&scale2).arg(&scale);
+                let cfg = LaunchConfig {
+                    grid_dim: (x as u32, kv as u32, z as u32),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: bytes,
+                };
+                // SAFETY: reads as above plus delta; writes chunks*kv*s*d of part_k/part_v
+                // (every chunk writes all of its k1 keys: the staged and pipelined kernels'
+                // k1 blocks, or the tiled kernel's) and kv*m*d of dbk/dbv (their k2 blocks,
+                // or flash_dkv_own's).
+                unsafe { b.launch(cfg) }.w()?;
+            }
             let n = kv * s * d;
             let chunks32 = chunks as i32;
             let mut b = stream.launch_builder(&fsum);
