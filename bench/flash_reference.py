@@ -10,14 +10,15 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
         relative to the reference's largest magnitude (`wide_*`: the forward with tiles of 64
         keys, flash_forward_wide; `tall_*`: 32 query rows a warp, flash_forward_tall), and
         whether the pipelined dK/dV kernel's gradients equal the staged one's bit for bit
-        (`tiled_*`: the tiled dK/dV pass's errors; JSON lines).
+        (`tiled_*`: the tiled dK/dV pass's errors, `tall_dq` the tall dQ kernel's; JSON
+        lines).
     python3 bench/flash_reference.py speed flash.ptx [--anchors 512] [--seq 3072]
         The Qwen3-8B attention shapes of one training step (32 heads, 8 KV heads, d 128): the
         drafter's block attention forward + backward against SDPA under the dense block mask
         (what bench/train_reference.py runs), and the target's causal forward against SDPA with
         an additive causal mask (train_reference.py) and with is_causal (PyTorch's flash
         kernel); the three forward kernels (`*_wide_ms`, `*_tall_ms`) and the three dK/dV
-        passes (staged, pipelined, tiled); FlexAttention under torch.compile with
+        passes (staged, pipelined, tiled), both dQ kernels; FlexAttention under torch.compile with
         the same block mask, forward and backward. Milliseconds, TFLOP/s and the ratios (JSON
         lines).
     python3 bench/flash_reference.py once flash.ptx
@@ -134,17 +135,22 @@ def dkv_tiled_smem(group, d):
     return (2 * 128 * ld + 2 * 2 * group * ROWS * ld + 2 * 128 * pld) * 2 + 2 * 2 * group * ROWS * 4
 
 
-def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False, dkv="staged"):
-    """dQ, then dK and dV by `dkv`: the staged kernel, the pipelined one, or the tiled one (with
-    flash_dkv_own for the block's own keys)."""
+def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False, dkv="staged", dq_kind="narrow"):
+    """dQ (flash_dq, or given dq_kind="tall" flash_dq_tall: 32 rows a warp), then dK and dV by
+    `dkv`: the staged kernel, the pipelined one, or the tiled one (with flash_dkv_own for the
+    block's own keys)."""
     heads, m, d = q.shape
     kv, s1 = k1.shape[0], k1.shape[1]
     group = heads // kv
     scale, scale2 = scales(d)
     delta = torch.empty(heads, m, device=q.device, dtype=torch.float32)
     dq = torch.empty_like(q)
-    K.launch(f"flash_dq_d{d}", (m // ROWS, kv, 1), (32 * group, 1, 1),
-             [q, k1, v1, k2, v2, hi, out, dout, lse, delta, dq, m, s1, group, scale2, scale])
+    dq_args = [q, k1, v1, k2, v2, hi, out, dout, lse, delta, dq, m, s1, group, scale2, scale]
+    if dq_kind == "tall":
+        K.launch(f"flash_dq_tall_d{d}", ((m + 2 * ROWS - 1) // (2 * ROWS), kv, 1), (32 * group, 1, 1), dq_args,
+                 (2 * 2 * 32 + 2 * group * 2 * ROWS) * (d + 8) * 2)
+    else:
+        K.launch(f"flash_dq_d{d}", (m // ROWS, kv, 1), (32 * group, 1, 1), dq_args)
     if dq_only:
         return dq
     dk1, dv1, dk2, dv2 = (torch.empty_like(t) for t in (k1, v1, k2, v2))
@@ -242,10 +248,12 @@ def check(K, args):
         except Exception as e:  # say so, and go on checking the staged kernels
             print(json.dumps({"pipelined_dkv_error": repr(e)[:300]}))
             same = False
-        # The tiled dK/dV kernels (FlashAttention-2's tiling: other sums, so within bounds only).
+        # The tiled dK/dV kernels (FlashAttention-2's tiling: other sums, so within bounds only)
+        # and the tall dQ kernel.
         try:
-            tiled = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled")
+            tiled = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled", dq_kind="tall")
             torch.cuda.synchronize()
+            errs["tall_dq"] = rel(tiled[0], ref[0].grad)
             for name, g, r in zip(["dk1", "dv1", "dk2", "dv2"], tiled[1:], ref[1:]):
                 errs[f"tiled_{name}"] = rel(g, r.grad)
             worst = max(worst, *errs.values())
@@ -299,6 +307,11 @@ def speed(K, args):
     res["dflash_block_bwd_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout))
     res["dflash_block_bwd_dq_only_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True))
     res["dflash_dkv_staged_ms"] = res["dflash_block_bwd_ms"] - res["dflash_block_bwd_dq_only_ms"]
+    try:
+        res["dflash_dq_tall_ms"] = timed(
+            lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True, dq_kind="tall"))
+    except Exception as e:  # say so, time the rest
+        print(json.dumps({"metric": "tall_dq_error", "value": repr(e)[:300]}))
     try:
         res["dflash_block_bwd_pipelined_dkv_ms"] = timed(
             lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined"))
@@ -400,7 +413,7 @@ def once(K, args):
         out, lse = forward(K, q, k1, v1, k2, v2, hi, -1, kind=kind)
     out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
     backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined")
-    backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled")
+    backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled", dq_kind="tall")
     q, k, v = randn(heads, s, d), randn(kv, s, d), randn(kv, s, d)
     for kind in ("narrow",) + OTHER_FORWARDS:
         forward(K, q, k, v, None, None, None, 0, kind=kind)

@@ -585,6 +585,144 @@ __device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf
     }
 }
 
+// flash_dq with TALL row tiles a warp, as flash_forward_tall is to flash_forward: each key and
+// value fragment feeds twice the products and each staged key tile twice the rows; queries and
+// output gradients wait in shared memory. The block's own keys (TALL row tiles' 16 each) are
+// one tile of TALL * 16 keys, row tile i's closed to the others. Grid (row tiles of TALL * 16,
+// kv_heads); block 32 * group threads; dynamic shared memory dq_tall_smem(D, group).
+__host__ __device__ constexpr int dq_tall_smem(int d, int group) {
+    return (2 * 2 * KT_DQ + 2 * group * TALL * ROWS) * (d + PAD) * 2;
+}
+
+template <int D>
+__device__ void flash_dq_tall(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2,
+                              const uint32_t* hi, const bf16* out, const bf16* dout, const float* lse, float* delta,
+                              bf16* dq, int m, int s1, int group, float scale2, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int LD = D + PAD, TILE = KT_DQ * LD, NT = KT_DQ / 8;
+    bf16* ks_all = reinterpret_cast<bf16*>(smem);
+    bf16* vs_all = ks_all + 2 * TILE;
+    bf16* qs_all = vs_all + 2 * TILE;                // [group][TALL * 16][LD]
+    bf16* ds_all = qs_all + group * TALL * ROWS * LD;  // the same for dout
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int kv = blockIdx.y, head = kv * group + warp, tile = row_tile(), row0 = tile * TALL * ROWS;
+    for (int h = 0; h < group; h++) {
+        size_t at = (size_t)(kv * group + h) * m * D;
+        stage_async<D>(qs_all + h * TALL * ROWS * LD, q + at, row0, TALL * ROWS, m);
+        stage_async<D>(ds_all + h * TALL * ROWS * LD, dout + at, row0, TALL * ROWS, m);
+    }
+    const bf16* qs = qs_all + warp * TALL * ROWS * LD;
+    const bf16* ds = ds_all + warp * TALL * ROWS * LD;
+    // delta and lse of each row tile's rows g and g + 8; the views of the context.
+    float dl[TALL][2], ls[TALL][2];
+    View views[TALL];
+    int reach = 0;
+#pragma unroll
+    for (int i = 0; i < TALL; i++) {
+        int r0 = row0 + i * ROWS;
+        views[i].past = -1;
+        views[i].row0 = r0;
+        views[i].hi = r0 < m ? (int)hi[r0 / ROWS] : 0;
+        reach = max(reach, views[i].hi);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int row = r0 + g + 8 * h;
+            float sum = 0.f;
+            if (row < m) {
+                const bf16* o = out + ((size_t)head * m + row) * D;
+                const bf16* d = dout + ((size_t)head * m + row) * D;
+                for (int j = 2 * c; j < D; j += 8) {
+                    sum += __bfloat162float(o[j]) * __bfloat162float(d[j]);
+                    sum += __bfloat162float(o[j + 1]) * __bfloat162float(d[j + 1]);
+                }
+            }
+            dl[i][h] = quad_sum(sum);
+            ls[i][h] = row < m ? lse[(size_t)head * m + row] : INFINITY;
+            if (c == 0 && row < m) delta[(size_t)head * m + row] = dl[i][h];
+        }
+    }
+    float acc[TALL][D / 8][4];
+#pragma unroll
+    for (int i = 0; i < TALL; i++)
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) acc[i][n][0] = acc[i][n][1] = acc[i][n][2] = acc[i][n][3] = 0.f;
+    const bf16* kh = k1 + (size_t)kv * s1 * D;
+    const bf16* vh = v1 + (size_t)kv * s1 * D;
+    int tiles = (reach + KT_DQ - 1) / KT_DQ;
+    // Tiles of k1, then the block's own keys (one tile of TALL * 16 = KT_DQ keys).
+    auto issue = [&](int t) {
+        if (t == tiles) {
+            stage_async<D>(ks_all + (t & 1) * TILE, k2 + (size_t)kv * m * D, row0, TALL * ROWS, m);
+            stage_async<D>(vs_all + (t & 1) * TILE, v2 + (size_t)kv * m * D, row0, TALL * ROWS, m);
+        } else {
+            stage_async<D>(ks_all + (t & 1) * TILE, kh, t * KT_DQ, KT_DQ, s1);
+            stage_async<D>(vs_all + (t & 1) * TILE, vh, t * KT_DQ, KT_DQ, s1);
+        }
+        async_commit();
+    };
+    issue(0);  // with the queries and output gradients: one group
+    for (int t = 0; t <= tiles; t++) {
+        bool own = t == tiles;
+        if (t < tiles) issue(t + 1);
+        else async_commit();  // an empty group keeps the wait below uniform
+        async_wait<1>();
+        __syncthreads();
+        const bf16* kt = ks_all + (t & 1) * TILE;
+        const bf16* vt = vs_all + (t & 1) * TILE;
+        float p[TALL][NT][4], dp[TALL][NT][4];
+        scores_tall<D, NT, TALL>(p, qs, kt, scale2, own ? nullptr : views, t * KT_DQ);
+        // dP = dO V^T (the same shape as the scores, by the same fragments' loop).
+        scores_tall<D, NT, TALL>(dp, ds, vt, 1.f, nullptr, 0);
+#pragma unroll
+        for (int i = 0; i < TALL; i++)
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int h = e >> 1;
+                    // The own tile: row tile i sees its own 16 keys (n-tiles 2i, 2i + 1) alone.
+                    bool open = own ? (n >> 1) == i : true;
+                    float pr = open ? exp2f(p[i][n][e] - ls[i][h]) : 0.f;
+                    p[i][n][e] = pr * (dp[i][n][e] - dl[i][h]);  // dS, in the units of the scaled scores
+                }
+#pragma unroll
+        for (int j = 0; j < NT / 2; j++) {
+            uint32_t a[TALL][4];
+#pragma unroll
+            for (int i = 0; i < TALL; i++) {
+                a[i][0] = pack(p[i][2 * j][0], p[i][2 * j][1]);
+                a[i][1] = pack(p[i][2 * j][2], p[i][2 * j][3]);
+                a[i][2] = pack(p[i][2 * j + 1][0], p[i][2 * j + 1][1]);
+                a[i][3] = pack(p[i][2 * j + 1][2], p[i][2 * j + 1][3]);
+            }
+#pragma unroll
+            for (int n = 0; n < D / 8; n += 2) {
+                uint32_t b[4];
+                ldsm_b_cols2(b, kt, LD, j * 16, n * 8);
+#pragma unroll
+                for (int i = 0; i < TALL; i++) {
+                    if (own && j != i) continue;  // compile-time after unrolling, uniform
+                    mma(acc[i][n], a[i], b[0], b[1]);
+                    mma(acc[i][n + 1], a[i], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // the next iteration loads into the buffer read here
+    }
+#pragma unroll
+    for (int i = 0; i < TALL; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int row = row0 + i * ROWS + g + 8 * h;
+            if (row >= m) continue;
+            bf16* o = dq + ((size_t)head * m + row) * D;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++)
+                *reinterpret_cast<uint32_t*>(o + n * 8 + 2 * c) =
+                    pack(acc[i][n][2 * h] * scale, acc[i][n][2 * h + 1] * scale);
+        }
+}
+
 // One head's 16 rows (q and dout staged at qs and ds, their lse and delta at ls and dl) against
 // a warp's 16 keys (staged at ks and vs): dV += P^T . dO and dK += dS^T . Q (dK unscaled). Keys
 // at or past `open_hi` are closed to these rows unless `second` (a block's own keys).
@@ -1052,6 +1190,12 @@ __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf1
                                              const float* lse, float* delta, bf16* dq, int m, int s1, int group,    \
                                              float scale2, float scale) {                                          \
         flash_dq<D>(q, k1, v1, k2, v2, hi, out, dout, lse, delta, dq, m, s1, group, scale2, scale);                 \
+    }                                                                                                               \
+    extern "C" __global__ void flash_dq_tall_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,    \
+                                                  const bf16* v2, const uint32_t* hi, const bf16* out,             \
+                                                  const bf16* dout, const float* lse, float* delta, bf16* dq,      \
+                                                  int m, int s1, int group, float scale2, float scale) {           \
+        flash_dq_tall<D>(q, k1, v1, k2, v2, hi, out, dout, lse, delta, dq, m, s1, group, scale2, scale);            \
     }                                                                                                               \
     extern "C" __global__ void flash_dkv_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,        \
                                               const bf16* v2, const uint32_t* hi, const bf16* dout,                \

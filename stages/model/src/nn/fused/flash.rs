@@ -167,48 +167,50 @@ mod cuda {
     /// The dK/dV pass's kernels where the device lets a block have their shared memory,
     /// else the staged kernel.
     fn dkv_kernels(dev: &CudaDevice, group: usize, d: usize) -> Result<Dkv> {
-        use candle_core::cuda_backend::cudarc::driver::sys::{
-            CUdevice_attribute, CUfunction_attribute,
-        };
         static ASKED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
         let asked = ASKED.get_or_init(|| std::env::var("DFLASH_FLASH_DKV").ok());
-        let most = dev
-            .cuda_stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .w()?
-            .max(0) as usize;
-        let opted = |name: &str, bytes: usize| -> Result<CudaFunction> {
-            let f = kernel(dev, name, d)?;
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .w()?;
-            Ok(f)
-        };
-        let piped = dkv_pipelined_smem(group, d);
-        let tiled = dkv_tiled_smem(group, d);
         let want_tiled = match asked.as_deref() {
-            Some("tiled") => true,
-            Some(_) => false,
+            Some(v) => v == "tiled",
             None => crate::nn::fused::unchecked_kernels(),
         };
-        if asked.as_deref() == Some("staged") || piped > most {
+        let (piped, tiled) = (dkv_pipelined_smem(group, d), dkv_tiled_smem(group, d));
+        if asked.as_deref() == Some("staged") {
             return Ok(Dkv::Staged(kernel(dev, "flash_dkv", d)?));
         }
-        if want_tiled && group <= TILED_MAX_GROUP && tiled <= most {
-            return Ok(Dkv::Tiled(
-                opted("flash_dkv_tiled", tiled)?,
-                tiled as u32,
-                opted("flash_dkv_own", piped)?,
-                piped as u32,
-            ));
+        let Some(pipelined) = with_smem(dev, "flash_dkv_pipelined", d, piped)? else {
+            return Ok(Dkv::Staged(kernel(dev, "flash_dkv", d)?));
+        };
+        if want_tiled && group <= TILED_MAX_GROUP {
+            if let (Some(f), Some(own)) = (
+                with_smem(dev, "flash_dkv_tiled", d, tiled)?,
+                with_smem(dev, "flash_dkv_own", d, piped)?,
+            ) {
+                return Ok(Dkv::Tiled(f, tiled as u32, own, piped as u32));
+            }
         }
-        Ok(Dkv::Pipelined(
-            opted("flash_dkv_pipelined", piped)?,
-            piped as u32,
-        ))
+        Ok(Dkv::Pipelined(pipelined, piped as u32))
+    }
+
+    /// The dQ kernel, the query rows a block takes and its dynamic shared memory: `flash_dq`
+    /// (16 rows a warp, static shared memory), or `flash_dq_tall` (32 rows a warp, queries and
+    /// output gradients in shared memory, written after the last GPU check) where
+    /// `DFLASH_FLASH_DQ=tall` or `DFLASH_UNCHECKED_KERNELS=1` asks for it and the device lets a
+    /// block have its shared memory.
+    fn dq_kernel(dev: &CudaDevice, group: usize, d: usize) -> Result<(CudaFunction, usize, u32)> {
+        static TALL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let tall = *TALL.get_or_init(|| match std::env::var("DFLASH_FLASH_DQ").as_deref() {
+            Ok(v) => v == "tall",
+            Err(_) => crate::nn::fused::unchecked_kernels(),
+        });
+        // flash.cu's dq_tall_smem: two tiles of 32 keys and values, every head's 32 rows of q
+        // and of dout.
+        let bytes = (2 * 2 * 32 + 2 * group * 2 * ROWS) * (d + 8) * 2;
+        if tall {
+            if let Some(f) = with_smem(dev, "flash_dq_tall", d, bytes)? {
+                return Ok((f, 2 * ROWS, bytes as u32));
+            }
+        }
+        Ok((kernel(dev, "flash_dq", d)?, ROWS, 0))
     }
 
     /// The forward kernels (flash.cu), by what `DFLASH_FLASH_FORWARD` calls them.
@@ -274,32 +276,43 @@ mod cuda {
         group: usize,
         d: usize,
     ) -> Result<(CudaFunction, usize, u32)> {
+        let which = Forward::chosen();
+        if which != Forward::Narrow {
+            let bytes = which.smem(group, d);
+            if let Some(f) = with_smem(dev, which.name(), d, bytes)? {
+                return Ok((f, which.rows(), bytes as u32));
+            }
+        }
+        // The narrow kernel: also where a large group's shared memory is past the device's.
+        Ok((kernel(dev, Forward::Narrow.name(), d)?, ROWS, 0))
+    }
+
+    /// `name`'s kernel for head size `d`, opted in to `bytes` of dynamic shared memory (past
+    /// the 48 KB a launch may ask for unasked); `None` where the device lets a block have less.
+    fn with_smem(
+        dev: &CudaDevice,
+        name: &str,
+        d: usize,
+        bytes: usize,
+    ) -> Result<Option<CudaFunction>> {
         use candle_core::cuda_backend::cudarc::driver::sys::{
             CUdevice_attribute, CUfunction_attribute,
         };
-        let mut which = Forward::chosen();
-        if which != Forward::Narrow {
-            let most = dev
-                .cuda_stream()
-                .context()
-                .attribute(
-                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                )
-                .w()?;
-            if which.smem(group, d) > most.max(0) as usize {
-                which = Forward::Narrow; // a large group on a small GPU
-            }
-        }
-        let f = kernel(dev, which.name(), d)?;
-        let bytes = which.smem(group, d);
-        if bytes > 0 {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
+        let most = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .w()?;
+        if bytes > most.max(0) as usize {
+            return Ok(None);
         }
-        Ok((f, which.rows(), bytes as u32))
+        let f = kernel(dev, name, d)?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .w()?;
+        Ok(Some(f))
     }
 
     fn kernel(dev: &CudaDevice, name: &str, d: usize) -> Result<CudaFunction> {
@@ -493,7 +506,7 @@ mod cuda {
         };
         let group = heads / kv;
         let (m32, s32, g32, (scale, scale2)) = (m as i32, s as i32, group as i32, scales(d));
-        let fq = kernel(&dev, "flash_dq", d)?;
+        let (fq, dq_rows, dq_smem) = dq_kernel(&dev, group, d)?;
         let dkv = dkv_kernels(&dev, group, d)?;
         let fsum = dev
             .get_or_load_custom_func("flash_dkv_sum", "dflash_flash", PTX)?
@@ -505,9 +518,9 @@ mod cuda {
             b.arg(&out).arg(&d_out).arg(&lse).arg(&delta).arg(&dq);
             b.arg(&m32).arg(&s32).arg(&g32).arg(&scale2).arg(&scale);
             let cfg = LaunchConfig {
-                grid_dim: ((m / ROWS) as u32, kv as u32, 1),
+                grid_dim: (m.div_ceil(dq_rows) as u32, kv as u32, 1),
                 block_dim: (32 * group as u32, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: dq_smem,
             };
             // SAFETY: reads the forward's operands, out, d_out (heads*m*d) and lse (heads*m);
             // writes delta (heads*m) and dq (heads*m*d).
