@@ -91,13 +91,14 @@
 # The fourteenth (2026-12-07, an H100; one of eleven calls got a machine): `stash; flash` with
 # .gpu/f (217.6 s): ldmatrix in the flash kernels, the elementwise and row kernels in 16-byte
 # vectors, `head_rows` checked (then made the default): bench/results/issue22-h100-fourteenth/.
-# Next, first: `stash; flash` with .gpu/f (train_probe and flash.ptx built at the end of that
-# session, ~220 s): the kernels written after the call (AdamW's master update eight elements a
-# thread, the gradient norm's squares and `fused::add` in 16-byte vectors, the forward with
-# tiles of 64 keys) checked with DFLASH_UNCHECKED_KERNELS=1 (`adamw_master_3_steps_4096`,
-# `sum_squares_over_1e4`, `add_*`, `wide_out`/`wide_lse`, `train_probe flash`) and the step timed
-# with them beside the default (`*_wide_ms` for the forward alone); where the checks hold and a
-# kernel pays, make it the default (`fused::unchecked_kernels`, flash.rs's `forward_kernel`). Then `stash; profile dflash` (where the step's time goes now),
+# The fifteenth (2026-12-07, an H100; the fifth call got a machine): `stash; flash;
+# flash-profile` with .gpu/f (252.9 s): the opt-in kernels checked (AdamW's eight-wide master
+# update, the norm's squares and `fused::add` in vectors, the wide forward) and three new
+# attention kernels (`flash_forward_tall`, `flash_dq_tall`, `flash_dkv_tiled`), then
+# `profile dflash` with them (43.1 s): bench/results/issue22-h100-fifteenth/. What paid became
+# the default (the tall forward did not: it stays behind DFLASH_FLASH_FORWARD=tall).
+# Next: `stash; step` with .gpu/f as rebuilt after that call (the new defaults timed beside the
+# earlier attention kernels and PyTorch's two forms), then `profile dflash`,
 # and the block-16 training plan above, with .gpu/1..5 as repacked at the end of the
 # fourteenth session (`pack-inputs BIN .gpu drafters:smollm2-5600
 # drafters:smollm2-expansion-seed`, its dflash with that session's kernels: `stash` x4, then
@@ -187,12 +188,13 @@ step_against_pytorch() {
     peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
         --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
 }
-# The step with the kernels written since the last GPU check (`fused::unchecked_kernels`),
-# opt-in until their checks hold.
-unchecked_kernels_step() {
-    echo '{"phase": "label", "name": "dflash, DFLASH_UNCHECKED_KERNELS=1"}'
-    DFLASH_UNCHECKED_KERNELS=1 peak_memory $STASH/train_probe speed --anchors 512 ||
-        echo "speed (unchecked kernels) failed: $?"
+# The step with the attention kernels `train` ran before the fifteenth call (the narrow forward
+# for both modes, the narrow dQ, the pipelined dK/dV), to see what the new defaults bought in the
+# same call.
+earlier_kernels_step() {
+    echo '{"phase": "label", "name": "dflash, the attention kernels before the fifteenth call"}'
+    DFLASH_FLASH_FORWARD=narrow DFLASH_FLASH_DQ=narrow DFLASH_FLASH_DKV=pipelined \
+        peak_memory $STASH/train_probe speed --anchors 512 || echo "speed (earlier kernels) failed: $?"
 }
 case $cmd in
 pack-inputs)
@@ -487,10 +489,9 @@ probe)
 flash)
     # There: the drafter's block attention (issue 22): the build's flash PTX checked against
     # autograd in f64 (both dK/dV kernels, the pipelined one bit for bit equal to the staged
-    # one), timed beside SDPA and FlexAttention under torch.compile; AdamW's and the head's
-    # kernels against their references (with DFLASH_UNCHECKED_KERNELS=1, so the opt-in ones
-    # too); the step against PyTorch in f32; then the training step with the opt-in kernels and
-    # as `train` runs it beside eager
+    # one), timed beside SDPA and FlexAttention under torch.compile; the fused kernels against
+    # their references; the step against PyTorch in f32; then the training step with the
+    # attention kernels of before the fifteenth call and as `train` runs it beside eager
     # and compiled PyTorch (FLEX=flex: eager FlexAttention too), each with its peak memory by
     # nvidia-smi.
     # Needs only flash.ptx and train_probe.xz stashed (a one-part pack of its own, no `setup`):
@@ -503,29 +504,27 @@ flash)
         python3 bench/flash_reference.py check $STASH/flash.ptx || echo "check failed: $?"
         python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
-        # The kernels written since the last check (the wide forward among them), opt-in.
-        DFLASH_UNCHECKED_KERNELS=1 $STASH/train_probe flash || echo "train_probe flash (unchecked) failed: $?"
-        DFLASH_UNCHECKED_KERNELS=1 $STASH/train_probe fused || echo "train_probe fused failed: $?"
+        $STASH/train_probe fused || echo "train_probe fused failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
-        unchecked_kernels_step
+        earlier_kernels_step
         step_against_pytorch ${FLEX:-}
     } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
     ;;
 step)
     # There: the step's comparison alone (issue 22; what `flash` ends with, without the flash
-    # checks): the elementwise kernels against their CPU forms (with DFLASH_UNCHECKED_KERNELS=1,
-    # so the opt-in ones too), the step with the opt-in kernels and as `train` runs it, eager
+    # checks): the elementwise kernels against their CPU forms, the step with the attention
+    # kernels of before the fifteenth call and as `train` runs it, eager
     # PyTorch and PyTorch compiled with FlexAttention, each with its peak memory, and the
     # ratios. Needs only train_probe.xz stashed.
     unpack_probe
     mkdir -p $STASH/assets
     cuda_env
     {
-        DFLASH_UNCHECKED_KERNELS=1 $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm\|sum_squares\|"add_' ||
+        $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm\|sum_squares\|"add_' ||
             echo "train_probe fused failed: $?"
-        unchecked_kernels_step
+        earlier_kernels_step
         step_against_pytorch
     } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
     python3 bench/step_ratio.py "$OUT/step.txt" | tee -a "$OUT/step.txt"

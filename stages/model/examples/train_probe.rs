@@ -511,7 +511,7 @@ fn fused(_args: &[String]) -> Result<()> {
         );
     }
     // The master update's copy must be the updated weights' cast exactly: rows of 4,099 (an
-    // element a thread) and of 4,096 (eight a thread, with DFLASH_UNCHECKED_KERNELS=1).
+    // element a thread) and of 4,096 (eight a thread).
     for width in [4099, 4096] {
         let (p, low) = adam(&device, DType::F32, DType::BF16, true, width)?;
         let (rp, rlow) = adam(&cpu, DType::F32, DType::BF16, true, width)?;
@@ -525,8 +525,7 @@ fn fused(_args: &[String]) -> Result<()> {
         );
     }
     // The sum of two tensors (the written-out step's residuals) against candle's add on the
-    // device (exact): 64 x 4,096 (16 bytes a thread) and 7 x 4,099; the kernel runs with
-    // DFLASH_UNCHECKED_KERNELS=1 (without it both sides are candle's add).
+    // device (exact): 64 x 4,096 (16 bytes a thread) and 7 x 4,099.
     for dtype in [DType::F32, DType::BF16] {
         for (rows, n) in [(64, 4096), (7, 4099)] {
             let mut on = || {

@@ -3,9 +3,8 @@
 //! candle's add on a GPU moves one element a thread through its strided-index kernel: at the
 //! drafter's `[8192, 4096]` bf16 rows that was 0.1 ms an add where the bytes take 0.06, sixty
 //! times a step. Here a GPU adds contiguous operands sixteen bytes a thread (`kernels.cu`'s
-//! `add`); anything else (the CPU, other dtypes, views) is candle's add, bit for bit. The kernel
-//! is not yet checked on a GPU: it runs only with `DFLASH_UNCHECKED_KERNELS=1`
-//! ([`super::unchecked_kernels`]).
+//! `add`); anything else (the CPU, other dtypes, views) is candle's add, bit for bit
+//! (`train_probe fused`'s `add_*` holds the kernel to candle's add on the GPU: equal).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Tensor, WithDType, bail};
@@ -15,7 +14,6 @@ use super::{CpuArg, Result, cpu};
 /// `a + b` (same shape and dtype).
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let kernel = a.device().is_cuda()
-        && super::unchecked_kernels()
         && a.dims() == b.dims()
         && a.dtype() == b.dtype()
         && matches!(a.dtype(), DType::F32 | DType::BF16)

@@ -340,14 +340,7 @@ pub fn sum_squares(x: Arg<'_>) -> Result<CudaStorage> {
         let xs = view::<T>(x)?;
         let out = dev.alloc_zeros::<f32>(1)?;
         // Reads n elements, adds into one.
-        let vectors = i32::from(super::unchecked_kernels());
-        launch!(
-            dev,
-            "sum_squares",
-            T,
-            reducing(n),
-            [&xs, &n, &out, &vectors]
-        );
+        launch!(dev, "sum_squares", T, reducing(n), [&xs, &n, &out]);
         Ok(stored(dev, out))
     })
 }
@@ -517,21 +510,15 @@ fn adamw_launch(
         let lv = ls.as_cuda_slice::<half::bf16>()?.slice(rl);
         // Reads n elements of p, g, m and v; writes n of p, m, v and low (each within its view:
         // the spans checked above).
-        let vectors = super::unchecked_kernels();
-        let cfg = if vectors {
-            by_vectors::<half::bf16>(n)
-        } else {
-            elementwise(n)
-        };
-        let vectors = i32::from(vectors);
+        // Eight elements a thread where every operand is 16-byte aligned and n whole vectors,
+        // else the same threads loop over the elements.
         launch!(
             &dev,
             "adamw_master",
             half::bf16,
-            cfg,
+            by_vectors::<half::bf16>(n),
             [
-                &pv, &gv, &mv, &vv, &lv, &n, &b1, &b2, &scale, &lr, &decay, &c1, &c2, &eps,
-                &vectors
+                &pv, &gv, &mv, &vv, &lv, &n, &b1, &b2, &scale, &lr, &decay, &c1, &c2, &eps
             ]
         );
         return Ok(());

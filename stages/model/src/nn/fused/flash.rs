@@ -154,13 +154,13 @@ mod cuda {
         Staged(CudaFunction),
         /// `flash_dkv_pipelined` and its dynamic shared memory: the same sums bit for bit
         /// (checked on an H100 by `flash_reference.py check`), 18% faster at the Qwen3-8B shape
-        /// (3.38 ms against 4.10). The default.
+        /// (3.38 ms against 4.10). Groups of more than four heads.
         Pipelined(CudaFunction, u32),
         /// `flash_dkv_tiled` over k1 (tiles of 128 keys, 8 warps; its shared memory) then
         /// `flash_dkv_own` over k2 (the pipelined kernel's k2 blocks; its shared memory):
-        /// FlashAttention-2's tiling, written after the last GPU check; with
-        /// `DFLASH_UNCHECKED_KERNELS=1` until `flash_reference.py check` has held it to
-        /// autograd. Groups of at most four heads.
+        /// FlashAttention-2's tiling, 19% faster than the pipelined kernel at the Qwen3-8B
+        /// shape on an H100 (2.53 ms against 3.12; `flash_reference.py check` holds it to
+        /// autograd). The default for groups of at most four heads.
         Tiled(CudaFunction, u32, CudaFunction, u32),
     }
 
@@ -169,10 +169,7 @@ mod cuda {
     fn dkv_kernels(dev: &CudaDevice, group: usize, d: usize) -> Result<Dkv> {
         static ASKED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
         let asked = ASKED.get_or_init(|| std::env::var("DFLASH_FLASH_DKV").ok());
-        let want_tiled = match asked.as_deref() {
-            Some(v) => v == "tiled",
-            None => crate::nn::fused::unchecked_kernels(),
-        };
+        let want_tiled = asked.as_deref().is_none_or(|v| v == "tiled");
         let (piped, tiled) = (dkv_pipelined_smem(group, d), dkv_tiled_smem(group, d));
         if asked.as_deref() == Some("staged") {
             return Ok(Dkv::Staged(kernel(dev, "flash_dkv", d)?));
@@ -191,17 +188,14 @@ mod cuda {
         Ok(Dkv::Pipelined(pipelined, piped as u32))
     }
 
-    /// The dQ kernel, the query rows a block takes and its dynamic shared memory: `flash_dq`
-    /// (16 rows a warp, static shared memory), or `flash_dq_tall` (32 rows a warp, queries and
-    /// output gradients in shared memory, written after the last GPU check) where
-    /// `DFLASH_FLASH_DQ=tall` or `DFLASH_UNCHECKED_KERNELS=1` asks for it and the device lets a
-    /// block have its shared memory.
+    /// The dQ kernel, the query rows a block takes and its dynamic shared memory:
+    /// `flash_dq_tall` (32 rows a warp, queries and output gradients in shared memory: 1.56 ms
+    /// against 2.04 at the Qwen3-8B shape on an H100) where the device lets a block have its
+    /// shared memory, else (or given `DFLASH_FLASH_DQ=narrow`) `flash_dq` (16 rows a warp).
     fn dq_kernel(dev: &CudaDevice, group: usize, d: usize) -> Result<(CudaFunction, usize, u32)> {
         static TALL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let tall = *TALL.get_or_init(|| match std::env::var("DFLASH_FLASH_DQ").as_deref() {
-            Ok(v) => v == "tall",
-            Err(_) => crate::nn::fused::unchecked_kernels(),
-        });
+        let tall =
+            *TALL.get_or_init(|| std::env::var("DFLASH_FLASH_DQ").map_or(true, |v| v != "narrow"));
         // flash.cu's dq_tall_smem: two tiles of 32 keys and values, every head's 32 rows of q
         // and of dout.
         let bytes = (2 * 2 * 32 + 2 * group * 2 * ROWS) * (d + 8) * 2;
@@ -227,18 +221,26 @@ mod cuda {
     }
 
     impl Forward {
-        /// `DFLASH_FLASH_FORWARD=narrow|wide|tall` picks one (to time one against another);
-        /// unset, `narrow`, or with `DFLASH_UNCHECKED_KERNELS=1` `tall`: the wide and tall
-        /// kernels were written after the last GPU check and stay beside the narrow one until
-        /// `flash_reference.py check` has held them to autograd and `speed` has timed them.
-        fn chosen() -> Forward {
-            static CHOSEN: std::sync::OnceLock<Forward> = std::sync::OnceLock::new();
-            *CHOSEN.get_or_init(|| match std::env::var("DFLASH_FLASH_FORWARD").as_deref() {
-                Ok("narrow") => Forward::Narrow,
-                Ok("wide") => Forward::Wide,
-                Ok("tall") => Forward::Tall,
-                _ if crate::nn::fused::unchecked_kernels() => Forward::Tall,
-                _ => Forward::Narrow,
+        /// The kernel for causal mode (`causal`) or block mode: as timed at the Qwen3-8B shape
+        /// on an H100 (`flash_reference.py speed`, all three held to autograd by `check`), the
+        /// wide kernel for the target's causal attention (0.46 ms against the narrow one's 0.49
+        /// and the tall one's 0.51), the narrow one for the drafter's block attention (0.99
+        /// against 1.07 and 1.06: its rows see short contexts, where wide tiles waste keys).
+        /// `DFLASH_FLASH_FORWARD=narrow|wide|tall` picks one for both (to time one against
+        /// another).
+        fn chosen(causal: bool) -> Forward {
+            static ASKED: std::sync::OnceLock<Option<Forward>> = std::sync::OnceLock::new();
+            let asked =
+                ASKED.get_or_init(|| match std::env::var("DFLASH_FLASH_FORWARD").as_deref() {
+                    Ok("narrow") => Some(Forward::Narrow),
+                    Ok("wide") => Some(Forward::Wide),
+                    Ok("tall") => Some(Forward::Tall),
+                    _ => None,
+                });
+            asked.unwrap_or(if causal {
+                Forward::Wide
+            } else {
+                Forward::Narrow
             })
         }
 
@@ -273,10 +275,11 @@ mod cuda {
     /// memory ([`Forward::chosen`]).
     fn forward_kernel(
         dev: &CudaDevice,
+        causal: bool,
         group: usize,
         d: usize,
     ) -> Result<(CudaFunction, usize, u32)> {
-        let which = Forward::chosen();
+        let which = Forward::chosen(causal);
         if which != Forward::Narrow {
             let bytes = which.smem(group, d);
             if let Some(f) = with_smem(dev, which.name(), d, bytes)? {
@@ -387,7 +390,7 @@ mod cuda {
         let lse = unsafe { dev.alloc::<f32>(heads * n)? };
         let (group, m32, s32, past32) = (heads / kv, n as i32, s1 as i32, past as i32);
         let (g32, (_, scale2)) = (group as i32, scales(d));
-        let (f, rows, smem) = forward_kernel(&dev, group, d)?;
+        let (f, rows, smem) = forward_kernel(&dev, true, group, d)?;
         with_slices!([q: bf16, k: bf16, v: bf16], {
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);
@@ -450,7 +453,7 @@ mod cuda {
         let group = heads / kv;
         let (m32, s32, g32, past, (_, scale2)) =
             (m as i32, s as i32, group as i32, -1i32, scales(d));
-        let (f, rows, smem) = forward_kernel(&dev, group, d)?;
+        let (f, rows, smem) = forward_kernel(&dev, false, group, d)?;
         with_slices!([q: bf16, ck: bf16, cv: bf16, bk: bf16, bv: bf16, seen: u32], {
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);

@@ -405,10 +405,10 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* y, size_t total,
 
 // *out += sum(x^2) over n elements (out zeroed by the caller).
 template <typename T>
-__device__ void sum_squares(const T* x, size_t n, float* out, int vectors) {
+__device__ void sum_squares(const T* x, size_t n, float* out) {
     float acc = 0.0f;
     constexpr int V = kVec<T>;
-    if (vectors && n % V == 0 && aligned16(x)) {
+    if (n % V == 0 && aligned16(x)) {
         for (size_t i = vec_start<T>(); i < n; i += vec_step<T>()) {
             float e[V];
             load16(x + i, e);
@@ -883,8 +883,8 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
                                            uint32_t n, uint32_t d, float sign) {                       \
         rope(x, c, s, y, total, n, d, sign);                                                           \
     }                                                                                                  \
-    extern "C" __global__ void sum_squares_##NAME(const T* x, size_t n, float* out, int vectors) {     \
-        sum_squares(x, n, out, vectors);                                                               \
+    extern "C" __global__ void sum_squares_##NAME(const T* x, size_t n, float* out) {                  \
+        sum_squares(x, n, out);                                                                        \
     }                                                                                                  \
     extern "C" __global__ void swiglu_##NAME(const T* g, const T* u, T* h, size_t n) {                 \
         swiglu(g, u, h, n);                                                                            \
@@ -957,9 +957,9 @@ FOR_TYPES(KERNELS)
 // where casting the gradient up and the weights down took two more over the same bytes.
 extern "C" __global__ void adamw_master_bf16(float* p, const __nv_bfloat16* g, float* m, float* v,
                                              __nv_bfloat16* low, size_t n, float b1, float b2, float scale,
-                                             float lr, float decay, float c1, float c2, float eps, int vectors) {
+                                             float lr, float decay, float c1, float c2, float eps) {
     typedef __nv_bfloat16 bf16;
-    if (vectors && n % 8 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && aligned16(low)) {
+    if (n % 8 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && aligned16(low)) {
         // Eight elements a thread: the gradient's and the copy's sixteen bytes, the weights' and
         // moments' thirty-two.
         for (size_t i = vec_start<bf16>(); i < n; i += vec_step<bf16>()) {

@@ -33,7 +33,7 @@
 //! | `TopK` (`topk.rs`) | the `k` largest entries' indices per row (DFlash 2's candidates) | yes | `top_k` | none (indices) |
 //! | `CausalConvSilu` (`conv.rs`) | a Gated DeltaNet layer's causal depthwise convolution and SiLU, f32 out | yes | `causal_conv_silu` | none (the target is frozen) |
 //! | `DeltaScan` (`scan.rs`) | the chunked Gated DeltaNet's pass over its chunks (the state carried across); checked, off the forward's path: 4.7 ms on an H100 where the matmuls per chunk take 2.9 | yes (the reference) | `delta_scan` | none (the target is frozen) |
-//! | `Add` (`add.rs`) | `a + b`, contiguous operands of one shape (the written-out step's residuals and gradient sums) | yes (candle's add where it runs) | `add`, 16 bytes a thread (opt-in until checked on a GPU: `DFLASH_UNCHECKED_KERNELS=1`) | none (written-out step) |
+//! | `Add` (`add.rs`) | `a + b`, contiguous operands of one shape (the written-out step's residuals and gradient sums) | yes (candle's add where it runs) | `add`, 16 bytes a thread | none (written-out step) |
 //! | `StridedCopy3` (`copy.rs`) | a 3-D view (transposed, narrowed) made contiguous, its strides kernel arguments (candle uploads them before each copy) | yes | `strided_copy3` | none (decoding) |
 //! | `ChunkDecay` (`scan.rs`) | each chunk's `[L, L]` decay matrix from its cumulative log-decays (the chunked Gated DeltaNet) | yes (the reference; the CPU path keeps the composed ops) | `chunk_decay` | none (the target is frozen) |
 //! | `UnitLowerInverse` (`scan.rs`) | `(I + A)^-1` per 64 x 64 strictly lower A (the chunked Gated DeltaNet's WY inverse), forward substitution in shared memory | yes (the reference; the CPU path keeps the squarings) | `unit_lower_inverse` | none (the target is frozen) |
@@ -50,20 +50,6 @@
 use candle_core::{CpuStorage, Layout, WithDType};
 
 use super::Result;
-
-/// Whether the kernels written since the last GPU check run (`DFLASH_UNCHECKED_KERNELS=1`): the
-/// f32 master AdamW update eight elements a thread, the gradient norm's squares and [`add`]
-/// sixteen bytes a thread, the flash forward with tiles of 64 keys (`flash_forward_wide`). Off
-/// by default until a GPU run has held them to their references (`train_probe fused`:
-/// `adamw_master_3_steps_4096`, `sum_squares_over_1e4`, `add_*`; `flash_reference.py check`:
-/// `wide_out`, `wide_lse`) and timed the step with them (`bench/gpu/story.sh flash`); off,
-/// AdamW and the norm run their element-a-thread loops, `add` is candle's and the forward
-/// stages tiles of 32 keys.
-/// Read once per process: it is asked at every launch of those kernels (hundreds a step).
-pub fn unchecked_kernels() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DFLASH_UNCHECKED_KERNELS").is_ok_and(|v| v == "1"))
-}
 
 /// The contiguous elements of a CPU tensor.
 fn cpu<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
