@@ -538,6 +538,18 @@ flash-profile)
         python3 bench/flash_reference.py once $STASH/flash.ptx --anchors 512 2>&1 | grep -v Warning |
         tee "$OUT/flash-profile.txt"
     ;;
+trace)
+    # There: the host's side of a step (nsys, where it is installed): which CUDA calls the host
+    # waits in (synchronizations, copies from pageable memory, allocations) and how long, for
+    # the step's idle time (`profile`'s "with no kernel running").
+    unpack_probe
+    mkdir -p $STASH/assets
+    cuda_env
+    command -v nsys >/dev/null || { echo "no nsys here" | tee "$OUT/trace.txt"; exit 0; }
+    nsys profile -o /tmp/trace -f true -t cuda,osrt --sample=none $STASH/train_probe speed --anchors 512 \
+        --steps 3 >/dev/null 2>&1 || echo "nsys failed: $?"
+    nsys stats -q --report cuda_api_sum --format csv /tmp/trace.nsys-rep 2>&1 | head -40 | tee "$OUT/trace.txt"
+    ;;
 profile)
     # There: one training step's kernels (ncu, step 2 alone: `--profile-step`), dflash's and
     # eager PyTorch's (given `dflash`, dflash's alone; given `compiled`, torch.compile's with

@@ -118,8 +118,10 @@ impl BlockMask {
         Ok(t)
     }
 
-    /// The counts as a `u32` tensor on `device` (what the flash kernels read); built once.
-    fn seen_on(&self, device: &Device) -> Result<Tensor> {
+    /// The counts as a `u32` tensor on `device` (what the flash kernels read); built once. A
+    /// step calls it before it queues any work (`written.rs`): a copy from the host in the
+    /// middle of the step may wait for the GPU to drain.
+    pub(crate) fn seen_on(&self, device: &Device) -> Result<Tensor> {
         if let Some(t) = self
             .on_device
             .get()

@@ -174,13 +174,23 @@ pub fn loss_and_gradients(
     };
     let (hd, heads, kv) = (c.head_dim, c.heads, c.kv_heads);
 
+    // What the step reads from the host goes to the device first, before any of the step's
+    // work is queued: a copy from the host between kernels may wait for the GPU to drain.
+    let (cos_c, sin_c) = ops::rope_tables(&p.context_pos, hd, c.rope_theta, dtype, device)?;
+    let (cos_b, sin_b) = ops::rope_tables(&p.block_pos, hd, c.rope_theta, dtype, device)?;
+    let ids = Tensor::new(p.block_ids.as_slice(), device)?;
+    let row_weights = Tensor::new(p.weights.as_slice(), device)?;
+    if device.is_cuda() {
+        for mask in &p.masks {
+            mask.seen_on(device)?;
+        }
+    }
+
     // The context: the tapped layers fused, normed; every layer projects it to keys and values.
     let fc = w.get("fc.weight")?;
     let c0 = linear(&context, &fc)?;
     let hidden_norm = w.get("hidden_norm.weight")?;
     let ctx = rms_norm(&c0, &hidden_norm, c.eps)?;
-    let (cos_c, sin_c) = ops::rope_tables(&p.context_pos, hd, c.rope_theta, dtype, device)?;
-    let (cos_b, sin_b) = ops::rope_tables(&p.block_pos, hd, c.rope_theta, dtype, device)?;
     let project = |x: &Tensor,
                    weight: &Tensor,
                    norm: &Tensor,
@@ -193,7 +203,6 @@ pub fn loss_and_gradients(
         Ok(Projected { raw, heads })
     };
 
-    let ids = Tensor::new(p.block_ids.as_slice(), device)?;
     let mut x = embed(&ids)?.to_dtype(dtype)?.detach();
     let m = x.dim(0)?;
     let mut layers = Vec::with_capacity(c.layers);
@@ -255,14 +264,12 @@ pub fn loss_and_gradients(
         .reshape((blocks * (bs - 1), h))?;
     let (head, d_rows) = head_cross_entropy_rows(&rows, lm_head, &p.labels, 1)?;
     let wide = head.nll.dtype();
-    let weights = Tensor::new(p.weights.as_slice(), device)?.to_dtype(wide)?;
-    let loss = (head.nll.mul(&weights)?.sum_all()? / normalizer)?
-        .to_dtype(DType::F64)?
-        .to_scalar::<f64>()?;
+    let weights = row_weights.to_dtype(wide)?;
+    // The loss and the predictions are read back after the backward is queued: reading them
+    // here would wait for the GPU to drain between the forward and the backward.
+    let loss = (head.nll.mul(&weights)?.sum_all()? / normalizer)?.to_dtype(DType::F64)?;
     // d loss / d nll per row.
     let scale = (weights / normalizer)?;
-    let predicted: Vec<u32> = head.top.flatten_all()?.to_vec1()?;
-    let metrics = StepMetrics::of_rows(loss, &predicted, &p.labels, &p.weights, bs, blocks);
 
     // Backward. Gradients are in the activations' dtype until they meet their weight.
     let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
@@ -379,6 +386,9 @@ pub fn loss_and_gradients(
         give("hidden_norm.weight".into(), dw)?;
         give("fc.weight".into(), weight_grad(&dc0, &context)?)?;
     }
+    let loss = loss.to_scalar::<f64>()?;
+    let predicted: Vec<u32> = head.top.flatten_all()?.to_vec1()?;
+    let metrics = StepMetrics::of_rows(loss, &predicted, &p.labels, &p.weights, bs, blocks);
     Ok((loss, metrics, grads))
 }
 
