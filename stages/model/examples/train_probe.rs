@@ -201,11 +201,13 @@ fn speed(args: &[String]) -> Result<()> {
         arg(args, "--steps", 4usize),
     );
     let t0 = Instant::now();
-    let target = Target::random(tc.clone(), 0, dtype, &device)?;
-    let taps = dflash_model::drafter::spread_target_layers(tc.layers as u64, 5)
+    let mut target = Target::random(tc.clone(), 0, dtype, &device)?;
+    let taps: Vec<usize> = dflash_model::drafter::spread_target_layers(tc.layers as u64, 5)
         .into_iter()
         .map(|l| l as usize)
         .collect();
+    // As `train` does: the layers past the last tap are dropped (never run, never held).
+    target.keep_layers_for(&taps);
     let mut config = DrafterConfig::for_target(&tc, layers, taps, block, tc.vocab as u32 - 1);
     // `--head dflash2`: DFlash 2's convolutions and selector at their defaults.
     if arg(args, "--head", "dflash".to_owned()) == "dflash2" {

@@ -173,8 +173,9 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         return Err(StageError::new(format!("the target `{}` does not exist", p.target))
             .with_help("point `target:` at a .gguf file or a Hugging Face model folder (config.json + safetensors)"));
     }
-    let target = Target::load(&path, &device).map_err(nn("loading the target"))?;
-    let tc = &target.config;
+    let mut target = Target::load(&path, &device).map_err(nn("loading the target"))?;
+    let tc = target.config.clone();
+    let tc = &tc;
     let taps: Vec<usize> = if p.target_layers.is_empty() {
         dflash_model::drafter::spread_target_layers(tc.layers as u64, p.taps)
             .into_iter()
@@ -190,6 +191,8 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         ))
         .with_help(format!("`target_layers` are 0-based, below {}", tc.layers)));
     }
+    // Training only taps the target: the layers past the last tap never run.
+    target.keep_layers_for(&taps);
     let mask_token =
         match raw["mask_token_id"].as_u64() {
             Some(m) if (m as usize) < tc.vocab => m as u32,
