@@ -18,9 +18,10 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
         (what bench/train_reference.py runs), and the target's causal forward against SDPA with
         an additive causal mask (train_reference.py) and with is_causal (PyTorch's flash
         kernel); the three forward kernels (`*_wide_ms`, `*_tall_ms`) and the three dK/dV
-        passes (staged, pipelined, tiled), both dQ kernels; FlexAttention under torch.compile with
-        the same block mask, forward and backward. Milliseconds, TFLOP/s and the ratios (JSON
-        lines).
+        passes (staged, pipelined, tiled), both dQ kernels, the backward as `train` runs it
+        (`dflash_block_bwd_default_ms`: the tall dQ, the tiled dK/dV); FlexAttention under
+        torch.compile with the same block mask, forward and backward. Milliseconds, TFLOP/s and
+        the ratios (JSON lines).
     python3 bench/flash_reference.py once flash.ptx
         Each kernel launched once at those shapes, for a profiler (story.sh `flash-profile`).
 """
@@ -284,7 +285,9 @@ def timed(f, reps=5):
     return (time.perf_counter() - t) * 1e3 / reps
 
 
-def speed(K, args):
+def step_operands(args):
+    """The drafter's block attention at one training step's shape (Qwen3-8B: 32 heads, 8 KV
+    heads, d 128; `--anchors` blocks of 16 over `--seq` context rows), random bf16."""
     torch.manual_seed(0)
     heads, kv, d, s, anchors_n = 32, 8, 128, args.seq, args.anchors
     m = anchors_n * ROWS
@@ -292,6 +295,11 @@ def speed(K, args):
     k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
     anchors = torch.sort(torch.randperm(s - ROWS, device="cuda")[:anchors_n]).values
     hi = anchors.to(torch.int32).contiguous()
+    return heads, kv, d, s, m, q, dout, k1, v1, k2, v2, anchors, hi
+
+
+def speed(K, args):
+    heads, kv, d, s, m, q, dout, k1, v1, k2, v2, anchors, hi = step_operands(args)
     seen = anchors.double().mean().item()
     # Useful FLOPs: what each row sees (its context prefix and its own block).
     fwd_flops = 4.0 * heads * m * d * (seen + ROWS)
@@ -324,6 +332,12 @@ def speed(K, args):
         res["dflash_dkv_tiled_ms"] = res["dflash_block_bwd_tiled_dkv_ms"] - res["dflash_block_bwd_dq_only_ms"]
     except Exception as e:  # say so, time the rest
         print(json.dumps({"metric": "tiled_dkv_error", "value": repr(e)[:300]}))
+    # The backward as `train` runs it (flash.rs): the tall dQ and the tiled dK/dV.
+    try:
+        res["dflash_block_bwd_default_ms"] = timed(
+            lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled", dq_kind="tall"))
+    except Exception as e:  # a PTX built before them: say so, time the rest
+        print(json.dumps({"metric": "default_backward_error", "value": repr(e)[:300]}))
     # FlexAttention under torch.compile with the block mask as a mask_mod: the block-sparse
     # kernel a PyTorch user trains DFlash with (the issue's peer), forward and backward.
     try:
@@ -368,6 +382,9 @@ def speed(K, args):
     res["block_ratio_torch_over_dflash"] = res["torch_block_fwd_bwd_ms"] / total
     if "torch_flex_block_fwd_bwd_ms" in res:
         res["block_ratio_flex_over_dflash"] = res["torch_flex_block_fwd_bwd_ms"] / total
+        if "dflash_block_bwd_default_ms" in res:
+            default = res["dflash_block_fwd_ms"] + res["dflash_block_bwd_default_ms"]
+            res["block_ratio_flex_over_dflash_default"] = res["torch_flex_block_fwd_bwd_ms"] / default
         if "dflash_block_bwd_pipelined_dkv_ms" in res:
             piped = res["dflash_block_fwd_ms"] + res["dflash_block_bwd_pipelined_dkv_ms"]
             res["block_ratio_flex_over_dflash_pipelined"] = res["torch_flex_block_fwd_bwd_ms"] / piped
@@ -402,13 +419,7 @@ def speed(K, args):
 
 def once(K, args):
     """Each kernel once at `speed`'s shapes, for a profiler (ncu --kernel-name regex:flash)."""
-    torch.manual_seed(0)
-    heads, kv, d, s, anchors_n = 32, 8, 128, args.seq, args.anchors
-    m = anchors_n * ROWS
-    q, dout = randn(heads, m, d), randn(heads, m, d)
-    k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
-    anchors = torch.sort(torch.randperm(s - ROWS, device="cuda")[:anchors_n]).values
-    hi = anchors.to(torch.int32).contiguous()
+    heads, kv, d, s, m, q, dout, k1, v1, k2, v2, anchors, hi = step_operands(args)
     for kind in ("narrow",) + OTHER_FORWARDS:
         out, lse = forward(K, q, k1, v1, k2, v2, hi, -1, kind=kind)
     out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)

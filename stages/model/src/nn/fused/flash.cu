@@ -876,6 +876,27 @@ __device__ void flash_dkv(const bf16* q, const bf16* k1, const bf16* v1, const b
     dkv_store<D>(dka, dva, mine, keys, second, kv, s1, scale, part_k, part_v, dk2, dv2);
 }
 
+// Stage row tile t of every head of key/value head `kv`'s group into buffer `buf` of a dK/dV
+// kernel's double buffers (`rows` = group * 16 rows each): q and dout by cp.async (the caller
+// commits), lse and delta by plain loads (both complete for the block after the barrier that
+// follows the wait).
+template <int D>
+__device__ __forceinline__ void stage_row_tile(bf16* qb, bf16* db, float* lb, float* dlb, int buf, int rows,
+                                               const bf16* q, const bf16* dout, const float* lse,
+                                               const float* delta, int kv, int group, int t, int m) {
+    constexpr int LD = D + PAD;
+    for (int h = 0; h < group; h++) {
+        size_t head = (size_t)kv * group + h;
+        stage_async<D>(qb + (buf * rows + h * ROWS) * LD, q + head * m * D, t * ROWS, ROWS, m);
+        stage_async<D>(db + (buf * rows + h * ROWS) * LD, dout + head * m * D, t * ROWS, ROWS, m);
+    }
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+        size_t at = ((size_t)kv * group + i / ROWS) * m + t * ROWS + i % ROWS;
+        lb[buf * rows + i] = lse[at];
+        dlb[buf * rows + i] = delta[at];
+    }
+}
+
 // flash_dkv with the rows' loads overlapped (kept beside it until a GPU run has checked and
 // timed this kernel, then one of the two goes): the same grid (dkv_block), the same outputs,
 // the same products in the same order (so the same sums), but each row tile's queries, output
@@ -917,19 +938,8 @@ __device__ void flash_dkv_pipelined(const bf16* q, const bf16* k1, const bf16* v
             if (second || (int)hi[u] > key0) return u;
         return t_end;
     };
-    // Stage row tile t of every head into buffer `buf` (q and dout by cp.async, lse and delta
-    // by plain loads: both are complete for the block after the barrier that follows).
     auto issue = [&](int t, int buf) {
-        for (int h = 0; h < group; h++) {
-            size_t head = (size_t)kv * group + h;
-            stage_async<D>(qb + (buf * rows + h * ROWS) * LD, q + head * m * D, t * ROWS, ROWS, m);
-            stage_async<D>(db + (buf * rows + h * ROWS) * LD, dout + head * m * D, t * ROWS, ROWS, m);
-        }
-        for (int i = threadIdx.x; i < rows; i += blockDim.x) {
-            size_t at = ((size_t)kv * group + i / ROWS) * m + t * ROWS + i % ROWS;
-            lb[buf * rows + i] = lse[at];
-            dlb[buf * rows + i] = delta[at];
-        }
+        stage_row_tile<D>(qb, db, lb, dlb, buf, rows, q, dout, lse, delta, kv, group, t, m);
     };
     int t = next_open(t_first - 1);
     if (t < t_end) issue(t, 0);
@@ -1015,16 +1025,7 @@ __device__ void flash_dkv_tiled(const bf16* q, const bf16* k1, const bf16* v1, c
         return t_end;
     };
     auto issue = [&](int t, int buf) {
-        for (int h = 0; h < group; h++) {
-            size_t head = (size_t)kv * group + h;
-            stage_async<D>(qb + (buf * rows + h * ROWS) * LD, q + head * m * D, t * ROWS, ROWS, m);
-            stage_async<D>(db + (buf * rows + h * ROWS) * LD, dout + head * m * D, t * ROWS, ROWS, m);
-        }
-        for (int i = threadIdx.x; i < rows; i += blockDim.x) {
-            size_t at = ((size_t)kv * group + i / ROWS) * m + t * ROWS + i % ROWS;
-            lb[buf * rows + i] = lse[at];
-            dlb[buf * rows + i] = delta[at];
-        }
+        stage_row_tile<D>(qb, db, lb, dlb, buf, rows, q, dout, lse, delta, kv, group, t, m);
     };
     int t = next_open(t_first - 1);
     if (t < t_end) issue(t, 0);
