@@ -97,9 +97,10 @@
 # attention kernels (`flash_forward_tall`, `flash_dq_tall`, `flash_dkv_tiled`), then
 # `profile dflash` with them (43.1 s): bench/results/issue22-h100-fifteenth/. What paid became
 # the default (the tall forward did not: it stays behind DFLASH_FLASH_FORWARD=tall).
-# Next: `stash; step` with .gpu/f as rebuilt after that call (the new defaults timed beside the
-# earlier attention kernels and PyTorch's two forms), then `profile dflash`,
-# and the block-16 training plan above, with .gpu/1..5 as repacked at the end of the
+# Then `stash; step` three times (186, 179, 193 s: the new defaults beside the earlier
+# attention kernels and PyTorch's two forms; the last with the target's unused layers dropped:
+# 234.0 ms, 1.50x / 0.97x) and `profile dflash`; `trace` found no nsys on the machine.
+# Next: the block-16 training plan above, with .gpu/1..5 as repacked at the end of the
 # fourteenth session (`pack-inputs BIN .gpu drafters:smollm2-5600
 # drafters:smollm2-expansion-seed`, its dflash with that session's kernels: `stash` x4, then
 # `stash; setup; ...` with .gpu/5; budget the twelfth run's ~720 s for 2,800 steps).
