@@ -101,7 +101,8 @@
 # attention kernels and PyTorch's two forms; the last with the target's unused layers dropped:
 # 234.0 ms, 1.50x / 0.97x) and `profile dflash`; `trace` found no nsys on the machine.
 # Next: the block-16 training plan above, with .gpu/1..5 as repacked at the end of the
-# fourteenth session (`pack-inputs BIN .gpu drafters:smollm2-5600
+# fourteenth session (.gpu/3's dflash.xz rebuilt at the fifteenth's end with its kernels, its
+# flash.ptx left out: .gpu/f has it) (`pack-inputs BIN .gpu drafters:smollm2-5600
 # drafters:smollm2-expansion-seed`, its dflash with that session's kernels: `stash` x4, then
 # `stash; setup; ...` with .gpu/5; budget the twelfth run's ~720 s for 2,800 steps).
 # Done in the ninth run: `probe fused`, `checks`, `hybrid 4 2048`, `hybrid-decode 4 1,8,64 300
