@@ -371,19 +371,14 @@ __device__ __forceinline__ void scores_tall(float (&s)[MT][NT][4], const bf16* q
 
 constexpr int TALL = 2;  // row tiles of 16 a warp in `flash_forward_tall`
 
-// The forward's shared memory in `flash_forward_tall`: two tiles of KTF keys and of their
-// values, then every head's TALL * 16 query rows.
-__host__ __device__ constexpr int tall_smem(int d, int ktf, int group) {
-    return (2 * 2 * ktf + group * TALL * ROWS) * (d + PAD) * 2;
-}
-
 // flash_forward with TALL row tiles a warp (32 query rows of one head; FlashAttention-2's
 // shape for d = 128): each key and value fragment read from shared memory feeds twice the
 // products, and each block of threads stages its key tiles for twice the rows, which halves
 // what the forward reads from L2 and shared memory per product. Queries wait in shared memory
 // (ldmatrix per product step) where flash_forward holds them in registers: the registers hold
 // two row tiles' accumulators instead. Grid (row tiles of TALL * 16, kv_heads); block 32 *
-// group threads; dynamic shared memory tall_smem(D, KTF, group). Row tile i of a warp keeps its
+// group threads; dynamic shared memory (flash.rs's `Forward::smem`, the layout below): two tiles
+// of KTF keys and of their values, then every head's TALL * 16 query rows. Row tile i of a warp keeps its
 // own online softmax and view (block mode: its own `hi` and its own 16 keys of k2).
 template <int D, int KTF>
 __device__ void flash_forward_tall(unsigned char* smem, const bf16* q, const bf16* k1, const bf16* v1,
@@ -589,10 +584,9 @@ __device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf
 // value fragment feeds twice the products and each staged key tile twice the rows; queries and
 // output gradients wait in shared memory. The block's own keys (TALL row tiles' 16 each) are
 // one tile of TALL * 16 keys, row tile i's closed to the others. Grid (row tiles of TALL * 16,
-// kv_heads); block 32 * group threads; dynamic shared memory dq_tall_smem(D, group).
-__host__ __device__ constexpr int dq_tall_smem(int d, int group) {
-    return (2 * 2 * KT_DQ + 2 * group * TALL * ROWS) * (d + PAD) * 2;
-}
+// kv_heads); block 32 * group threads; dynamic shared memory (flash.rs's `dq_kernel`, the
+// layout below): two tiles of KT_DQ keys and of their values, every head's TALL * 16 rows of q,
+// then of dout.
 
 template <int D>
 __device__ void flash_dq_tall(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2, const bf16* v2,
@@ -969,13 +963,6 @@ constexpr int KT_TILED = 128;  // keys a block in flash_dkv_tiled
 constexpr int SLOTS = 4;       // heads a row tile in flash_dkv_tiled (group <= SLOTS)
 constexpr int PLD = SLOTS * ROWS + PAD;  // row stride of its P^T and dS^T in shared memory
 
-// flash_dkv_tiled's dynamic shared memory: the key tile's keys and values, two buffers of a row
-// tile's q and dout for every head of the group, P^T and dS^T, two buffers of lse and delta.
-__host__ __device__ constexpr int dkv_tiled_smem(int d, int group) {
-    return (2 * KT_TILED * (d + PAD) + 2 * 2 * group * ROWS * (d + PAD) + 2 * KT_TILED * PLD) * 2 +
-           2 * 2 * group * ROWS * 4;
-}
-
 // dK and dV of the context keys (k1) in block mode, FlashAttention-2's way: a block of 8 warps
 // owns 128 keys and walks the row tiles that see them (its chunk's, as flash_dkv's grid.z
 // splits them), each row tile's 16 rows of every head of the group at once (64 rows at most),
@@ -987,7 +974,9 @@ __host__ __device__ constexpr int dkv_tiled_smem(int d, int group) {
 //   3. dV += P^T dO and dK += dS^T Q (128 keys x D), warp w taking keys 32 (w / 2) .. + 32 and
 //      columns (w % 2) D / 2 .. + D / 2: half the accumulators a thread of flash_dkv holds.
 // The k2 keys (each seen by its own row tile alone) are flash_dkv_own's. Grid (k1 tiles of 128,
-// kv_heads, chunks); 256 threads; dkv_tiled_smem(D, group) bytes; group <= SLOTS.
+// kv_heads, chunks); 256 threads; group <= SLOTS; dynamic shared memory (flash.rs's
+// `dkv_tiled_smem`, the layout below): the key tile's keys and values, two buffers of a row
+// tile's q and dout for every head of the group, P^T and dS^T, two buffers of lse and delta.
 template <int D>
 __device__ void flash_dkv_tiled(const bf16* q, const bf16* k1, const bf16* v1, const uint32_t* hi, const bf16* dout,
                                 const float* lse, const float* delta, float* part_k, float* part_v, int m, int s1,

@@ -140,7 +140,7 @@ mod cuda {
     const TILED_KEY_TILE: usize = 128;
     const TILED_MAX_GROUP: usize = 4;
 
-    /// `flash_dkv_tiled`'s dynamic shared memory (flash.cu's `dkv_tiled_smem`).
+    /// `flash_dkv_tiled`'s dynamic shared memory (the layout flash.cu's comment gives).
     fn dkv_tiled_smem(group: usize, d: usize) -> usize {
         let (ld, pld) = (d + 8, TILED_MAX_GROUP * ROWS + 8);
         (2 * TILED_KEY_TILE * ld + 2 * 2 * group * ROWS * ld + 2 * TILED_KEY_TILE * pld) * 2
@@ -196,8 +196,8 @@ mod cuda {
         static TALL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let tall =
             *TALL.get_or_init(|| std::env::var("DFLASH_FLASH_DQ").map_or(true, |v| v != "narrow"));
-        // flash.cu's dq_tall_smem: two tiles of 32 keys and values, every head's 32 rows of q
-        // and of dout.
+        // flash_dq_tall's layout (flash.cu): two tiles of 32 keys and values, every head's 32
+        // rows of q and of dout.
         let bytes = (2 * 2 * 32 + 2 * group * 2 * ROWS) * (d + 8) * 2;
         if tall {
             if let Some(f) = with_smem(dev, "flash_dq_tall", d, bytes)? {
@@ -260,7 +260,7 @@ mod cuda {
             }
         }
 
-        /// Dynamic shared memory (flash.cu's `ForwardSmem` and `tall_smem`).
+        /// Dynamic shared memory (flash.cu's `ForwardSmem`, and the tall kernel's layout).
         fn smem(self, group: usize, d: usize) -> usize {
             let ld = d + 8;
             match self {
