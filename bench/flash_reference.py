@@ -223,7 +223,7 @@ def check(K, args):
     worst = 0.0
     equal_all = True
     for heads, kv, d, s, blocks in [(4, 2, 64, 40, 3), (8, 2, 128, 200, 9), (32, 8, 128, 300, 12), (2, 2, 64, 64, 4),
-                                     (6, 2, 128, 150, 5)]:
+                                     (6, 2, 128, 150, 5), (9, 3, 64, 100, 6)]:  # the last: SmolLM2's
         m = blocks * ROWS
         q, dout = randn(heads, m, d), randn(heads, m, d)
         k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
