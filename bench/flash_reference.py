@@ -3,12 +3,13 @@
 against PyTorch on the GPU machine, without the Rust build: the PTX that `nvcc` makes of
 flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors.
 
-    nvcc --ptx -O3 -arch=sm_90 stages/model/src/nn/fused/flash.cu -o flash.ptx   (CPU machine)
+    nvcc --ptx -O3 -arch=sm_90a stages/model/src/nn/fused/flash.cu -o flash.ptx   (CPU machine)
     python3 bench/flash_reference.py check flash.ptx
         Small and odd shapes, block mode (forward, dQ, dK, dV) and causal mode (forward),
         against autograd on float64 copies of the same bf16 inputs: the largest error of each,
         relative to the reference's largest magnitude (`wide_*`: the forward with tiles of 64
-        keys, flash_forward_wide; `tall_*`: 32 query rows a warp, flash_forward_tall), and
+        keys, flash_forward_wide; `tall_*`: 32 query rows a warp, flash_forward_tall; `wg_*`:
+        the scores by wgmma, flash_forward_wg, causal mode with groups of four heads), and
         whether the pipelined dK/dV kernel's gradients equal the staged one's bit for bit
         (`tiled_*`: the tiled dK/dV pass's errors, `tall_dq` the tall dQ kernel's; JSON
         lines).
@@ -89,6 +90,8 @@ def forward_kernel(kind, group, d):
         "narrow": (f"flash_forward_d{d}", ROWS, 0),
         "wide": (f"flash_forward_wide_d{d}", ROWS, 2 * 2 * 64 * ld * 2),
         "tall": (f"flash_forward_tall_d{d}", 2 * ROWS, (2 * 2 * 32 + group * 2 * ROWS) * ld * 2),
+        # causal mode, groups of four heads: wgmma for the scores (sm_90a PTX)
+        "wg": (f"flash_forward_wg_d{d}", ROWS, 1024 + 2 * 64 * d * 2 + 2 * 64 * ld * 2),
     }[kind]
 
 
@@ -108,13 +111,14 @@ def forward(K, q, k1, v1, k2, v2, hi, past, kind="narrow"):
 
 
 OTHER_FORWARDS = ("wide", "tall")
+CAUSAL_FORWARDS = OTHER_FORWARDS + ("wg",)  # flash_forward_wg: causal mode, groups of 4 heads
 
 
-def other_forward_errors(K, ref_out, ref_lse, *operands):
+def other_forward_errors(K, ref_out, ref_lse, *operands, kinds=OTHER_FORWARDS):
     """The other forward kernels' errors against the reference (`wide_out`, `tall_lse`, ...),
     each left out (named in the output) where it fails to launch (a PTX built before it)."""
     errs = {}
-    for kind in OTHER_FORWARDS:
+    for kind in kinds:
         try:
             out, lse = forward(K, *operands, kind=kind)
             torch.cuda.synchronize()
@@ -263,13 +267,15 @@ def check(K, args):
         print(json.dumps({"mode": "block", "heads": heads, "kv": kv, "d": d, "s": s, "blocks": blocks, **errs,
                           "pipelined_dkv_equal": same}))
         equal_all = equal_all and same
-    for heads, kv, d, n, past in [(4, 2, 64, 37, 0), (32, 8, 128, 300, 0), (8, 8, 128, 5, 20), (4, 1, 64, 1, 33)]:
+    for heads, kv, d, n, past in [(4, 2, 64, 37, 0), (32, 8, 128, 300, 0), (8, 8, 128, 5, 20), (4, 1, 64, 1, 33),
+                                  (8, 2, 128, 77, 50)]:
         q = randn(heads, n, d)
         k, v = randn(kv, past + n, d), randn(kv, past + n, d)
         out, lse = forward(K, q, k, v, None, None, None, past)
         ro, rl = reference_causal(q.double(), k.double(), v.double(), past)
         errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
-        errs.update(other_forward_errors(K, ro, rl, q, k, v, None, None, None, past))
+        kinds = CAUSAL_FORWARDS if heads == 4 * kv else OTHER_FORWARDS
+        errs.update(other_forward_errors(K, ro, rl, q, k, v, None, None, None, past, kinds=kinds))
         worst = max(worst, *errs.values())
         print(json.dumps({"mode": "causal", "heads": heads, "kv": kv, "d": d, "n": n, "past": past, **errs}))
     print(json.dumps({"worst": worst, "pipelined_dkv_equal": equal_all, "pass": worst < 2e-2 and equal_all}))
@@ -398,7 +404,7 @@ def speed(K, args):
     n = s
     q, k, v = randn(heads, n, d), randn(kv, n, d), randn(kv, n, d)
     res["dflash_causal_fwd_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0))
-    for kind in OTHER_FORWARDS:
+    for kind in CAUSAL_FORWARDS:
         try:
             res[f"dflash_causal_fwd_{kind}_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0, kind=kind))
         except Exception as e:
@@ -426,7 +432,7 @@ def once(K, args):
     backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined")
     backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled", dq_kind="tall")
     q, k, v = randn(heads, s, d), randn(kv, s, d), randn(kv, s, d)
-    for kind in ("narrow",) + OTHER_FORWARDS:
+    for kind in ("narrow",) + CAUSAL_FORWARDS:
         forward(K, q, k, v, None, None, None, 0, kind=kind)
     torch.cuda.synchronize()
 

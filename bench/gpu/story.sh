@@ -100,7 +100,12 @@
 # Then `stash; step` three times (186, 179, 193 s: the new defaults beside the earlier
 # attention kernels and PyTorch's two forms; the last with the target's unused layers dropped:
 # 234.0 ms, 1.50x / 0.97x) and `profile dflash`; `trace` found no nsys on the machine.
-# Next: the block-16 training plan above, with .gpu/1..5 as repacked at the end of the
+# Next, first: `stash; flash` with .gpu/f (~260 s): `flash_forward_wg` (the target's causal
+# forward with its scores on wgmma, written after the last call) checked (`wg_out`, `wg_lse`,
+# `train_probe flash` under DFLASH_FLASH_FORWARD=wg) and timed (`dflash_causal_fwd_wg_ms`,
+# the step with it); where it holds and pays, make it causal mode's default (flash.rs's
+# `Forward::chosen_default`) and put the values' product on wgmma too. Then the block-16
+# training plan above, with .gpu/1..5 as repacked at the end of the
 # fourteenth session (.gpu/3's dflash.xz rebuilt at the fifteenth's end with its kernels, its
 # flash.ptx left out: .gpu/f has it) (`pack-inputs BIN .gpu drafters:smollm2-5600
 # drafters:smollm2-expansion-seed`, its dflash with that session's kernels: `stash` x4, then
@@ -197,6 +202,13 @@ earlier_kernels_step() {
     echo '{"phase": "label", "name": "dflash, the attention kernels before the fifteenth call"}'
     DFLASH_FLASH_FORWARD=narrow DFLASH_FLASH_DQ=narrow DFLASH_FLASH_DKV=pipelined \
         peak_memory $STASH/train_probe speed --anchors 512 || echo "speed (earlier kernels) failed: $?"
+}
+# The step with the target's causal forward on wgmma (`flash_forward_wg`, written without a GPU
+# to run it: opt-in by DFLASH_FLASH_FORWARD=wg until `flash_reference.py check` holds it).
+wgmma_step() {
+    echo '{"phase": "label", "name": "dflash, DFLASH_FLASH_FORWARD=wg"}'
+    DFLASH_FLASH_FORWARD=wg peak_memory $STASH/train_probe speed --anchors 512 ||
+        echo "speed (wgmma forward) failed: $?"
 }
 case $cmd in
 pack-inputs)
@@ -506,10 +518,12 @@ flash)
         python3 bench/flash_reference.py check $STASH/flash.ptx || echo "check failed: $?"
         python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
+        DFLASH_FLASH_FORWARD=wg $STASH/train_probe flash || echo "train_probe flash (wgmma) failed: $?"
         $STASH/train_probe fused || echo "train_probe fused failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
         earlier_kernels_step
+        wgmma_step
         step_against_pytorch ${FLEX:-}
     } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
@@ -527,6 +541,7 @@ step)
         $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm\|sum_squares\|"add_' ||
             echo "train_probe fused failed: $?"
         earlier_kernels_step
+        wgmma_step
         step_against_pytorch
     } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
     python3 bench/step_ratio.py "$OUT/step.txt" | tee -a "$OUT/step.txt"

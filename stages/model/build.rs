@@ -9,6 +9,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/nn/fused/kernels.cu");
     println!("cargo:rerun-if-changed=src/nn/fused/flash.cu");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo::rustc-check-cfg=cfg(dflash_wgmma_ptx)");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -17,8 +18,18 @@ fn main() {
     for name in ["kernels", "flash"] {
         let out = out_dir.join(format!("{name}.ptx"));
         let source = format!("src/nn/fused/{name}.cu");
+        // Hopper's warpgroup MMA (flash.cu's `flash_forward_wg`) is an sm_90a feature: the
+        // flash PTX for compute capability 9.0 targets it (it loads on 9.0 devices only, which
+        // is what a 9.0 build is for); other capabilities compile that kernel as a stub.
+        let arch = if cap == "90" && name == "flash" {
+            // flash.rs picks `flash_forward_wg` only where this is set.
+            println!("cargo:rustc-cfg=dflash_wgmma_ptx");
+            "sm_90a".to_owned()
+        } else {
+            format!("sm_{cap}")
+        };
         let status = Command::new("nvcc")
-            .args(["--ptx", "-O3", &format!("-arch=sm_{cap}"), &source, "-o"])
+            .args(["--ptx", "-O3", &format!("-arch={arch}"), &source, "-o"])
             .arg(&out)
             .status()
             .unwrap_or_else(|e| {

@@ -152,13 +152,27 @@ struct View {
     __device__ bool sees(int key, int row) const { return key < hi && (past < 0 || key <= past + row); }
 };
 
+// Raw scores of the warp's 16 rows against NT * 8 keys (mma's accumulator layout) scaled into
+// base 2, masked to -inf where `view` (if any) closes them; `key0` is the first key's index in k1.
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], float scale2, const View* view, int key0) {
+    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int key = key0 + n * 8 + 2 * c + (e & 1), row = (view ? view->row0 : 0) + g + (e >= 2 ? 8 : 0);
+            bool open = !view || view->sees(key, row);
+            s[n][e] = open ? s[n][e] * scale2 : -INFINITY;
+        }
+}
+
 // The scores of the warp's 16 rows against NT * 8 keys staged at `ks` (row stride D + PAD),
 // scaled into base 2, masked to -inf where `view` (if any) closes them; `key0` is the first
 // staged key's index in k1.
 template <int D, int NT>
 __device__ __forceinline__ void scores(float (&s)[NT][4], const uint32_t (&qa)[D / 16][4], const bf16* ks,
                                        float scale2, const View* view, int key0) {
-    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int n = 0; n < NT; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
@@ -170,14 +184,7 @@ __device__ __forceinline__ void scores(float (&s)[NT][4], const uint32_t (&qa)[D
             mma(s[n], qa[k], b[0], b[1]);
             mma(s[n + 1], qa[k], b[2], b[3]);
         }
-#pragma unroll
-    for (int n = 0; n < NT; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int key = key0 + n * 8 + 2 * c + (e & 1), row = (view ? view->row0 : 0) + g + (e >= 2 ? 8 : 0);
-            bool open = !view || view->sees(key, row);
-            s[n][e] = open ? s[n][e] * scale2 : -INFINITY;
-        }
+    mask_scores<NT>(s, scale2, view, key0);
 }
 
 // out[16 x D] += P[16 x NT*8] . V[NT*8 x D], P from score accumulators (bf16-rounded).
@@ -459,6 +466,141 @@ __device__ void flash_forward_tall(unsigned char* smem, const bf16* q, const bf1
                 if (c == 0) lse[(size_t)head * m + row] = l > 0.f ? run[i].m[h] + log2f(l) : INFINITY;
             }
         }
+}
+
+// The forward on Hopper's warpgroup MMA (`flash_forward_wg`, causal mode, groups of four heads):
+// the four warps of a block are one warpgroup, so one `wgmma` computes the scores of all four
+// heads' 16 rows against a key tile, reading the tile from shared memory once for the four
+// where each warp of flash_forward reads it for itself. The keys are staged K-major in the
+// 128-byte swizzle (`stage_async_sw128`) that `wgmma` reads through a matrix descriptor; the
+// queries stay in registers (the A fragment of `wgmma` with A in registers is, warp by warp,
+// mma.m16n8k16's), and so do the accumulators (warp by warp, mma's too), so the online softmax
+// and the values' product are flash_forward's. Only where the PTX targets sm_90a (the build's
+// default for compute capability 9.0); elsewhere the kernel traps, and flash.rs never picks it.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DFLASH_WGMMA 1
+#endif
+
+#ifdef DFLASH_WGMMA
+constexpr int KT_WG = 64;  // keys per tile in flash_forward_wg (wgmma's N)
+
+// Rows [r0, r0 + n) of a [rows, D] bf16 matrix into `dst` (1024-byte aligned) K-major in the
+// 128-byte swizzle, rows at or past `limit` as zeros, by cp.async: D / 64 atoms of n rows x 64
+// columns (a row 128 bytes), atom a at dst + a * n * 64; a row's 16-byte chunk j sits at chunk
+// j ^ (row % 8), so eight rows' same chunk fall in eight different bank groups.
+template <int D>
+__device__ __forceinline__ void stage_async_sw128(bf16* dst, const bf16* src, int r0, int n, int limit) {
+    constexpr int V = D / 8;
+    for (int i = threadIdx.x; i < n * V; i += blockDim.x) {
+        int r = i / V, v = i % V;
+        bool in = r0 + r < limit;
+        const bf16* from = in ? src + (size_t)(r0 + r) * D + v * 8 : src;
+        bf16* at = dst + (v >> 3) * n * 64 + r * 64 + (((v & 7) ^ (r & 7)) * 8);
+        unsigned to = (unsigned)__cvta_generic_to_shared(at);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(in ? 16 : 0));
+    }
+}
+
+// The matrix descriptor of a K-major, 128-byte-swizzled operand starting at `p`: the start
+// address (16-byte units), the leading byte offset (unused in this mode: 1), the stride byte
+// offset between groups of eight rows (1,024 bytes), the swizzle mode (1: 128 bytes).
+__device__ __forceinline__ uint64_t sw128_desc(const bf16* p) {
+    uint64_t a = (unsigned)__cvta_generic_to_shared(p);
+    return ((a & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// s (the warp's 16 rows x 64 keys, mma's accumulator layout) += A (registers) . B (descriptor),
+// one k-step of 16.
+__device__ __forceinline__ void wgmma_m64n64k16(float (&s)[8][4], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]), "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]), "+f"(s[3][2]), "+f"(s[3][3]), "+f"(s[4][0]), "+f"(s[4][1]), "+f"(s[4][2]), "+f"(s[4][3]), "+f"(s[5][0]), "+f"(s[5][1]), "+f"(s[5][2]), "+f"(s[5][3]), "+f"(s[6][0]), "+f"(s[6][1]), "+f"(s[6][2]), "+f"(s[6][3]), "+f"(s[7][0]), "+f"(s[7][1]), "+f"(s[7][2]), "+f"(s[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+// Keep the compiler from moving the accumulators' reads across the wait.
+__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+#endif
+
+// Causal mode only (past >= 0), group == 4 (one warpgroup a block; the launch's k2, v2, hi and
+// group, which the other forward kernels take, are not read). Grid (row tiles, kv_heads);
+// 128 threads; dynamic shared memory: up to 1,023 bytes to align, two swizzled key tiles of
+// KT_WG x D, two padded value tiles of KT_WG x (D + PAD) (flash.rs's `Forward::smem`).
+template <int D>
+__device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16* k1, const bf16* v1, bf16* out,
+                                 float* lse, int m, int s1, int past, float scale2) {
+#ifdef DFLASH_WGMMA
+    constexpr int KTILE = KT_WG * D, VTILE = KT_WG * (D + PAD);
+    unsigned base = (unsigned)__cvta_generic_to_shared(smem);
+    bf16* ks_all = reinterpret_cast<bf16*>(smem + ((1024 - (base & 1023)) & 1023));
+    bf16* vs_all = ks_all + 2 * KTILE;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int group = 4, kv = blockIdx.y, head = kv * group + warp, tile = row_tile(), row0 = tile * ROWS;
+    const bf16* qh = q + ((size_t)head * m + row0) * D;
+    uint32_t qa[D / 16][4];
+#pragma unroll
+    for (int k = 0; k < D / 16; k++) load_a(qa[k], qh, D, k * 16, m - row0);
+    View view;
+    view.past = past;
+    view.row0 = row0;
+    view.hi = min(past + row0 + ROWS, s1);
+    Running<D> run;
+    const bf16* kh = k1 + (size_t)kv * s1 * D;
+    const bf16* vh = v1 + (size_t)kv * s1 * D;
+    int tiles = (view.hi + KT_WG - 1) / KT_WG;
+    auto issue = [&](int t) {
+        stage_async_sw128<D>(ks_all + (t & 1) * KTILE, kh, t * KT_WG, KT_WG, s1);
+        stage_async<D>(vs_all + (t & 1) * VTILE, vh, t * KT_WG, KT_WG, s1);
+    };
+    if (tiles > 0) issue(0);
+    async_commit();
+    for (int t = 0; t < tiles; t++) {
+        if (t + 1 < tiles) issue(t + 1);
+        async_commit();
+        async_wait<1>();
+        fence_proxy_async();  // this thread's staged keys, visible to wgmma's reads
+        __syncthreads();
+        const bf16* kt = ks_all + (t & 1) * KTILE;
+        float sc[KT_WG / 8][4];
+#pragma unroll
+        for (int n = 0; n < KT_WG / 8; n++) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < D / 16; k++)
+            wgmma_m64n64k16(sc, qa[k], sw128_desc(kt + (k >> 2) * KT_WG * 64 + (k & 3) * 16));
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int n = 0; n < KT_WG / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) fence_operand(sc[n][e]);
+        mask_scores<KT_WG / 8>(sc, scale2, &view, t * KT_WG);
+        run.template fold<KT_WG / 8>(sc, vs_all + (t & 1) * VTILE);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float l = quad_sum(run.l[h]);
+        float inv = l > 0.f ? 1.f / l : 0.f;
+        int row = row0 + g + 8 * h;
+        if (row < m) {
+            bf16* o = out + ((size_t)head * m + row) * D;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++)
+                *reinterpret_cast<uint32_t*>(o + n * 8 + 2 * c) = pack(run.o[n][2 * h] * inv, run.o[n][2 * h + 1] * inv);
+            if (c == 0) lse[(size_t)head * m + row] = l > 0.f ? run.m[h] + log2f(l) : INFINITY;
+        }
+    }
+#else
+    __trap();
+#endif
 }
 
 constexpr int KT_DQ = 32;  // keys per staged tile in the dQ pass (two more accumulators live)
@@ -1174,6 +1316,13 @@ __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf1
                                                        float scale2) {                                              \
         extern __shared__ __align__(16) unsigned char smem[];                                                       \
         flash_forward_tall<D, KT_FWD>(smem, q, k1, v1, k2, v2, hi, out, lse, m, s1, group, past, scale2);          \
+    }                                                                                                               \
+    extern "C" __global__ void flash_forward_wg_d##D(const bf16* q, const bf16* k1, const bf16* v1,                \
+                                                     const bf16* k2, const bf16* v2, const uint32_t* hi,            \
+                                                     bf16* out, float* lse, int m, int s1, int group, int past,     \
+                                                     float scale2) {                                                \
+        extern __shared__ __align__(16) unsigned char smem[];                                                       \
+        flash_forward_wg<D>(smem, q, k1, v1, out, lse, m, s1, past, scale2);                                        \
     }                                                                                                               \
     extern "C" __global__ void flash_dq_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,         \
                                              const bf16* v2, const uint32_t* hi, const bf16* out, const bf16* dout, \

@@ -218,6 +218,11 @@ mod cuda {
         /// `flash_forward_tall`: 32 query rows a warp (each key fragment feeds twice the
         /// products, each staged tile twice the rows), queries in shared memory.
         Tall,
+        /// `flash_forward_wg`: the scores by Hopper's warpgroup MMA (`wgmma`, keys read once for
+        /// the four heads of a group), causal mode and groups of four heads only, sm_90a builds
+        /// (flash.cu says why). Written without a GPU to run it: selectable
+        /// (`DFLASH_FLASH_FORWARD=wg`) until `flash_reference.py check` holds it to autograd.
+        Wg,
     }
 
     impl Forward {
@@ -235,13 +240,19 @@ mod cuda {
                     Ok("narrow") => Some(Forward::Narrow),
                     Ok("wide") => Some(Forward::Wide),
                     Ok("tall") => Some(Forward::Tall),
+                    Ok("wg") => Some(Forward::Wg),
                     _ => None,
                 });
-            asked.unwrap_or(if causal {
+            asked.unwrap_or(Forward::chosen_default(causal))
+        }
+
+        /// What runs unasked: the wide kernel for causal mode, the narrow one for block mode.
+        fn chosen_default(causal: bool) -> Forward {
+            if causal {
                 Forward::Wide
             } else {
                 Forward::Narrow
-            })
+            }
         }
 
         fn name(self) -> &'static str {
@@ -249,6 +260,7 @@ mod cuda {
                 Forward::Narrow => "flash_forward",
                 Forward::Wide => "flash_forward_wide",
                 Forward::Tall => "flash_forward_tall",
+                Forward::Wg => "flash_forward_wg",
             }
         }
 
@@ -256,7 +268,7 @@ mod cuda {
         fn rows(self) -> usize {
             match self {
                 Forward::Tall => 2 * ROWS,
-                Forward::Narrow | Forward::Wide => ROWS,
+                Forward::Narrow | Forward::Wide | Forward::Wg => ROWS,
             }
         }
 
@@ -267,6 +279,9 @@ mod cuda {
                 Forward::Narrow => 0,
                 Forward::Wide => 2 * 2 * 64 * ld * 2,
                 Forward::Tall => (2 * 2 * 32 + group * 2 * ROWS) * ld * 2,
+                // Up to 1,023 bytes to align the swizzled key tiles to 1,024, then two key
+                // tiles of 64 x d and two value tiles of 64 x (d + 8).
+                Forward::Wg => 1024 + 2 * 64 * d * 2 + 2 * 64 * ld * 2,
             }
         }
     }
@@ -279,7 +294,10 @@ mod cuda {
         group: usize,
         d: usize,
     ) -> Result<(CudaFunction, usize, u32)> {
-        let which = Forward::chosen(causal);
+        let mut which = Forward::chosen(causal);
+        if which == Forward::Wg && !(causal && group == 4 && cfg!(dflash_wgmma_ptx)) {
+            which = Forward::chosen_default(causal);
+        }
         if which != Forward::Narrow {
             let bytes = which.smem(group, d);
             if let Some(f) = with_smem(dev, which.name(), d, bytes)? {
