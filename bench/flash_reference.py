@@ -8,8 +8,7 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
         Small and odd shapes, block mode (forward, dQ, dK, dV) and causal mode (forward),
         against autograd on float64 copies of the same bf16 inputs: the largest error of each,
         relative to the reference's largest magnitude (`wide_*`: the forward with tiles of 64
-        keys, flash_forward_wide; `tall_*`: 32 query rows a warp, flash_forward_tall; `wg_*`:
-        the scores by wgmma, flash_forward_wg, causal mode with groups of four heads), and
+        keys, flash_forward_wide; `tall_*`: 32 query rows a warp, flash_forward_tall), and
         whether the pipelined dK/dV kernel's gradients equal the staged one's bit for bit
         (`tiled_*`: the tiled dK/dV pass's errors, `tall_dq` the tall dQ kernel's; JSON
         lines).
@@ -23,6 +22,8 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
         (`dflash_block_bwd_default_ms`: the tall dQ, the tiled dK/dV); FlexAttention under
         torch.compile with the same block mask, forward and backward. Milliseconds, TFLOP/s and
         the ratios (JSON lines).
+    python3 bench/flash_reference.py wg flash.ptx
+        flash_forward_wg (the causal forward's scores on wgmma) checked and timed alone.
     python3 bench/flash_reference.py once flash.ptx
         Each kernel launched once at those shapes, for a profiler (story.sh `flash-profile`).
 """
@@ -111,7 +112,6 @@ def forward(K, q, k1, v1, k2, v2, hi, past, kind="narrow"):
 
 
 OTHER_FORWARDS = ("wide", "tall")
-CAUSAL_FORWARDS = OTHER_FORWARDS + ("wg",)  # flash_forward_wg: causal mode, groups of 4 heads
 
 
 def other_forward_errors(K, ref_out, ref_lse, *operands, kinds=OTHER_FORWARDS):
@@ -274,8 +274,7 @@ def check(K, args):
         out, lse = forward(K, q, k, v, None, None, None, past)
         ro, rl = reference_causal(q.double(), k.double(), v.double(), past)
         errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
-        kinds = CAUSAL_FORWARDS if heads == 4 * kv else OTHER_FORWARDS
-        errs.update(other_forward_errors(K, ro, rl, q, k, v, None, None, None, past, kinds=kinds))
+        errs.update(other_forward_errors(K, ro, rl, q, k, v, None, None, None, past))
         worst = max(worst, *errs.values())
         print(json.dumps({"mode": "causal", "heads": heads, "kv": kv, "d": d, "n": n, "past": past, **errs}))
     print(json.dumps({"worst": worst, "pipelined_dkv_equal": equal_all, "pass": worst < 2e-2 and equal_all}))
@@ -404,7 +403,7 @@ def speed(K, args):
     n = s
     q, k, v = randn(heads, n, d), randn(kv, n, d), randn(kv, n, d)
     res["dflash_causal_fwd_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0))
-    for kind in CAUSAL_FORWARDS:
+    for kind in OTHER_FORWARDS:
         try:
             res[f"dflash_causal_fwd_{kind}_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0, kind=kind))
         except Exception as e:
@@ -432,20 +431,51 @@ def once(K, args):
     backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined")
     backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled", dq_kind="tall")
     q, k, v = randn(heads, s, d), randn(kv, s, d), randn(kv, s, d)
-    for kind in ("narrow",) + CAUSAL_FORWARDS:
+    for kind in ("narrow",) + OTHER_FORWARDS:
         forward(K, q, k, v, None, None, None, 0, kind=kind)
     torch.cuda.synchronize()
 
 
+def wg(K, args):
+    """flash_forward_wg (the scores on wgmma; causal mode, groups of four heads) alone, in a
+    process of its own so that a fault in it cannot take the other kernels' results along:
+    checked as `check` checks the causal forward (`wg_out`, `wg_lse` beside the narrow kernel's
+    `out`, `lse` on the same inputs), then timed at `speed`'s causal shape beside the wide kernel
+    and SDPA's flash kernel."""
+    torch.manual_seed(0)
+    worst = 0.0
+    for heads, kv, d, n, past in [(32, 8, 128, 300, 0), (4, 1, 64, 1, 33), (8, 2, 128, 77, 50), (4, 1, 64, 200, 0)]:
+        q = randn(heads, n, d)
+        k, v = randn(kv, past + n, d), randn(kv, past + n, d)
+        ro, rl = reference_causal(q.double(), k.double(), v.double(), past)
+        out, lse = forward(K, q, k, v, None, None, None, past)
+        errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
+        out, lse = forward(K, q, k, v, None, None, None, past, kind="wg")
+        torch.cuda.synchronize()
+        errs.update({"wg_out": rel(out, ro), "wg_lse": rel(lse * math.log(2), rl)})
+        worst = max(worst, errs["wg_out"], errs["wg_lse"])
+        print(json.dumps({"mode": "causal", "heads": heads, "kv": kv, "d": d, "n": n, "past": past, **errs}))
+    print(json.dumps({"wg_worst": worst, "pass": worst < 2e-2}))
+    heads, kv, d, n = 32, 8, 128, args.seq
+    q, k, v = randn(heads, n, d), randn(kv, n, d), randn(kv, n, d)
+    res = {kind: timed(lambda: forward(K, q, k, v, None, None, None, 0, kind=kind)) for kind in ("wide", "wg")}
+    kr, vr = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
+    with torch.no_grad():
+        res["sdpa_flash"] = timed(
+            lambda: F.scaled_dot_product_attention(q[None], kr[None], vr[None], is_causal=True))
+    for key, value in res.items():
+        print(json.dumps({"metric": f"causal_fwd_{key}_ms", "value": value}))
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["check", "speed", "once"])
+    p.add_argument("mode", choices=["check", "speed", "once", "wg"])
     p.add_argument("ptx")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--seq", type=int, default=3072)
     args = p.parse_args()
     K = Kernels(args.ptx)
-    {"check": check, "speed": speed, "once": once}[args.mode](K, args)
+    {"check": check, "speed": speed, "once": once, "wg": wg}[args.mode](K, args)
 
 
 if __name__ == "__main__":

@@ -101,9 +101,9 @@
 # attention kernels and PyTorch's two forms; the last with the target's unused layers dropped:
 # 234.0 ms, 1.50x / 0.97x) and `profile dflash`; `trace` found no nsys on the machine.
 # Next, first: `stash; flash` with .gpu/f (~260 s): `flash_forward_wg` (the target's causal
-# forward with its scores on wgmma, written after the last call) checked (`wg_out`, `wg_lse`,
-# `train_probe flash` under DFLASH_FLASH_FORWARD=wg) and timed (`dflash_causal_fwd_wg_ms`,
-# the step with it); where it holds and pays, make it causal mode's default (flash.rs's
+# forward with its scores on wgmma, written after the last call) checked and timed by
+# `flash_reference.py wg` (`wg_out`, `wg_lse`, `causal_fwd_wg_ms`), `train_probe flash` under
+# DFLASH_FLASH_FORWARD=wg, and the step with it; where it holds and pays, make it causal mode's default (flash.rs's
 # `Forward::chosen_default`) and put the values' product on wgmma too. Then the block-16
 # training plan above, with .gpu/1..5 as repacked at the end of the
 # fourteenth session (.gpu/3's dflash.xz rebuilt at the fifteenth's end with its kernels, its
@@ -517,6 +517,7 @@ flash)
     {
         python3 bench/flash_reference.py check $STASH/flash.ptx || echo "check failed: $?"
         python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
+        python3 bench/flash_reference.py wg $STASH/flash.ptx || echo "wg failed: $?"
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
         DFLASH_FLASH_FORWARD=wg $STASH/train_probe flash || echo "train_probe flash (wgmma) failed: $?"
         $STASH/train_probe fused || echo "train_probe fused failed: $?"
