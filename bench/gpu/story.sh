@@ -99,7 +99,7 @@
 # the default (the tall forward did not: it stays behind DFLASH_FLASH_FORWARD=tall).
 # Then `stash; step` three times (186, 179, 193 s: the new defaults beside the earlier
 # attention kernels and PyTorch's two forms; the last with the target's unused layers dropped:
-# 234.0 ms, 1.50x / 0.97x) and `profile dflash`; `trace` found no nsys on the machine.
+# 234.0 ms, 1.50x / 0.97x) and `profile dflash` (the machine has no nsys for the host's side).
 # Next, first: `stash; flash` with .gpu/f (~260 s): `flash_forward_wg` (the target's causal
 # forward with its scores on wgmma, written after the last call) checked and timed by
 # `flash_reference.py wg` (`wg_out`, `wg_lse`, `causal_fwd_wg_ms`), `train_probe flash` under
@@ -555,18 +555,6 @@ flash-profile)
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         python3 bench/flash_reference.py once $STASH/flash.ptx --anchors 512 2>&1 | grep -v Warning |
         tee "$OUT/flash-profile.txt"
-    ;;
-trace)
-    # There: the host's side of a step (nsys, where it is installed): which CUDA calls the host
-    # waits in (synchronizations, copies from pageable memory, allocations) and how long, for
-    # the step's idle time (`profile`'s "with no kernel running").
-    unpack_probe
-    mkdir -p $STASH/assets
-    cuda_env
-    command -v nsys >/dev/null || { echo "no nsys here" | tee "$OUT/trace.txt"; exit 0; }
-    nsys profile -o /tmp/trace -f true -t cuda,osrt --sample=none $STASH/train_probe speed --anchors 512 \
-        --steps 3 >/dev/null 2>&1 || echo "nsys failed: $?"
-    nsys stats -q --report cuda_api_sum --format csv /tmp/trace.nsys-rep 2>&1 | head -40 | tee "$OUT/trace.txt"
     ;;
 profile)
     # There: one training step's kernels (ncu, step 2 alone: `--profile-step`), dflash's and

@@ -174,8 +174,8 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             .with_help("point `target:` at a .gguf file or a Hugging Face model folder (config.json + safetensors)"));
     }
     let mut target = Target::load(&path, &device).map_err(nn("loading the target"))?;
+    // A copy: `target` is trimmed below, after the taps are known.
     let tc = target.config.clone();
-    let tc = &tc;
     let taps: Vec<usize> = if p.target_layers.is_empty() {
         dflash_model::drafter::spread_target_layers(tc.layers as u64, p.taps)
             .into_iter()
@@ -243,8 +243,13 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         cosine: raw["schedule"] != "constant",
     };
     let clip = raw["grad_clip"].as_f64().unwrap_or(1.0);
-    let mut config =
-        DrafterConfig::for_target(tc, p.draft_layers as usize, taps.clone(), block, mask_token);
+    let mut config = DrafterConfig::for_target(
+        &tc,
+        p.draft_layers as usize,
+        taps.clone(),
+        block,
+        mask_token,
+    );
     config.dflash2 = crate::dflash2_settings(raw, tc.hidden as u64, tc.vocab as u64)
         .map_err(|issue| StageError::new(issue.message.clone()))?;
 
