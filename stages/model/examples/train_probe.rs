@@ -267,6 +267,9 @@ fn speed(args: &[String]) -> Result<()> {
         .ok_or("no anchors")?;
         let t = Instant::now();
         let context = target.tapped(&ids, &config.target_layers)?;
+        // The host's time to queue the phase (the device runs behind it): where it comes near
+        // the phase's time, the host is what the device waits on.
+        let target_host_ms = t.elapsed().as_secs_f64() * 1e3;
         device.synchronize()?;
         let target_ms = t.elapsed().as_secs_f64() * 1e3;
         let t = Instant::now();
@@ -280,6 +283,7 @@ fn speed(args: &[String]) -> Result<()> {
             batch.weight(),
             backward,
         )?;
+        let drafter_host_ms = t.elapsed().as_secs_f64() * 1e3;
         device.synchronize()?;
         let drafter_ms = t.elapsed().as_secs_f64() * 1e3;
         let t = Instant::now();
@@ -290,6 +294,7 @@ fn speed(args: &[String]) -> Result<()> {
             1.0,
             kept.as_ref().map(ComputeWeights::tensors),
         )?;
+        let optim_host_ms = t.elapsed().as_secs_f64() * 1e3;
         device.synchronize()?;
         let optim_ms = t.elapsed().as_secs_f64() * 1e3;
         if step == profile_step {
@@ -300,10 +305,49 @@ fn speed(args: &[String]) -> Result<()> {
             "{}",
             serde_json::json!({"phase": "step", "step": step, "target_ms": target_ms,
                 "drafter_ms": drafter_ms, "optim_ms": optim_ms, "total_ms": total,
-                "loss": l})
+                "target_host_ms": target_host_ms, "drafter_host_ms": drafter_host_ms,
+                "optim_host_ms": optim_host_ms, "loss": l})
         );
         totals.push((target_ms, drafter_ms, optim_ms, total));
     }
+    // The same steps again as `train` runs them, with no wait between the phases (the loss's
+    // read is the step's only one): what the phases' syncs above cost, if anything.
+    let unsynced = steps.saturating_sub(1).max(1);
+    device.synchronize()?;
+    let t = Instant::now();
+    for step in 0..unsynced {
+        let (ids, mask) = sequence(seq, tc.vocab, step as u64);
+        let batch = Batch::sample(
+            &ids,
+            &mask,
+            anchors,
+            block,
+            tc.vocab as u32 - 1,
+            7.0,
+            step as u64,
+        )
+        .ok_or("no anchors")?;
+        let context = target.tapped(&ids, &config.target_layers)?;
+        let (_, _, g) = loss_and_gradients_packed(
+            &drafter,
+            kept.as_ref(),
+            &embed,
+            &target.lm_head,
+            &context,
+            &[&batch],
+            batch.weight(),
+            backward,
+        )?;
+        adam.step_keeping(
+            &drafter.vars,
+            &g,
+            6e-4,
+            1.0,
+            kept.as_ref().map(ComputeWeights::tensors),
+        )?;
+    }
+    device.synchronize()?;
+    let unsynced_ms = t.elapsed().as_secs_f64() * 1e3 / unsynced as f64;
     // The first step pays for kernel loading and allocation: the rest are the figure.
     let warm = &totals[1.min(totals.len() - 1)..];
     let mean =
@@ -315,6 +359,7 @@ fn speed(args: &[String]) -> Result<()> {
         serde_json::json!({"phase": "summary", "backward": format!("{backward:?}"),
             "target_ms": mean(|t| t.0), "drafter_ms": mean(|t| t.1),
             "optim_ms": mean(|t| t.2), "total_ms": mean(|t| t.3), "steps_timed": warm.len(),
+            "unsynced_step_ms": unsynced_ms, "unsynced_steps": unsynced,
             "flops": flops, "mfu": flops / seconds / H200_BF16_FLOPS,
             "sequence_tokens_per_second": seq as f64 / seconds,
             "block_tokens_per_second": (anchors * block) as f64 / seconds,
