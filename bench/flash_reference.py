@@ -22,8 +22,9 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
         (`dflash_block_bwd_default_ms`: the tall dQ, the tiled dK/dV); FlexAttention under
         torch.compile with the same block mask, forward and backward. Milliseconds, TFLOP/s and
         the ratios (JSON lines).
-    python3 bench/flash_reference.py wg flash.ptx
-        flash_forward_wg (the causal forward's scores on wgmma) checked and timed alone.
+    python3 bench/flash_reference.py wg|wgv flash.ptx
+        flash_forward_wg (the causal forward's scores on wgmma) or flash_forward_wgv (the
+        values' product too) checked and timed alone.
     python3 bench/flash_reference.py once flash.ptx
         Each kernel launched once at those shapes, for a profiler (story.sh `flash-profile`).
 """
@@ -93,6 +94,8 @@ def forward_kernel(kind, group, d):
         "tall": (f"flash_forward_tall_d{d}", 2 * ROWS, (2 * 2 * 32 + group * 2 * ROWS) * ld * 2),
         # causal mode, groups of four heads: wgmma for the scores (sm_90a PTX)
         "wg": (f"flash_forward_wg_d{d}", ROWS, 1024 + 2 * 64 * d * 2 + 2 * 64 * ld * 2),
+        # the same with the values' product on wgmma (value tiles swizzled, unpadded)
+        "wgv": (f"flash_forward_wgv_d{d}", ROWS, 1024 + 4 * 64 * d * 2),
     }[kind]
 
 
@@ -436,12 +439,12 @@ def once(K, args):
     torch.cuda.synchronize()
 
 
-def wg(K, args):
-    """flash_forward_wg (the scores on wgmma; causal mode, groups of four heads) alone, in a
-    process of its own so that a fault in it cannot take the other kernels' results along:
-    checked as `check` checks the causal forward (`wg_out`, `wg_lse` beside the narrow kernel's
-    `out`, `lse` on the same inputs), then timed at `speed`'s causal shape beside the wide kernel
-    and SDPA's flash kernel."""
+def wg(K, args, kind="wg"):
+    """flash_forward_wg (`wg`: the scores on wgmma; `wgv`: the values' product too; causal mode,
+    groups of four heads) alone, in a process of its own so that a fault in it cannot take the
+    other kernels' results along: checked as `check` checks the causal forward (`wg_out`,
+    `wg_lse` beside the narrow kernel's `out`, `lse` on the same inputs), then timed at `speed`'s
+    causal shape beside the wide kernel and SDPA's flash kernel."""
     torch.manual_seed(0)
     worst = 0.0
     for heads, kv, d, n, past in [(32, 8, 128, 300, 0), (4, 1, 64, 1, 33), (8, 2, 128, 77, 50), (4, 1, 64, 200, 0)]:
@@ -450,15 +453,15 @@ def wg(K, args):
         ro, rl = reference_causal(q.double(), k.double(), v.double(), past)
         out, lse = forward(K, q, k, v, None, None, None, past)
         errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
-        out, lse = forward(K, q, k, v, None, None, None, past, kind="wg")
+        out, lse = forward(K, q, k, v, None, None, None, past, kind=kind)
         torch.cuda.synchronize()
-        errs.update({"wg_out": rel(out, ro), "wg_lse": rel(lse * math.log(2), rl)})
-        worst = max(worst, errs["wg_out"], errs["wg_lse"])
+        errs.update({f"{kind}_out": rel(out, ro), f"{kind}_lse": rel(lse * math.log(2), rl)})
+        worst = max(worst, errs[f"{kind}_out"], errs[f"{kind}_lse"])
         print(json.dumps({"mode": "causal", "heads": heads, "kv": kv, "d": d, "n": n, "past": past, **errs}))
-    print(json.dumps({"wg_worst": worst, "pass": worst < 2e-2}))
+    print(json.dumps({f"{kind}_worst": worst, "pass": worst < 2e-2}))
     heads, kv, d, n = 32, 8, 128, args.seq
     q, k, v = randn(heads, n, d), randn(kv, n, d), randn(kv, n, d)
-    res = {kind: timed(lambda: forward(K, q, k, v, None, None, None, 0, kind=kind)) for kind in ("wide", "wg")}
+    res = {name: timed(lambda: forward(K, q, k, v, None, None, None, 0, kind=name)) for name in ("wide", kind)}
     kr, vr = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
     with torch.no_grad():
         res["sdpa_flash"] = timed(
@@ -469,13 +472,14 @@ def wg(K, args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["check", "speed", "once", "wg"])
+    p.add_argument("mode", choices=["check", "speed", "once", "wg", "wgv"])
     p.add_argument("ptx")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--seq", type=int, default=3072)
     args = p.parse_args()
     K = Kernels(args.ptx)
-    {"check": check, "speed": speed, "once": once, "wg": wg}[args.mode](K, args)
+    {"check": check, "speed": speed, "once": once, "wg": wg,
+     "wgv": lambda K, args: wg(K, args, "wgv")}[args.mode](K, args)
 
 
 if __name__ == "__main__":

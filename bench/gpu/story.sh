@@ -206,9 +206,11 @@ earlier_kernels_step() {
 # The step with the target's causal forward on wgmma (`flash_forward_wg`, written without a GPU
 # to run it: opt-in by DFLASH_FLASH_FORWARD=wg until `flash_reference.py check` holds it).
 wgmma_step() {
-    echo '{"phase": "label", "name": "dflash, DFLASH_FLASH_FORWARD=wg"}'
-    DFLASH_FLASH_FORWARD=wg peak_memory $STASH/train_probe speed --anchors 512 ||
-        echo "speed (wgmma forward) failed: $?"
+    for kind in wg wgv; do
+        echo "{\"phase\": \"label\", \"name\": \"dflash, DFLASH_FLASH_FORWARD=$kind\"}"
+        DFLASH_FLASH_FORWARD=$kind peak_memory $STASH/train_probe speed --anchors 512 ||
+            echo "speed (DFLASH_FLASH_FORWARD=$kind) failed: $?"
+    done
 }
 case $cmd in
 pack-inputs)
@@ -518,12 +520,13 @@ flash)
         python3 bench/flash_reference.py check $STASH/flash.ptx || echo "check failed: $?"
         python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
         python3 bench/flash_reference.py wg $STASH/flash.ptx || echo "wg failed: $?"
+        python3 bench/flash_reference.py wgv $STASH/flash.ptx || echo "wgv failed: $?"
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
         DFLASH_FLASH_FORWARD=wg $STASH/train_probe flash || echo "train_probe flash (wgmma) failed: $?"
+        DFLASH_FLASH_FORWARD=wgv $STASH/train_probe flash || echo "train_probe flash (wgmma values) failed: $?"
         $STASH/train_probe fused || echo "train_probe fused failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
-        earlier_kernels_step
         wgmma_step
         step_against_pytorch ${FLEX:-}
     } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"

@@ -216,9 +216,18 @@ struct Running {
         for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     }
 
-    // Fold in one tile of base-2 scores: rescale what is held, turn scores into probabilities.
+    // Fold in one tile of base-2 scores: rescale what is held, turn scores into probabilities,
+    // add their product with the tile's values.
     template <int NT>
     __device__ __forceinline__ void fold(float (&s)[NT][4], const bf16* vs) {
+        rescale<NT>(s);
+        times_values<D, NT>(o, s, vs);
+    }
+
+    // The softmax half of `fold`: scores into probabilities, what is held rescaled to the new
+    // running maximum.
+    template <int NT>
+    __device__ __forceinline__ void rescale(float (&s)[NT][4]) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             float mx = -INFINITY;
@@ -244,7 +253,6 @@ struct Running {
                 o[n][2 * h + 1] *= alpha;
             }
         }
-        times_values<D, NT>(o, s, vs);
     }
 };
 
@@ -501,12 +509,15 @@ __device__ __forceinline__ void stage_async_sw128(bf16* dst, const bf16* src, in
     }
 }
 
-// The matrix descriptor of a K-major, 128-byte-swizzled operand starting at `p`: the start
-// address (16-byte units), the leading byte offset (unused in this mode: 1), the stride byte
-// offset between groups of eight rows (1,024 bytes), the swizzle mode (1: 128 bytes).
-__device__ __forceinline__ uint64_t sw128_desc(const bf16* p) {
+// The matrix descriptor of a 128-byte-swizzled operand starting at `p` (16-byte units), laid out
+// as stage_async_sw128 leaves it: the swizzle mode (1: 128 bytes); the stride byte offset, 1,024
+// bytes (eight rows of the atom: K-major, the next eight of N; MN-major, the next eight of K);
+// the leading byte offset `lbo`, unused K-major (1 by convention, 16 bytes), MN-major the step
+// from one atom's 64 columns of N to the next's.
+__device__ __forceinline__ uint64_t sw128_desc(const bf16* p, uint32_t lbo = 16) {
     uint64_t a = (unsigned)__cvta_generic_to_shared(p);
-    return ((a & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+    return ((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           (1ull << 62);
 }
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -515,14 +526,24 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
-// s (the warp's 16 rows x 64 keys, mma's accumulator layout) += A (registers) . B (descriptor),
-// one k-step of 16.
-__device__ __forceinline__ void wgmma_m64n64k16(float (&s)[8][4], const uint32_t (&a)[4], uint64_t desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]), "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]), "+f"(s[3][2]), "+f"(s[3][3]), "+f"(s[4][0]), "+f"(s[4][1]), "+f"(s[4][2]), "+f"(s[4][3]), "+f"(s[5][0]), "+f"(s[5][1]), "+f"(s[5][2]), "+f"(s[5][3]), "+f"(s[6][0]), "+f"(s[6][1]), "+f"(s[6][2]), "+f"(s[6][3]), "+f"(s[7][0]), "+f"(s[7][1]), "+f"(s[7][2]), "+f"(s[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+// d (the warp's 16 rows x N, mma's accumulator layout) += A (registers, warp by warp mma's A
+// fragment) . B (descriptor: K-major, or N-major where TRANS_B), one k-step of 16.
+template <int N, int TRANS_B>
+__device__ __forceinline__ void wgmma_k16(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc) {
+    static_assert(N == 64 || N == 128, "wgmma_k16: N of 64 or 128");
+    if constexpr (N == 64) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS_B));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS_B));
+    }
 }
 
 // Keep the compiler from moving the accumulators' reads across the wait.
@@ -532,12 +553,17 @@ __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"
 // Causal mode only (past >= 0), group == 4 (one warpgroup a block; the launch's k2, v2, hi and
 // group, which the other forward kernels take, are not read). Grid (row tiles, kv_heads);
 // 128 threads; dynamic shared memory: up to 1,023 bytes to align, two swizzled key tiles of
-// KT_WG x D, two padded value tiles of KT_WG x (D + PAD) (flash.rs's `Forward::smem`).
-template <int D>
+// KT_WG x D, two value tiles: padded, KT_WG x (D + PAD), or with VALUES swizzled as the keys,
+// KT_WG x D (flash.rs's `Forward::smem`).
+//
+// VALUES: the values' product on wgmma too (flash_forward_wgv): the value tiles staged in the
+// same swizzle, read N-major (the head's columns are N, the keys K), the probabilities the A
+// fragment in registers, the output accumulators wgmma's; else mma.sync, as flash_forward.
+template <int D, bool VALUES>
 __device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16* k1, const bf16* v1, bf16* out,
                                  float* lse, int m, int s1, int past, float scale2) {
 #ifdef DFLASH_WGMMA
-    constexpr int KTILE = KT_WG * D, VTILE = KT_WG * (D + PAD);
+    constexpr int KTILE = KT_WG * D, VTILE = VALUES ? KT_WG * D : KT_WG * (D + PAD);
     unsigned base = (unsigned)__cvta_generic_to_shared(smem);
     bf16* ks_all = reinterpret_cast<bf16*>(smem + ((1024 - (base & 1023)) & 1023));
     bf16* vs_all = ks_all + 2 * KTILE;
@@ -557,7 +583,10 @@ __device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16*
     int tiles = (view.hi + KT_WG - 1) / KT_WG;
     auto issue = [&](int t) {
         stage_async_sw128<D>(ks_all + (t & 1) * KTILE, kh, t * KT_WG, KT_WG, s1);
-        stage_async<D>(vs_all + (t & 1) * VTILE, vh, t * KT_WG, KT_WG, s1);
+        if constexpr (VALUES)
+            stage_async_sw128<D>(vs_all + (t & 1) * VTILE, vh, t * KT_WG, KT_WG, s1);
+        else
+            stage_async<D>(vs_all + (t & 1) * VTILE, vh, t * KT_WG, KT_WG, s1);
     };
     if (tiles > 0) issue(0);
     async_commit();
@@ -574,7 +603,7 @@ __device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16*
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; k++)
-            wgmma_m64n64k16(sc, qa[k], sw128_desc(kt + (k >> 2) * KT_WG * 64 + (k & 3) * 16));
+            wgmma_k16<KT_WG, 0>(sc, qa[k], sw128_desc(kt + (k >> 2) * KT_WG * 64 + (k & 3) * 16));
         wgmma_commit();
         wgmma_wait_all();
 #pragma unroll
@@ -582,7 +611,34 @@ __device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16*
 #pragma unroll
             for (int e = 0; e < 4; e++) fence_operand(sc[n][e]);
         mask_scores<KT_WG / 8>(sc, scale2, &view, t * KT_WG);
-        run.template fold<KT_WG / 8>(sc, vs_all + (t & 1) * VTILE);
+        if constexpr (VALUES) {
+            run.template rescale<KT_WG / 8>(sc);
+            const bf16* vt = vs_all + (t & 1) * VTILE;
+            // Every k-step's A fragment packed before the first wgmma (registers written between
+            // them make ptxas serialize the warpgroup around each).
+            uint32_t pa[KT_WG / 16][4];
+#pragma unroll
+            for (int j = 0; j < KT_WG / 16; j++) {
+                pa[j][0] = pack(sc[2 * j][0], sc[2 * j][1]);
+                pa[j][1] = pack(sc[2 * j][2], sc[2 * j][3]);
+                pa[j][2] = pack(sc[2 * j + 1][0], sc[2 * j + 1][1]);
+                pa[j][3] = pack(sc[2 * j + 1][2], sc[2 * j + 1][3]);
+            }
+            wgmma_fence();  // the rescaled accumulators and the fragments, before wgmma reads them
+#pragma unroll
+            for (int j = 0; j < KT_WG / 16; j++)
+                // Keys 16j.. (two groups of eight rows, 1,024 bytes each); the next 64 of the
+                // head's columns one atom (KT_WG rows of 128 bytes) on.
+                wgmma_k16<D, 1>(run.o, pa[j], sw128_desc(vt + j * 16 * 64, KT_WG * 128));
+            wgmma_commit();
+            wgmma_wait_all();
+#pragma unroll
+            for (int n = 0; n < D / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) fence_operand(run.o[n][e]);
+        } else {
+            run.template fold<KT_WG / 8>(sc, vs_all + (t & 1) * VTILE);
+        }
         __syncthreads();
     }
 #pragma unroll
@@ -1322,7 +1378,14 @@ __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf1
                                                      bf16* out, float* lse, int m, int s1, int group, int past,     \
                                                      float scale2) {                                                \
         extern __shared__ __align__(16) unsigned char smem[];                                                       \
-        flash_forward_wg<D>(smem, q, k1, v1, out, lse, m, s1, past, scale2);                                        \
+        flash_forward_wg<D, false>(smem, q, k1, v1, out, lse, m, s1, past, scale2);                                 \
+    }                                                                                                               \
+    extern "C" __global__ void flash_forward_wgv_d##D(const bf16* q, const bf16* k1, const bf16* v1,               \
+                                                      const bf16* k2, const bf16* v2, const uint32_t* hi,           \
+                                                      bf16* out, float* lse, int m, int s1, int group, int past,    \
+                                                      float scale2) {                                               \
+        extern __shared__ __align__(16) unsigned char smem[];                                                       \
+        flash_forward_wg<D, true>(smem, q, k1, v1, out, lse, m, s1, past, scale2);                                  \
     }                                                                                                               \
     extern "C" __global__ void flash_dq_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,         \
                                              const bf16* v2, const uint32_t* hi, const bf16* out, const bf16* dout, \

@@ -223,6 +223,10 @@ mod cuda {
         /// (flash.cu says why). Written without a GPU to run it: selectable
         /// (`DFLASH_FLASH_FORWARD=wg`) until `flash_reference.py check` holds it to autograd.
         Wg,
+        /// `flash_forward_wgv`: `Wg` with the values' product on `wgmma` too (value tiles
+        /// swizzled, read N-major). Same limits; selectable (`DFLASH_FLASH_FORWARD=wgv`) until
+        /// checked on a GPU.
+        WgValues,
     }
 
     impl Forward {
@@ -241,6 +245,7 @@ mod cuda {
                     Ok("wide") => Some(Forward::Wide),
                     Ok("tall") => Some(Forward::Tall),
                     Ok("wg") => Some(Forward::Wg),
+                    Ok("wgv") => Some(Forward::WgValues),
                     _ => None,
                 });
             asked.unwrap_or(Forward::chosen_default(causal))
@@ -261,6 +266,7 @@ mod cuda {
                 Forward::Wide => "flash_forward_wide",
                 Forward::Tall => "flash_forward_tall",
                 Forward::Wg => "flash_forward_wg",
+                Forward::WgValues => "flash_forward_wgv",
             }
         }
 
@@ -268,7 +274,7 @@ mod cuda {
         fn rows(self) -> usize {
             match self {
                 Forward::Tall => 2 * ROWS,
-                Forward::Narrow | Forward::Wide | Forward::Wg => ROWS,
+                Forward::Narrow | Forward::Wide | Forward::Wg | Forward::WgValues => ROWS,
             }
         }
 
@@ -282,6 +288,8 @@ mod cuda {
                 // Up to 1,023 bytes to align the swizzled key tiles to 1,024, then two key
                 // tiles of 64 x d and two value tiles of 64 x (d + 8).
                 Forward::Wg => 1024 + 2 * 64 * d * 2 + 2 * 64 * ld * 2,
+                // The same with the value tiles swizzled as the keys (no padding).
+                Forward::WgValues => 1024 + 4 * 64 * d * 2,
             }
         }
     }
@@ -295,7 +303,8 @@ mod cuda {
         d: usize,
     ) -> Result<(CudaFunction, usize, u32)> {
         let mut which = Forward::chosen(causal);
-        if which == Forward::Wg && !(causal && group == 4 && cfg!(dflash_wgmma_ptx)) {
+        let on_wgmma = matches!(which, Forward::Wg | Forward::WgValues);
+        if on_wgmma && !(causal && group == 4 && cfg!(dflash_wgmma_ptx)) {
             which = Forward::chosen_default(causal);
         }
         if which != Forward::Narrow {
