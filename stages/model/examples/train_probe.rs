@@ -224,9 +224,11 @@ fn speed(args: &[String]) -> Result<()> {
     let drafter = Drafter::init(config.clone(), 0, master, &device)?;
     let mut adam = AdamW::new(&drafter.vars, 0.0)?;
     device.synchronize()?;
+    let init_peak = pool_peak_gib(&device)?;
     println!(
         "{}",
         serde_json::json!({"phase": "init", "seconds": t0.elapsed().as_secs_f64(),
+            "pool_peak_gib": init_peak,
             "device": format!("{device:?}"), "dtype": format!("{dtype:?}"),
             "master_weights": format!("{master:?}"),
             "drafter_parameters": config.parameters(), "head": if config.dflash2.is_some() { "dflash2" } else { "dflash" },
@@ -272,6 +274,8 @@ fn speed(args: &[String]) -> Result<()> {
         let target_host_ms = t.elapsed().as_secs_f64() * 1e3;
         device.synchronize()?;
         let target_ms = t.elapsed().as_secs_f64() * 1e3;
+        // Each phase's most memory in use (the pool's high-water mark, reset after each read).
+        let target_peak = pool_peak_gib(&device)?;
         let t = Instant::now();
         let (l, _, g) = loss_and_gradients_packed(
             &drafter,
@@ -286,6 +290,7 @@ fn speed(args: &[String]) -> Result<()> {
         let drafter_host_ms = t.elapsed().as_secs_f64() * 1e3;
         device.synchronize()?;
         let drafter_ms = t.elapsed().as_secs_f64() * 1e3;
+        let drafter_peak = pool_peak_gib(&device)?;
         let t = Instant::now();
         adam.step_keeping(
             &drafter.vars,
@@ -297,6 +302,7 @@ fn speed(args: &[String]) -> Result<()> {
         let optim_host_ms = t.elapsed().as_secs_f64() * 1e3;
         device.synchronize()?;
         let optim_ms = t.elapsed().as_secs_f64() * 1e3;
+        let optim_peak = pool_peak_gib(&device)?;
         if step == profile_step {
             profiler(false);
         }
@@ -306,7 +312,9 @@ fn speed(args: &[String]) -> Result<()> {
             serde_json::json!({"phase": "step", "step": step, "target_ms": target_ms,
                 "drafter_ms": drafter_ms, "optim_ms": optim_ms, "total_ms": total,
                 "target_host_ms": target_host_ms, "drafter_host_ms": drafter_host_ms,
-                "optim_host_ms": optim_host_ms, "loss": l})
+                "optim_host_ms": optim_host_ms, "target_pool_peak_gib": target_peak,
+                "drafter_pool_peak_gib": drafter_peak, "optim_pool_peak_gib": optim_peak,
+                "loss": l})
         );
         totals.push((target_ms, drafter_ms, optim_ms, total));
     }
@@ -366,6 +374,11 @@ fn speed(args: &[String]) -> Result<()> {
             "peak_note": "peak memory: nvidia-smi while it runs (candle has no allocator statistics)"})
     );
     Ok(())
+}
+
+/// The device pool's most memory in use since the last read, GiB (`None` off a GPU).
+fn pool_peak_gib(device: &Device) -> Result<Option<f64>> {
+    Ok(dflash_model::nn::fused::pool_peak_bytes(device)?.map(|b| b as f64 / (1u64 << 30) as f64))
 }
 
 /// Start or stop the CUDA profiler's recording (what `ncu --profile-from-start off` sees);

@@ -569,6 +569,37 @@ pub fn prepare(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
+/// [`super::pool_peak_bytes`]: the default pool's used-memory high-water mark, then reset.
+pub fn pool_peak_bytes(dev: &CudaDevice) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let cu_device = dev.cuda_stream().context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut high = 0u64;
+    let mut zero = 0u64;
+    // SAFETY: FFI on the device's own default pool; `high` and `zero` outlive the calls (the
+    // attribute is a cuuint64_t; setting the high-water mark takes only 0).
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&raw mut pool, cu_device)
+            .result()
+            .w()?;
+        sys::cuMemPoolGetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            (&raw mut high).cast(),
+        )
+        .result()
+        .w()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            (&raw mut zero).cast(),
+        )
+        .result()
+        .w()?;
+    }
+    Ok(high)
+}
+
 /// The `k` largest entries' indices (u32) of each row of `z`, largest first.
 pub fn top_k(z: Arg<'_>, k: usize) -> Result<CudaStorage> {
     by_type!(z.0.dtype(), "top-k", |T| {

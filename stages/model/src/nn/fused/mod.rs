@@ -300,6 +300,18 @@ pub fn prepare_device(device: &candle_core::Device) -> Result<()> {
     let _ = device;
     Ok(())
 }
+/// The most memory the device's pool has handed out since the last call (bytes; every tensor
+/// candle allocates comes from it: not the CUDA context, cuBLAS's workspace or kernels), and
+/// the count starts again from what is in use now. `None` off a GPU.
+pub fn pool_peak_bytes(device: &candle_core::Device) -> Result<Option<u64>> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = device {
+        return cuda::pool_peak_bytes(dev).map(Some);
+    }
+    let _ = device;
+    Ok(None)
+}
+
 pub use gather::gather_rows;
 pub use head::{HeadLoss, head_cross_entropy, head_cross_entropy_rows, head_rows_in_place};
 pub use loss::cross_entropy;
