@@ -15,6 +15,8 @@
 #     runs `stash`, which keeps it in /tmp; the calls follow each other while the machine is
 #     warm (30 s: about 6 s of device time each), the last one runs `setup` and can go on;
 #   - `checks` runs the training kernels' checks and the step against PyTorch (issue 22);
+#     `flash` the attention kernels' checks, timings and the step; `wgmma` the wgmma forwards
+#     alone and the step with each (a short call);
 #     `hybrid [LAYERS] [TOKENS]` a hybrid target's forward against transformers (issue 23),
 #     `hybrid-decode` its batched decoding against transformers' `generate`;
 #     `decode [BATCH] [PROMPT] [STEPS]` generate's batched decoding against transformers'
@@ -531,6 +533,26 @@ flash)
         step_against_pytorch ${FLEX:-}
     } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
+    ;;
+wgmma)
+    # There: the wgmma forwards alone, as few seconds as they need (a call with little device
+    # time left): each checked against autograd and timed (`flash_reference.py wg`, `wgv`, each
+    # in its own process), the values-on-wgmma one through the model's entry points, then the
+    # step as `train` runs it, with each, and compiled PyTorch's. Needs only flash.ptx and
+    # train_probe.xz stashed.
+    unpack_probe
+    mkdir -p $STASH/assets
+    cuda_env
+    {
+        python3 bench/flash_reference.py wg $STASH/flash.ptx || echo "wg failed: $?"
+        python3 bench/flash_reference.py wgv $STASH/flash.ptx || echo "wgv failed: $?"
+        DFLASH_FLASH_FORWARD=wgv $STASH/train_probe flash || echo "train_probe flash (wgmma values) failed: $?"
+        echo '{"phase": "label", "name": "dflash, as train runs it"}'
+        peak_memory $STASH/train_probe speed --anchors 512 || echo "speed failed: $?"
+        wgmma_step
+        peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
+            --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
+    } 2>&1 | grep -v Warning | tee "$OUT/wgmma.txt"
     ;;
 step)
     # There: the step's comparison alone (issue 22; what `flash` ends with, without the flash
