@@ -1,12 +1,13 @@
 //! One online training step of the DFlash drafter, measured — the numbers behind issue 7.
 //!
 //! `train_probe speed [--preset qwen3-8b|smollm2|small] [--seq 3072] [--anchors 512] [--block 16]
-//! [--layers 5] [--steps 4] [--dtype bf16|f32] [--master f32|bf16] [--head dflash|dflash2]
-//! [--profile-step K] [--backward autograd|written]`: a
+//! [--layers 5] [--steps 4] [--dtype bf16|f32] [--master f32|bf16] [--moments f32|bf16]
+//! [--head dflash|dflash2] [--profile-step K] [--backward autograd|written]`: a
 //! target with random weights at the preset's
 //! shape, a drafter, one random sequence; prints one JSON line per step with the target
 //! forward, the drafter's forward + backward and the AdamW update timed apart (the device is
-//! synchronised between them), then a summary line.
+//! synchronised between them; each phase's host time to queue it and its most memory in use
+//! beside), then a summary line with the same steps timed again with no wait between phases.
 //!
 //! `train_probe parts [--anchors 128]`: where the drafter's step goes at the Qwen3-8B shape:
 //! its forward alone (no graph), forward + backward (as `train` runs them on the device), and
@@ -222,7 +223,13 @@ fn speed(args: &[String]) -> Result<()> {
         DType::F32
     };
     let drafter = Drafter::init(config.clone(), 0, master, &device)?;
-    let mut adam = AdamW::new(&drafter.vars, 0.0)?;
+    // `--moments bf16`: AdamW's moments in bf16 (stochastic rounding), half their memory.
+    let moments = if arg(args, "--moments", "f32".to_owned()) == "bf16" {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let mut adam = AdamW::with_moments(&drafter.vars, 0.0, moments)?;
     device.synchronize()?;
     let init_peak = pool_peak_gib(&device)?;
     println!(
@@ -230,7 +237,7 @@ fn speed(args: &[String]) -> Result<()> {
         serde_json::json!({"phase": "init", "seconds": t0.elapsed().as_secs_f64(),
             "pool_peak_gib": init_peak,
             "device": format!("{device:?}"), "dtype": format!("{dtype:?}"),
-            "master_weights": format!("{master:?}"),
+            "master_weights": format!("{master:?}"), "moments": format!("{moments:?}"),
             "drafter_parameters": config.parameters(), "head": if config.dflash2.is_some() { "dflash2" } else { "dflash" },
             "seq": seq, "anchors": anchors,
             "block": block})
@@ -508,32 +515,38 @@ fn fused(_args: &[String]) -> Result<()> {
         corrections: (1.0 - 0.9f64.powi(t), 1.0 - 0.999f64.powi(t)),
         eps: 1e-8,
         clip_scale: 0.7,
+        rounding_seed: t as u32,
     };
     // AdamW: three steps of a `dtype` parameter from gradients in `grad`, the same on CPU as
     // the reference; given `keep`, with the bf16 copy kept (`adamw_update_master`, what `train`
     // runs on a GPU: f32 master weights, bf16 gradients).
-    let adam = |dev: &Device, dtype: DType, grad: DType, keep: bool, width: usize| {
-        let mut init = Init::new(7);
-        let p = init
-            .normal(&[3, width], 1.0, DType::F32, &cpu)?
-            .to_dtype(dtype)?
-            .to_device(dev)?;
-        let low = keep.then(|| p.to_dtype(DType::BF16)?.copy()).transpose()?;
-        let (m, v) = (
-            Tensor::zeros((3, width), DType::F32, dev)?,
-            Tensor::zeros((3, width), DType::F32, dev)?,
-        );
-        for t in 1..=3 {
-            let g = init
-                .normal(&[3, width], 0.1, DType::F32, &cpu)?
-                .to_dtype(grad)?
+    // `moments`: their dtype (bf16: stochastic rounding, the GPU's kernel against the host's).
+    let adam_moments =
+        |dev: &Device, dtype: DType, grad: DType, keep: bool, width: usize, moments: DType| {
+            let mut init = Init::new(7);
+            let p = init
+                .normal(&[3, width], 1.0, DType::F32, &cpu)?
+                .to_dtype(dtype)?
                 .to_device(dev)?;
-            match &low {
-                Some(low) => fused::adamw_update_master(&p, &g, &m, &v, low, &adam_step(t))?,
-                None => fused::adamw_update(&p, &g, &m, &v, &adam_step(t))?,
+            let low = keep.then(|| p.to_dtype(DType::BF16)?.copy()).transpose()?;
+            let (m, v) = (
+                Tensor::zeros((3, width), moments, dev)?,
+                Tensor::zeros((3, width), moments, dev)?,
+            );
+            for t in 1..=3 {
+                let g = init
+                    .normal(&[3, width], 0.1, DType::F32, &cpu)?
+                    .to_dtype(grad)?
+                    .to_device(dev)?;
+                match &low {
+                    Some(low) => fused::adamw_update_master(&p, &g, &m, &v, low, &adam_step(t))?,
+                    None => fused::adamw_update(&p, &g, &m, &v, &adam_step(t))?,
+                }
             }
-        }
-        Result::Ok((p, low))
+            Result::Ok((p, low, m, v))
+        };
+    let adam = |dev: &Device, dtype: DType, grad: DType, keep: bool, width: usize| {
+        adam_moments(dev, dtype, grad, keep, width, DType::F32).map(|(p, low, _, _)| (p, low))
     };
     for dtype in [DType::F32, DType::BF16] {
         let got = run(&device, dtype)?;
@@ -581,6 +594,31 @@ fn fused(_args: &[String]) -> Result<()> {
             serde_json::json!({"phase": "fused", "check": format!("adamw_master_3_steps_{width}"),
                 "device": format!("{device:?}"), "max_abs_diff": worst(&p, &rp)?,
                 "copy_max_abs_diff": worst(&low, &rlow)?,
+                "copy_is_the_cast": worst(&low, &p.to_dtype(DType::BF16)?)? == 0.0})
+        );
+    }
+    // bf16 moments (`adamw_master_sr_bf16`) against the host's stochastic rounding: the same
+    // coins, so the moments agree to the bf16 step wherever the f32 values before rounding
+    // agree (fused multiply-adds may move one by an ulp, and that one's rounding with it).
+    for width in [4099, 4096] {
+        let (p, low, m, v) =
+            adam_moments(&device, DType::F32, DType::BF16, true, width, DType::BF16)?;
+        let (rp, _, rm, rv) =
+            adam_moments(&cpu, DType::F32, DType::BF16, true, width, DType::BF16)?;
+        let low = low.ok_or("no copy")?;
+        let differ = |a: &Tensor, b: &Tensor| -> Result<usize> {
+            let (a, b) = (
+                a.to_device(&cpu)?.flatten_all()?.to_vec1::<half::bf16>()?,
+                b.flatten_all()?.to_vec1::<half::bf16>()?,
+            );
+            Ok(a.iter().zip(&b).filter(|(x, y)| x != y).count())
+        };
+        println!(
+            "{}",
+            serde_json::json!({"phase": "fused", "check": format!("adamw_bf16_moments_3_steps_{width}"),
+                "device": format!("{device:?}"), "max_abs_diff": worst(&p, &rp)?,
+                "m_elements_differing": differ(&m, &rm)?, "v_elements_differing": differ(&v, &rv)?,
+                "elements": 3 * width,
                 "copy_is_the_cast": worst(&low, &p.to_dtype(DType::BF16)?)? == 0.0})
         );
     }

@@ -52,7 +52,21 @@ pub struct AdamW {
 impl AdamW {
     /// Zero moments for `vars`, in f32 (each its own storage: the update writes them in place).
     pub fn new(vars: &BTreeMap<String, Var>, weight_decay: f64) -> Result<Self> {
-        let zeros = |v: &Var| Tensor::zeros(v.shape(), DType::F32, v.device());
+        Self::with_moments(vars, weight_decay, DType::F32)
+    }
+
+    /// Zero moments for `vars` in `dtype`: f32, or bf16 for half their memory (stepped in f32,
+    /// stored back by stochastic rounding: [`fused::round_stochastic`]; on a GPU in
+    /// [`Self::step_keeping`]'s master update, elsewhere on the host).
+    pub fn with_moments(
+        vars: &BTreeMap<String, Var>,
+        weight_decay: f64,
+        dtype: DType,
+    ) -> Result<Self> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            candle_core::bail!("AdamW's moments are f32 or bf16, not {dtype:?}");
+        }
+        let zeros = |v: &Var| Tensor::zeros(v.shape(), dtype, v.device());
         Ok(Self {
             betas: (0.9, 0.999),
             eps: 1e-8,
@@ -125,9 +139,17 @@ impl AdamW {
             corrections: (1.0 - b1.powi(t), 1.0 - b2.powi(t)),
             eps: self.eps,
             clip_scale,
+            rounding_seed: 0,
         };
-        for (name, var, g) in gs {
+        for (ordinal, (name, var, g)) in gs.into_iter().enumerate() {
             let (p, m, v) = (var.as_tensor(), &self.m[name], &self.v[name]);
+            // bf16 moments' rounding: coins of their own for each step and parameter.
+            let step = fused::AdamStep {
+                rounding_seed: fused::coin(
+                    (self.step as u32).wrapping_mul(0x9e37_79b9) ^ ordinal as u32,
+                ),
+                ..step.clone()
+            };
             match copies.and_then(|c| c.get(name)) {
                 Some(low) => fused::adamw_update_master(p, &g, m, v, low, &step)?,
                 None => fused::adamw_update(p, &g.to_dtype(p.dtype())?, m, v, &step)?,
@@ -155,14 +177,14 @@ impl AdamW {
             *slot = tensors
                 .get(&format!("m.{k}"))
                 .ok_or_else(|| candle_core::Error::Msg(format!("checkpoint lacks `m.{k}`")))?
-                .to_dtype(DType::F32)?
+                .to_dtype(slot.dtype())?
                 .copy()?;
         }
         for (k, slot) in self.v.iter_mut() {
             *slot = tensors
                 .get(&format!("v.{k}"))
                 .ok_or_else(|| candle_core::Error::Msg(format!("checkpoint lacks `v.{k}`")))?
-                .to_dtype(DType::F32)?
+                .to_dtype(slot.dtype())?
                 .copy()?;
         }
         self.step = step;

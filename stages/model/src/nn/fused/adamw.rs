@@ -1,4 +1,4 @@
-//! The AdamW update in place and the gradients' squared norm.
+//! The AdamW update in place (f32 or bf16 moments) and the gradients' squared norm.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -16,6 +16,9 @@ pub fn sum_squares(x: &Tensor) -> Result<Tensor> {
 /// The AdamW update of one parameter in place: `m` and `v` (f32, the parameter's shape) take
 /// the clipped gradient `grad * clip_scale`, then `param` moves by the bias-corrected step and
 /// decays by `lr * weight_decay` (PyTorch's order). On a GPU one kernel does all three.
+/// Moments in bf16 are stepped in f32 and stored back by stochastic rounding
+/// ([`round_stochastic`]); off [`adamw_update_master`]'s GPU kernel that runs on the host
+/// (tests, CPU training).
 pub fn adamw_update(
     param: &Tensor,
     grad: &Tensor,
@@ -24,6 +27,9 @@ pub fn adamw_update(
     step: &AdamStep,
 ) -> Result<()> {
     let grad = grad.contiguous()?;
+    if m.dtype() == DType::BF16 {
+        return adamw_bf16_moments_host(param, &grad, m, v, None, step);
+    }
     // On a GPU one pass over the four (issue 22: 18.3 ms against PyTorch's fused 10.0 at the
     // Qwen3-8B shape); the CPU keeps its three in-place ops, bit for bit.
     #[cfg(feature = "cuda")]
@@ -69,6 +75,9 @@ pub fn adamw_update_master(
     {
         return super::cuda::adamw_master(param, &grad, m, v, low, step);
     }
+    if m.dtype() == DType::BF16 {
+        return adamw_bf16_moments_host(param, &grad, m, v, Some(low), step);
+    }
     adamw_update(param, &grad.to_dtype(param.dtype())?, m, v, step)?;
     low.slice_set(&param.to_dtype(low.dtype())?, 0, 0)
 }
@@ -88,6 +97,89 @@ pub struct AdamStep {
     pub eps: f64,
     /// What the gradient is multiplied by (global-norm clipping; 1 for none).
     pub clip_scale: f64,
+    /// Where the moments are bf16: the seed of their stochastic rounding ([`coin`]), one per
+    /// parameter and step (unread for f32 moments).
+    pub rounding_seed: u32,
+}
+
+/// The coin of stochastic rounding: a 32-bit mix of `x` (kernels.cu's `mix32`, bit for bit, so
+/// CPU and GPU round alike).
+pub fn coin(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^= x >> 16;
+    x
+}
+
+/// `x` rounded to bf16 stochastically: the 16 dropped bits plus the low 16 of
+/// `coin(index ^ seed)` carry into the kept ones (kernels.cu's `round_stochastic`); infinities
+/// and NaN as they are.
+pub fn round_stochastic(x: f32, index: u32, seed: u32) -> half::bf16 {
+    let mut b = x.to_bits();
+    if b & 0x7f80_0000 != 0x7f80_0000 {
+        b = b.wrapping_add(coin(index ^ seed) & 0xffff);
+    }
+    half::bf16::from_bits((b >> 16) as u16)
+}
+
+/// The seeds of a parameter's two moments from [`AdamStep::rounding_seed`].
+pub(super) fn moment_seeds(seed: u32) -> (u32, u32) {
+    (coin(seed), coin(seed ^ 0x5bd1_e995))
+}
+
+/// AdamW with bf16 moments (read up, stepped in f32, written back by [`round_stochastic`]) on
+/// the host: `param` f32 (or any float), `low` its cast where given. What a GPU's
+/// `adamw_master_sr_bf16` does, element for element (its arithmetic in f32 the same order;
+/// its fused multiply-adds may differ in the last bit).
+fn adamw_bf16_moments_host(
+    param: &Tensor,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    low: Option<&Tensor>,
+    step: &AdamStep,
+) -> Result<()> {
+    let flat = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>();
+    let (mut p, g, mut mm, mut vv) = (flat(param)?, flat(grad)?, flat(m)?, flat(v)?);
+    let n = p.len();
+    if g.len() != n || mm.len() != n || vv.len() != n {
+        bail!("adamw: parameter, gradient and moment sizes differ");
+    }
+    let (b1, b2, scale) = (
+        step.betas.0 as f32,
+        step.betas.1 as f32,
+        step.clip_scale as f32,
+    );
+    let (lr, decay) = (step.lr as f32, 1.0 - (step.lr * step.weight_decay) as f32);
+    let (c1, c2, eps) = (
+        step.corrections.0 as f32,
+        step.corrections.1 as f32,
+        step.eps as f32,
+    );
+    let (seed_m, seed_v) = moment_seeds(step.rounding_seed);
+    let (mut m16, mut v16) = (vec![half::bf16::ZERO; n], vec![half::bf16::ZERO; n]);
+    for i in 0..n {
+        let x = g[i] * scale;
+        mm[i] = b1 * mm[i] + (1.0 - b1) * x;
+        vv[i] = b2 * vv[i] + (1.0 - b2) * (x * x);
+        p[i] = p[i] * decay - lr * (mm[i] / c1) / ((vv[i] / c2).sqrt() + eps);
+        // Indices as the kernel's (u32, wrapping past 4G elements).
+        m16[i] = round_stochastic(mm[i], i as u32, seed_m);
+        v16[i] = round_stochastic(vv[i], i as u32, seed_v);
+    }
+    let (shape, device) = (param.shape().clone(), param.device());
+    let put = |into: &Tensor, t: Tensor| -> Result<()> {
+        into.slice_set(&t.reshape(shape.clone())?.to_dtype(into.dtype())?, 0, 0)
+    };
+    put(m, Tensor::from_vec(m16, n, device)?)?;
+    put(v, Tensor::from_vec(v16, n, device)?)?;
+    let p = Tensor::from_vec(p, n, device)?;
+    if let Some(low) = low {
+        put(low, p.to_dtype(low.dtype())?)?;
+    }
+    put(param, p)
 }
 
 struct Moment {

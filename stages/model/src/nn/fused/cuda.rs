@@ -460,9 +460,12 @@ fn adamw_launch(
     s: &AdamStep,
 ) -> Result<()> {
     use candle_core::Storage;
-    if m.dtype() != DType::F32 || v.dtype() != DType::F32 {
+    let bf16_moments = (m.dtype(), v.dtype()) == (DType::BF16, DType::BF16);
+    if !bf16_moments && (m.dtype(), v.dtype()) != (DType::F32, DType::F32)
+        || bf16_moments && low.is_none()
+    {
         bail!(
-            "adamw: {:?} / {:?} moments (f32 run here)",
+            "adamw: {:?} / {:?} moments (f32, or bf16 with a master update, run here)",
             m.dtype(),
             v.dtype()
         );
@@ -492,8 +495,6 @@ fn adamw_launch(
         bail!("adamw: parameter, gradient and moment sizes differ");
     }
     let dev = ps.device().clone();
-    let mv = ms.as_cuda_slice::<f32>()?.slice(rm);
-    let vv = vs.as_cuda_slice::<f32>()?.slice(rv);
     let (b1, b2, scale) = (s.betas.0 as f32, s.betas.1 as f32, s.clip_scale as f32);
     let (lr, decay) = (s.lr as f32, s.weight_decay as f32);
     let (c1, c2, eps) = (s.corrections.0 as f32, s.corrections.1 as f32, s.eps as f32);
@@ -508,6 +509,26 @@ fn adamw_launch(
         let pv = ps.as_cuda_slice::<f32>()?.slice(rp);
         let gv = gs.as_cuda_slice::<half::bf16>()?.slice(rg);
         let lv = ls.as_cuda_slice::<half::bf16>()?.slice(rl);
+        if bf16_moments {
+            let mv = ms.as_cuda_slice::<half::bf16>()?.slice(rm);
+            let vv = vs.as_cuda_slice::<half::bf16>()?.slice(rv);
+            let (seed_m, seed_v) = super::adamw::moment_seeds(s.rounding_seed);
+            // Reads n elements of p, g, m and v; writes n of p, m, v and low (each within its
+            // view: the spans checked above); eight a thread where all are 16-byte aligned.
+            launch!(
+                &dev,
+                "adamw_master_sr",
+                half::bf16,
+                by_vectors::<half::bf16>(n),
+                [
+                    &pv, &gv, &mv, &vv, &lv, &n, &b1, &b2, &scale, &lr, &decay, &c1, &c2, &eps,
+                    &seed_m, &seed_v
+                ]
+            );
+            return Ok(());
+        }
+        let mv = ms.as_cuda_slice::<f32>()?.slice(rm);
+        let vv = vs.as_cuda_slice::<f32>()?.slice(rv);
         // Reads n elements of p, g, m and v; writes n of p, m, v and low (each within its view:
         // the spans checked above).
         // Eight elements a thread where every operand is 16-byte aligned and n whole vectors,
@@ -523,6 +544,8 @@ fn adamw_launch(
         );
         return Ok(());
     }
+    let mv = ms.as_cuda_slice::<f32>()?.slice(rm);
+    let vv = vs.as_cuda_slice::<f32>()?.slice(rv);
     by_type!(p.dtype(), "adamw-fused", |T| {
         let pv = ps.as_cuda_slice::<T>()?.slice(rp);
         let gv = gs.as_cuda_slice::<T>()?.slice(rg);

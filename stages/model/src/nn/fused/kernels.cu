@@ -952,6 +952,69 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
 
 FOR_TYPES(KERNELS)
 
+// Stochastic rounding of f32 to bf16 (the moments of `adamw_master_sr_bf16`): the 16 bits bf16
+// drops, plus a 16-bit coin, carry into the kept bits with the probability the dropped bits
+// give, so the rounding is unbiased. A moment whose change a step is below bf16's resolution
+// (v's 0.1% at beta2 = 0.999, under half of bf16's 0.4% step) then still moves on average, where
+// rounding to nearest would keep it where it is. The coin is a hash of the element's index and
+// a seed the optimizer derives from its step (the same on CPU: adamw.rs `coin`).
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+__device__ __forceinline__ uint16_t round_stochastic(float x, uint32_t index, uint32_t seed) {
+    uint32_t b = __float_as_uint(x);
+    // Infinities and NaN keep their bits (a carry would turn a NaN's payload into another value).
+    if ((b & 0x7f800000u) != 0x7f800000u) b += mix32(index ^ seed) & 0xffffu;
+    return (uint16_t)(b >> 16);
+}
+
+// `adamw_master_bf16` with the moments stored in bf16 (half their memory), read up to f32, the
+// step computed in f32 as there, and written back by stochastic rounding (seeds `seed_m`,
+// `seed_v`); the weights stay f32 and the copy is their cast (round to nearest).
+extern "C" __global__ void adamw_master_sr_bf16(float* p, const __nv_bfloat16* g, __nv_bfloat16* m,
+                                                __nv_bfloat16* v, __nv_bfloat16* low, size_t n, float b1,
+                                                float b2, float scale, float lr, float decay, float c1, float c2,
+                                                float eps, uint32_t seed_m, uint32_t seed_v) {
+    typedef __nv_bfloat16 bf16;
+    if (n % 8 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && aligned16(low)) {
+        for (size_t i = vec_start<bf16>(); i < n; i += vec_step<bf16>()) {
+            float gs[8], ps[8], ms[8], vs[8];
+            load16(g + i, gs);
+            load16(p + i, *reinterpret_cast<float(*)[4]>(ps));
+            load16(p + i + 4, *reinterpret_cast<float(*)[4]>(ps + 4));
+            load16(m + i, ms);
+            load16(v + i, vs);
+            alignas(16) uint16_t mr[8];
+            alignas(16) uint16_t vr[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                ps[k] = adamw_value(ps[k], gs[k], ms[k], vs[k], b1, b2, scale, lr, decay, c1, c2, eps);
+                mr[k] = round_stochastic(ms[k], (uint32_t)(i + k), seed_m);
+                vr[k] = round_stochastic(vs[k], (uint32_t)(i + k), seed_v);
+            }
+            store16(p + i, *reinterpret_cast<float(*)[4]>(ps));
+            store16(p + i + 4, *reinterpret_cast<float(*)[4]>(ps + 4));
+            *reinterpret_cast<uint4*>(m + i) = *reinterpret_cast<const uint4*>(mr);
+            *reinterpret_cast<uint4*>(v + i) = *reinterpret_cast<const uint4*>(vr);
+            store16(low + i, ps);
+        }
+        return;
+    }
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float mi = __bfloat162float(m[i]), vi = __bfloat162float(v[i]);
+        float w = adamw_value(p[i], load(g, i), mi, vi, b1, b2, scale, lr, decay, c1, c2, eps);
+        p[i] = w;
+        store(low, i, w);
+        m[i] = __ushort_as_bfloat16(round_stochastic(mi, (uint32_t)i, seed_m));
+        v[i] = __ushort_as_bfloat16(round_stochastic(vi, (uint32_t)i, seed_v));
+    }
+}
+
 // AdamW over f32 master weights from the step's bf16 gradient, also writing the bf16 copy of the
 // updated weights that the next step computes with (what a cast would make of them): one pass
 // where casting the gradient up and the weights down took two more over the same bytes.

@@ -279,7 +279,7 @@ mod swiglu;
 mod tests;
 mod topk;
 
-pub use adamw::{AdamStep, adamw_update, adamw_update_master, sum_squares};
+pub use adamw::{AdamStep, adamw_update, adamw_update_master, coin, round_stochastic, sum_squares};
 pub use add::add;
 pub use conv::causal_conv_silu;
 pub use copy::{contiguous3, keep_append, strided_copy3};

@@ -171,6 +171,7 @@ fn hand_step() -> AdamStep {
         corrections: (0.1, 0.001),
         eps: 1e-8,
         clip_scale: 0.5,
+        rounding_seed: 0,
     }
 }
 
@@ -199,6 +200,107 @@ fn the_master_update_keeps_the_weights_cast() {
             .to_vec1::<half::bf16>()
             .unwrap()
     );
+}
+
+/// Stochastic rounding keeps what bf16 holds exactly, lands on one of the two neighbours
+/// otherwise, and is unbiased: over many coins the mean is the value, where rounding to nearest
+/// is off by the value's distance to its nearest neighbour.
+#[test]
+fn stochastic_rounding_is_unbiased() {
+    for x in [1.0f32, -3.5, 0.0, f32::INFINITY] {
+        assert_eq!(round_stochastic(x, 7, 11), half::bf16::from_f32(x));
+    }
+    assert!(round_stochastic(f32::NAN, 7, 11).is_nan());
+    // bf16 keeps 7 mantissa bits: 1 + 2^-10 lies between 1 and 1 + 2^-7, an eighth of the way.
+    let x = 1.0f32 + 2f32.powi(-10);
+    let (lo, hi) = (1.0f32, 1.0 + 2f32.powi(-7));
+    let n = 100_000u32;
+    let mut sum = 0.0f64;
+    let mut ups = 0u32;
+    for i in 0..n {
+        let r = round_stochastic(x, i, 0x1234).to_f32();
+        assert!(r == lo || r == hi, "{r}");
+        ups += u32::from(r == hi);
+        sum += f64::from(r);
+    }
+    let mean = sum / f64::from(n);
+    // An eighth of the coins round up: within 4 standard deviations of binomial(n, 1/8).
+    let sd = (f64::from(n) * 0.125 * 0.875).sqrt();
+    assert!(
+        (f64::from(ups) - f64::from(n) * 0.125).abs() < 4.0 * sd,
+        "{ups} of {n} up"
+    );
+    assert!((mean - f64::from(x)).abs() < 4.0 * sd / f64::from(n) * f64::from(hi - lo));
+    assert_eq!(
+        half::bf16::from_f32(x).to_f32(),
+        lo,
+        "round to nearest stays at 1"
+    );
+}
+
+/// AdamW with bf16 moments follows the f32 moments' run: over 2,000 steps of the same
+/// gradient the second moment climbs to 1 - 0.999^2000 = 86% of the gradient's square as the
+/// f32 one does (rounding to nearest in bf16 would stall it near a third: past there its 0.1%
+/// a step is under half of bf16's resolution), and the weights move alike.
+#[test]
+fn bf16_moments_follow_f32_moments() {
+    let dev = Device::Cpu;
+    let g = randn(&[64], 3).to_dtype(DType::F32).unwrap();
+    let run = |moments: DType| {
+        let p = Tensor::zeros(64, DType::F32, &dev).unwrap();
+        let (m, v) = (
+            Tensor::zeros(64, moments, &dev).unwrap(),
+            Tensor::zeros(64, moments, &dev).unwrap(),
+        );
+        for t in 1..=2000 {
+            let step = AdamStep {
+                lr: 1e-3,
+                weight_decay: 0.0,
+                betas: (0.9, 0.999),
+                corrections: (1.0 - 0.9f64.powi(t), 1.0 - 0.999f64.powi(t)),
+                eps: 1e-8,
+                clip_scale: 1.0,
+                rounding_seed: coin(t as u32),
+            };
+            adamw_update(&p, &g, &m, &v, &step).unwrap();
+        }
+        (p, v.to_dtype(DType::F32).unwrap())
+    };
+    let (p32, v32) = run(DType::F32);
+    let (p16, v16) = run(DType::BF16);
+    let ratio = (&v16 / &v32).unwrap().to_vec1::<f32>().unwrap();
+    let mean = ratio.iter().sum::<f32>() / ratio.len() as f32;
+    let worst = ratio.iter().map(|r| (r - 1.0).abs()).fold(0.0f32, f32::max);
+    assert!((mean - 1.0).abs() < 0.02, "bf16 v / f32 v averages {mean}");
+    assert!(worst < 0.15, "bf16 v / f32 v off by {worst} somewhere");
+    // Each weight moved by about 2,000 x lr = 2 (Adam's step is ~lr whatever the gradient).
+    let moved = max_diff(&p32, &p16);
+    assert!(moved < 0.05, "bf16 moments' weights {moved} from f32's");
+}
+
+/// The master update with bf16 moments keeps the weights' cast, and the moments are bf16
+/// still (stored in place, not replaced by f32 ones).
+#[test]
+fn the_master_update_with_bf16_moments_keeps_the_cast() {
+    let p = randn(&[300], 5).to_dtype(DType::F32).unwrap();
+    let low = p.to_dtype(DType::BF16).unwrap().copy().unwrap();
+    let g = randn(&[300], 6).to_dtype(DType::BF16).unwrap();
+    let (m, v) = (
+        Tensor::zeros(300, DType::BF16, &Device::Cpu).unwrap(),
+        Tensor::zeros(300, DType::BF16, &Device::Cpu).unwrap(),
+    );
+    adamw_update_master(&p, &g, &m, &v, &low, &hand_step()).unwrap();
+    assert_eq!(m.dtype(), DType::BF16);
+    assert_eq!(
+        low.to_vec1::<half::bf16>().unwrap(),
+        p.to_dtype(DType::BF16)
+            .unwrap()
+            .to_vec1::<half::bf16>()
+            .unwrap()
+    );
+    // The first step's m is (1 - beta1) * g * clip: within bf16's rounding of it.
+    let want = (g.to_dtype(DType::F32).unwrap() * (0.1 * 0.5)).unwrap();
+    assert!(max_diff(&m.to_dtype(DType::F32).unwrap(), &want) < 1e-2 * 0.05 * 4.0);
 }
 
 /// Value and gradients of `sum(f(x, w) * up)` with `x` and `w` as variables.
