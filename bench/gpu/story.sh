@@ -537,8 +537,9 @@ flash)
 wgmma)
     # There: the wgmma forwards alone, as few seconds as they need (a call with little device
     # time left): each checked against autograd and timed (`flash_reference.py wg`, `wgv`, each
-    # in its own process), the values-on-wgmma one through the model's entry points, then the
-    # step as `train` runs it, with each, and compiled PyTorch's. Needs only flash.ptx and
+    # in its own process), the values-on-wgmma one through the model's entry points, AdamW's
+    # kernels (bf16 moments among them) against the CPU, then the step as `train` runs it, with
+    # bf16 moments, with each wgmma forward, and compiled PyTorch's. Needs only flash.ptx and
     # train_probe.xz stashed.
     unpack_probe
     mkdir -p $STASH/assets
@@ -547,8 +548,11 @@ wgmma)
         python3 bench/flash_reference.py wg $STASH/flash.ptx || echo "wg failed: $?"
         python3 bench/flash_reference.py wgv $STASH/flash.ptx || echo "wgv failed: $?"
         DFLASH_FLASH_FORWARD=wgv $STASH/train_probe flash || echo "train_probe flash (wgmma values) failed: $?"
+        $STASH/train_probe fused | grep 'adamw' || echo "train_probe fused failed: $?"
         echo '{"phase": "label", "name": "dflash, as train runs it"}'
         peak_memory $STASH/train_probe speed --anchors 512 || echo "speed failed: $?"
+        echo '{"phase": "label", "name": "dflash, AdamW moments in bf16"}'
+        peak_memory $STASH/train_probe speed --anchors 512 --moments bf16 || echo "speed (bf16 moments) failed: $?"
         wgmma_step
         peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex --compile \
             --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
