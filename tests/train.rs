@@ -599,3 +599,76 @@ stages:
     );
     assert!(err.contains("`kernel` is not a DFlash 2 setting"), "{err}");
 }
+
+/// `optimizer_moments: bf16` trains with AdamW's moments in bf16 (stochastic rounding): the
+/// checkpoint holds them in bf16, half the bytes, and the drafter learns as the f32 moments'
+/// does (the loss over the last steps within a few percent of theirs).
+#[test]
+fn bf16_moments_train_as_f32_ones_in_half_the_bytes() {
+    let last_loss = |dir: &std::path::Path| {
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        let losses: Vec<f64> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect();
+        losses[losses.len() - 20..].iter().sum::<f64>() / 20.0
+    };
+    // The dtype of every `m.` and `v.` tensor in a checkpoint (its safetensors header).
+    let moment_dtypes = |dir: &std::path::Path| {
+        let ckpt = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_str()
+                    .unwrap()
+                    .starts_with("ckpt-")
+            })
+            .expect("a checkpoint");
+        let bytes = std::fs::read(ckpt.join("state.safetensors")).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let mut dtypes: Vec<String> = header
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k.starts_with("m.") || k.starts_with("v."))
+            .map(|(_, t)| t["dtype"].as_str().unwrap().to_owned())
+            .collect();
+        dtypes.dedup();
+        dtypes
+    };
+    let mut dirs = Vec::new();
+    for moments in ["f32", "bf16"] {
+        let env = Env::new();
+        tiny(&env);
+        env.write(
+            "p.yaml",
+            &PIPELINE.replace("epochs: 6", "epochs: 2").replace(
+                "lr: 0.003,",
+                &format!("lr: 0.003, optimizer_moments: {moments},"),
+            ),
+        );
+        let (st, _) = env.run("p.yaml", 0);
+        assert_eq!(st["drafter"], "ran");
+        dirs.push((env, moments));
+    }
+    let (f32_dir, bf16_dir) = (exported(&dirs[0].0, "out"), exported(&dirs[1].0, "out"));
+    assert_eq!(moment_dtypes(&f32_dir), ["F32"]);
+    assert_eq!(moment_dtypes(&bf16_dir), ["BF16"]);
+    let (a, b) = (last_loss(&f32_dir), last_loss(&bf16_dir));
+    assert!(
+        (a - b).abs() < 0.05 * a,
+        "last losses: f32 moments {a}, bf16 {b}"
+    );
+    assert!(
+        start_of(&bf16_dir, "loss") > 1.1 * b,
+        "bf16 moments did not learn: {} -> {b}",
+        start_of(&bf16_dir, "loss")
+    );
+}

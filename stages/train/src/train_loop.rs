@@ -267,6 +267,12 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             .unwrap_or_default();
         metrics_lines.extend(text.lines().map(str::to_owned));
     }
+    let weight_decay = raw["weight_decay"].as_f64().unwrap_or(0.0);
+    // AdamW's moments: f32, or bf16 (half their memory, stochastic rounding) on request.
+    let moments = match raw["optimizer_moments"].as_str() {
+        Some("bf16") => DType::BF16,
+        _ => DType::F32,
+    };
     let (drafter, mut adam, start) = match done.last() {
         Some(name) => {
             let bytes = ctx
@@ -284,8 +290,8 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
                 .collect();
             let d =
                 Drafter::from_tensors(config.clone(), &weights).map_err(nn("the checkpoint"))?;
-            let mut a = AdamW::new(&d.vars, raw["weight_decay"].as_f64().unwrap_or(0.0))
-                .map_err(nn("optimizer"))?;
+            let mut a =
+                AdamW::with_moments(&d.vars, weight_decay, moments).map_err(nn("optimizer"))?;
             a.restore(&tensors, step).map_err(nn("the checkpoint"))?;
             if let Ok(mut log) = dflash_stage_api::StageLog::open(ctx.log_path) {
                 log.line(&format!("resuming from {name}"));
@@ -312,8 +318,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
                 None => Drafter::init(config.clone(), seed, DType::F32, &device)
                     .map_err(nn("initialising the drafter"))?,
             };
-            let a = AdamW::new(&d.vars, raw["weight_decay"].as_f64().unwrap_or(0.0))
-                .map_err(nn("optimizer"))?;
+            let a = AdamW::with_moments(&d.vars, weight_decay, moments).map_err(nn("optimizer"))?;
             (d, a, 0)
         }
     };
