@@ -258,11 +258,37 @@ fn speed(args: &[String]) -> Result<()> {
         Backward::WrittenOut => Some(ComputeWeights::of(&drafter, dtype)?),
         Backward::Autograd => None,
     };
-    for step in 0..steps {
+    // Steps 0..steps with the device synchronised between phases, each timed apart; then
+    // `unsynced` more as `train` runs them, with no wait between phases (the loss's read is the
+    // step's only one), timed together: what the phases' syncs cost, if anything.
+    let unsynced = steps.saturating_sub(1).max(1);
+    let mut unsynced_from = Instant::now();
+    for step in 0..steps + unsynced {
+        let synced = step < steps;
+        if step == steps {
+            device.synchronize()?;
+            unsynced_from = Instant::now();
+        }
         if step == profile_step {
             device.synchronize()?;
             profiler(true);
         }
+        // The end of a phase begun at `t`: the host's time to queue it (the device runs behind
+        // it: where it comes near the phase's time, the host is what the device waits on), then
+        // where synced the phase's time and its most memory in use (the pool's high-water
+        // mark, reset at each read).
+        let end = |t: Instant| -> Result<(f64, f64, Option<f64>)> {
+            let host_ms = t.elapsed().as_secs_f64() * 1e3;
+            if !synced {
+                return Ok((host_ms, 0.0, None));
+            }
+            device.synchronize()?;
+            Ok((
+                host_ms,
+                t.elapsed().as_secs_f64() * 1e3,
+                pool_peak_gib(&device)?,
+            ))
+        };
         let (ids, mask) = sequence(seq, tc.vocab, step as u64);
         let batch = Batch::sample(
             &ids,
@@ -276,13 +302,7 @@ fn speed(args: &[String]) -> Result<()> {
         .ok_or("no anchors")?;
         let t = Instant::now();
         let context = target.tapped(&ids, &config.target_layers)?;
-        // The host's time to queue the phase (the device runs behind it): where it comes near
-        // the phase's time, the host is what the device waits on.
-        let target_host_ms = t.elapsed().as_secs_f64() * 1e3;
-        device.synchronize()?;
-        let target_ms = t.elapsed().as_secs_f64() * 1e3;
-        // Each phase's most memory in use (the pool's high-water mark, reset after each read).
-        let target_peak = pool_peak_gib(&device)?;
+        let (target_host_ms, target_ms, target_peak) = end(t)?;
         let t = Instant::now();
         let (l, _, g) = loss_and_gradients_packed(
             &drafter,
@@ -294,10 +314,7 @@ fn speed(args: &[String]) -> Result<()> {
             batch.weight(),
             backward,
         )?;
-        let drafter_host_ms = t.elapsed().as_secs_f64() * 1e3;
-        device.synchronize()?;
-        let drafter_ms = t.elapsed().as_secs_f64() * 1e3;
-        let drafter_peak = pool_peak_gib(&device)?;
+        let (drafter_host_ms, drafter_ms, drafter_peak) = end(t)?;
         let t = Instant::now();
         adam.step_keeping(
             &drafter.vars,
@@ -306,12 +323,12 @@ fn speed(args: &[String]) -> Result<()> {
             1.0,
             kept.as_ref().map(ComputeWeights::tensors),
         )?;
-        let optim_host_ms = t.elapsed().as_secs_f64() * 1e3;
-        device.synchronize()?;
-        let optim_ms = t.elapsed().as_secs_f64() * 1e3;
-        let optim_peak = pool_peak_gib(&device)?;
+        let (optim_host_ms, optim_ms, optim_peak) = end(t)?;
         if step == profile_step {
             profiler(false);
+        }
+        if !synced {
+            continue;
         }
         let total = target_ms + drafter_ms + optim_ms;
         println!(
@@ -325,44 +342,8 @@ fn speed(args: &[String]) -> Result<()> {
         );
         totals.push((target_ms, drafter_ms, optim_ms, total));
     }
-    // The same steps again as `train` runs them, with no wait between the phases (the loss's
-    // read is the step's only one): what the phases' syncs above cost, if anything.
-    let unsynced = steps.saturating_sub(1).max(1);
     device.synchronize()?;
-    let t = Instant::now();
-    for step in 0..unsynced {
-        let (ids, mask) = sequence(seq, tc.vocab, step as u64);
-        let batch = Batch::sample(
-            &ids,
-            &mask,
-            anchors,
-            block,
-            tc.vocab as u32 - 1,
-            7.0,
-            step as u64,
-        )
-        .ok_or("no anchors")?;
-        let context = target.tapped(&ids, &config.target_layers)?;
-        let (_, _, g) = loss_and_gradients_packed(
-            &drafter,
-            kept.as_ref(),
-            &embed,
-            &target.lm_head,
-            &context,
-            &[&batch],
-            batch.weight(),
-            backward,
-        )?;
-        adam.step_keeping(
-            &drafter.vars,
-            &g,
-            6e-4,
-            1.0,
-            kept.as_ref().map(ComputeWeights::tensors),
-        )?;
-    }
-    device.synchronize()?;
-    let unsynced_ms = t.elapsed().as_secs_f64() * 1e3 / unsynced as f64;
+    let unsynced_ms = unsynced_from.elapsed().as_secs_f64() * 1e3 / unsynced as f64;
     // The first step pays for kernel loading and allocation: the rest are the figure.
     let warm = &totals[1.min(totals.len() - 1)..];
     let mean =
@@ -378,7 +359,7 @@ fn speed(args: &[String]) -> Result<()> {
             "flops": flops, "mfu": flops / seconds / H200_BF16_FLOPS,
             "sequence_tokens_per_second": seq as f64 / seconds,
             "block_tokens_per_second": (anchors * block) as f64 / seconds,
-            "peak_note": "peak memory: nvidia-smi while it runs (candle has no allocator statistics)"})
+            "peak_note": "peak memory: nvidia-smi while it runs; each step line has its phases' most in use from the device pool (tensors only)"})
     );
     Ok(())
 }
