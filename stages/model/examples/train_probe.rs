@@ -578,15 +578,21 @@ fn fused(_args: &[String]) -> Result<()> {
                 "copy_is_the_cast": worst(&low, &p.to_dtype(DType::BF16)?)? == 0.0})
         );
     }
-    // bf16 moments (`adamw_master_sr_bf16`) against the host's stochastic rounding: the same
-    // coins, so the moments agree to the bf16 step wherever the f32 values before rounding
-    // agree (fused multiply-adds may move one by an ulp, and that one's rounding with it).
-    for width in [4099, 4096] {
-        let (p, low, m, v) =
-            adam_moments(&device, DType::F32, DType::BF16, true, width, DType::BF16)?;
-        let (rp, _, rm, rv) =
-            adam_moments(&cpu, DType::F32, DType::BF16, true, width, DType::BF16)?;
-        let low = low.ok_or("no copy")?;
+    // bf16 moments (`adamw_master_sr_bf16`, and `adamw_sr_f32` where no copy is kept, as
+    // autograd's f32 gradients run) against the host's stochastic rounding: the same coins, so
+    // the moments agree to the bf16 step wherever the f32 values before rounding agree (fused
+    // multiply-adds may move one by an ulp, and that one's rounding with it).
+    for (keep, grad, width) in [
+        (true, DType::BF16, 4099),
+        (true, DType::BF16, 4096),
+        (false, DType::F32, 4099),
+    ] {
+        let (p, low, m, v) = adam_moments(&device, DType::F32, grad, keep, width, DType::BF16)?;
+        let (rp, _, rm, rv) = adam_moments(&cpu, DType::F32, grad, keep, width, DType::BF16)?;
+        let low = match low {
+            Some(low) => low,
+            None => p.to_dtype(DType::BF16)?,
+        };
         let differ = |a: &Tensor, b: &Tensor| -> Result<usize> {
             let (a, b) = (
                 a.to_device(&cpu)?.flatten_all()?.to_vec1::<half::bf16>()?,
@@ -596,7 +602,8 @@ fn fused(_args: &[String]) -> Result<()> {
         };
         println!(
             "{}",
-            serde_json::json!({"phase": "fused", "check": format!("adamw_bf16_moments_3_steps_{width}"),
+            serde_json::json!({"phase": "fused",
+                "check": format!("adamw_bf16_moments_3_steps_{width}{}", if keep { "" } else { "_no_copy" }),
                 "device": format!("{device:?}"), "max_abs_diff": worst(&p, &rp)?,
                 "m_elements_differing": differ(&m, &rm)?, "v_elements_differing": differ(&v, &rv)?,
                 "elements": 3 * width,

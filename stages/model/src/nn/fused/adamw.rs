@@ -17,8 +17,7 @@ pub fn sum_squares(x: &Tensor) -> Result<Tensor> {
 /// the clipped gradient `grad * clip_scale`, then `param` moves by the bias-corrected step and
 /// decays by `lr * weight_decay` (PyTorch's order). On a GPU one kernel does all three.
 /// Moments in bf16 are stepped in f32 and stored back by stochastic rounding
-/// ([`round_stochastic`]); off [`adamw_update_master`]'s GPU kernel that runs on the host
-/// (tests, CPU training).
+/// ([`round_stochastic`]): on a GPU in the same one kernel (`adamw_sr_T`), on CPU on the host.
 pub fn adamw_update(
     param: &Tensor,
     grad: &Tensor,
@@ -27,14 +26,14 @@ pub fn adamw_update(
     step: &AdamStep,
 ) -> Result<()> {
     let grad = grad.contiguous()?;
-    if m.dtype() == DType::BF16 {
-        return adamw_bf16_moments_host(param, &grad, m, v, None, step);
-    }
     // On a GPU one pass over the four (issue 22: 18.3 ms against PyTorch's fused 10.0 at the
-    // Qwen3-8B shape); the CPU keeps its three in-place ops, bit for bit.
+    // Qwen3-8B shape), bf16 moments or f32; the CPU keeps its three in-place ops, bit for bit.
     #[cfg(feature = "cuda")]
     if param.device().is_cuda() {
         return super::cuda::adamw_fused(param, &grad, m, v, step);
+    }
+    if m.dtype() == DType::BF16 {
+        return adamw_bf16_moments_host(param, &grad, m, v, None, step);
     }
     m.inplace_op2(
         &grad,
@@ -130,9 +129,9 @@ pub(super) fn moment_seeds(seed: u32) -> (u32, u32) {
 }
 
 /// AdamW with bf16 moments (read up, stepped in f32, written back by [`round_stochastic`]) on
-/// the host: `param` f32 (or any float), `low` its cast where given. What a GPU's
-/// `adamw_master_sr_bf16` does, element for element (its arithmetic in f32 the same order;
-/// its fused multiply-adds may differ in the last bit).
+/// the host: `param` f32 (or any float), `low` its cast where given. What a GPU's `adamw_sr_T`
+/// and `adamw_master_sr_bf16` do, element for element (their arithmetic in f32 in the same
+/// order; their fused multiply-adds may differ in the last bit).
 fn adamw_bf16_moments_host(
     param: &Tensor,
     grad: &Tensor,

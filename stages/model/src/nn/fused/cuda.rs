@@ -461,11 +461,9 @@ fn adamw_launch(
 ) -> Result<()> {
     use candle_core::Storage;
     let bf16_moments = (m.dtype(), v.dtype()) == (DType::BF16, DType::BF16);
-    if !bf16_moments && (m.dtype(), v.dtype()) != (DType::F32, DType::F32)
-        || bf16_moments && low.is_none()
-    {
+    if !bf16_moments && (m.dtype(), v.dtype()) != (DType::F32, DType::F32) {
         bail!(
-            "adamw: {:?} / {:?} moments (f32, or bf16 with a master update, run here)",
+            "adamw: {:?} / {:?} moments (both f32 or both bf16 run here)",
             m.dtype(),
             v.dtype()
         );
@@ -543,6 +541,28 @@ fn adamw_launch(
             ]
         );
         return Ok(());
+    }
+    if bf16_moments {
+        let mv = ms.as_cuda_slice::<half::bf16>()?.slice(rm);
+        let vv = vs.as_cuda_slice::<half::bf16>()?.slice(rv);
+        let (seed_m, seed_v) = super::adamw::moment_seeds(s.rounding_seed);
+        return by_type!(p.dtype(), "adamw-sr", |T| {
+            let pv = ps.as_cuda_slice::<T>()?.slice(rp);
+            let gv = gs.as_cuda_slice::<T>()?.slice(rg);
+            // Reads n elements of each of p, g, m and v; writes n of p, m and v (each within
+            // its view: the spans checked above).
+            launch!(
+                &dev,
+                "adamw_sr",
+                T,
+                elementwise(n),
+                [
+                    &pv, &gv, &mv, &vv, &n, &b1, &b2, &scale, &lr, &decay, &c1, &c2, &eps, &seed_m,
+                    &seed_v
+                ]
+            );
+            Ok(())
+        });
     }
     let mv = ms.as_cuda_slice::<f32>()?.slice(rm);
     let vv = vs.as_cuda_slice::<f32>()?.slice(rv);

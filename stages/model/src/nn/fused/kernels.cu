@@ -197,6 +197,41 @@ __device__ void adamw_fused(T* p, const T* g, float* m, float* v, size_t n, floa
     }
 }
 
+// Stochastic rounding of f32 to bf16 (the moments of `adamw_sr_T` and `adamw_master_sr_bf16`):
+// the 16 bits bf16 drops, plus a 16-bit coin, carry into the kept bits with the probability the
+// dropped bits give, so the rounding is unbiased. A moment whose change a step is below bf16's resolution
+// (v's 0.1% at beta2 = 0.999, under half of bf16's 0.4% step) then still moves on average, where
+// rounding to nearest would keep it where it is. The coin is a hash of the element's index and
+// a seed the optimizer derives from its step (the same on CPU: adamw.rs `coin`).
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+__device__ __forceinline__ uint16_t round_stochastic(float x, uint32_t index, uint32_t seed) {
+    uint32_t b = __float_as_uint(x);
+    // Infinities and NaN keep their bits (a carry would turn a NaN's payload into another value).
+    if ((b & 0x7f800000u) != 0x7f800000u) b += mix32(index ^ seed) & 0xffffu;
+    return (uint16_t)(b >> 16);
+}
+
+// `adamw_fused` with the moments stored in bf16: read up to f32, the step computed in f32 as
+// there, written back by stochastic rounding (seeds `seed_m`, `seed_v`).
+template <typename T>
+__device__ void adamw_sr(T* p, const T* g, __nv_bfloat16* m, __nv_bfloat16* v, size_t n, float b1, float b2,
+                         float scale, float lr, float decay, float c1, float c2, float eps, uint32_t seed_m,
+                         uint32_t seed_v) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float mi = __bfloat162float(m[i]), vi = __bfloat162float(v[i]);
+        store(p, i, adamw_value(load(p, i), load(g, i), mi, vi, b1, b2, scale, lr, decay, c1, c2, eps));
+        m[i] = __ushort_as_bfloat16(round_stochastic(mi, (uint32_t)i, seed_m));
+        v[i] = __ushort_as_bfloat16(round_stochastic(vi, (uint32_t)i, seed_v));
+    }
+}
+
 // y = x * rsqrt(mean(x^2) + eps) * w per row of length n.
 template <typename T>
 __device__ void rms_norm(const T* x, const T* w, T* y, uint32_t n, float eps) {
@@ -856,6 +891,12 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
                                                   float decay, float c1, float c2, float eps) {        \
         adamw_fused(p, g, m, v, n, b1, b2, scale, lr, decay, c1, c2, eps);                             \
     }                                                                                                  \
+    extern "C" __global__ void adamw_sr_##NAME(T* p, const T* g, __nv_bfloat16* m, __nv_bfloat16* v,      \
+                                               size_t n, float b1, float b2, float scale, float lr,    \
+                                               float decay, float c1, float c2, float eps,             \
+                                               uint32_t seed_m, uint32_t seed_v) {                     \
+        adamw_sr(p, g, m, v, n, b1, b2, scale, lr, decay, c1, c2, eps, seed_m, seed_v);                \
+    }                                                                                                  \
     extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, uint32_t n, float eps) {  \
         rms_norm(x, w, y, n, eps);                                                                     \
     }                                                                                                  \
@@ -951,27 +992,6 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     }
 
 FOR_TYPES(KERNELS)
-
-// Stochastic rounding of f32 to bf16 (the moments of `adamw_master_sr_bf16`): the 16 bits bf16
-// drops, plus a 16-bit coin, carry into the kept bits with the probability the dropped bits
-// give, so the rounding is unbiased. A moment whose change a step is below bf16's resolution
-// (v's 0.1% at beta2 = 0.999, under half of bf16's 0.4% step) then still moves on average, where
-// rounding to nearest would keep it where it is. The coin is a hash of the element's index and
-// a seed the optimizer derives from its step (the same on CPU: adamw.rs `coin`).
-__device__ __forceinline__ uint32_t mix32(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    x ^= x >> 16;
-    return x;
-}
-__device__ __forceinline__ uint16_t round_stochastic(float x, uint32_t index, uint32_t seed) {
-    uint32_t b = __float_as_uint(x);
-    // Infinities and NaN keep their bits (a carry would turn a NaN's payload into another value).
-    if ((b & 0x7f800000u) != 0x7f800000u) b += mix32(index ^ seed) & 0xffffu;
-    return (uint16_t)(b >> 16);
-}
 
 // `adamw_master_bf16` with the moments stored in bf16 (half their memory), read up to f32, the
 // step computed in f32 as there, and written back by stochastic rounding (seeds `seed_m`,
