@@ -220,23 +220,24 @@ mod cuda {
         Tall,
         /// `flash_forward_wg`: the scores by Hopper's warpgroup MMA (`wgmma`, keys read once for
         /// the four heads of a group), causal mode and groups of four heads only, sm_90a builds
-        /// (flash.cu says why). Written without a GPU to run it: selectable
-        /// (`DFLASH_FLASH_FORWARD=wg`) until `flash_reference.py check` holds it to autograd.
+        /// (flash.cu says why). Held to autograd by `flash_reference.py wg`; 0.41 ms against
+        /// the wide kernel's 0.45 at the Qwen3-8B shape (H100): `WgValues` is faster still.
         Wg,
         /// `flash_forward_wgv`: `Wg` with the values' product on `wgmma` too (value tiles
-        /// swizzled, read N-major). Same limits; selectable (`DFLASH_FLASH_FORWARD=wgv`) until
-        /// checked on a GPU.
+        /// swizzled, read N-major). Same limits; held to autograd by `flash_reference.py wgv`;
+        /// 0.35 ms against the wide kernel's 0.45 (H100): the causal default where it can run.
         WgValues,
     }
 
     impl Forward {
         /// The kernel for causal mode (`causal`) or block mode: as timed at the Qwen3-8B shape
-        /// on an H100 (`flash_reference.py speed`, all three held to autograd by `check`), the
-        /// wide kernel for the target's causal attention (0.46 ms against the narrow one's 0.49
-        /// and the tall one's 0.51), the narrow one for the drafter's block attention (0.99
+        /// on an H100 (`flash_reference.py speed`, `wg`, `wgv`, each held to autograd), for the
+        /// target's causal attention the values-on-wgmma kernel where it can run (0.35 ms
+        /// against the wide one's 0.45), else the wide kernel (0.46 ms against the narrow one's
+        /// 0.49 and the tall one's 0.51); the narrow one for the drafter's block attention (0.99
         /// against 1.07 and 1.06: its rows see short contexts, where wide tiles waste keys).
-        /// `DFLASH_FLASH_FORWARD=narrow|wide|tall` picks one for both (to time one against
-        /// another).
+        /// `DFLASH_FLASH_FORWARD=narrow|wide|tall|wg|wgv` picks one for both (to time one
+        /// against another).
         fn chosen(causal: bool) -> Forward {
             static ASKED: std::sync::OnceLock<Option<Forward>> = std::sync::OnceLock::new();
             let asked =
@@ -251,12 +252,29 @@ mod cuda {
             asked.unwrap_or(Forward::chosen_default(causal))
         }
 
-        /// What runs unasked: the wide kernel for causal mode, the narrow one for block mode.
+        /// What runs unasked: the values-on-wgmma kernel for causal mode (the wide one where
+        /// it cannot: [`Self::or_fallback`]), the narrow one for block mode.
         fn chosen_default(causal: bool) -> Forward {
             if causal {
-                Forward::Wide
+                Forward::WgValues
             } else {
                 Forward::Narrow
+            }
+        }
+
+        /// `self`, or where it is a `wgmma` kernel that cannot run here (block mode, a group
+        /// not of four heads, a build whose flash PTX is not sm_90a) the kernel of its mode
+        /// that can: the wide one for causal mode, the narrow one for block mode.
+        fn or_fallback(self, causal: bool, group: usize) -> Forward {
+            let on_wgmma = matches!(self, Forward::Wg | Forward::WgValues);
+            if on_wgmma && !(causal && group == 4 && cfg!(dflash_wgmma_ptx)) {
+                if causal {
+                    Forward::Wide
+                } else {
+                    Forward::Narrow
+                }
+            } else {
+                self
             }
         }
 
@@ -302,11 +320,7 @@ mod cuda {
         group: usize,
         d: usize,
     ) -> Result<(CudaFunction, usize, u32)> {
-        let mut which = Forward::chosen(causal);
-        let on_wgmma = matches!(which, Forward::Wg | Forward::WgValues);
-        if on_wgmma && !(causal && group == 4 && cfg!(dflash_wgmma_ptx)) {
-            which = Forward::chosen_default(causal);
-        }
+        let which = Forward::chosen(causal).or_fallback(causal, group);
         if which != Forward::Narrow {
             let bytes = which.smem(group, d);
             if let Some(f) = with_smem(dev, which.name(), d, bytes)? {
