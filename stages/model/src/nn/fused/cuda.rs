@@ -590,14 +590,10 @@ fn adamw_launch(
 /// driver at every synchronisation, so each step mapped its memory again.
 pub fn prepare(dev: &CudaDevice) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys;
-    let cu_device = dev.cuda_stream().context().cu_device();
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let pool = default_pool(dev)?;
     let mut threshold = u64::MAX;
     // SAFETY: FFI on the device's own default pool; `threshold` outlives the call.
     unsafe {
-        sys::cuDeviceGetDefaultMemPool(&raw mut pool, cu_device)
-            .result()
-            .w()?;
         sys::cuMemPoolSetAttribute(
             pool,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -612,19 +608,31 @@ pub fn prepare(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
-/// [`super::pool_peak_bytes`]: the default pool's used-memory high-water mark, then reset.
-pub fn pool_peak_bytes(dev: &CudaDevice) -> Result<u64> {
+/// The device's default memory pool (where candle's stream-ordered allocations come from).
+fn default_pool(
+    dev: &CudaDevice,
+) -> Result<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let cu_device = dev.cuda_stream().context().cu_device();
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: FFI writing the device's default pool into `pool`, which outlives the call.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&raw mut pool, cu_device)
+            .result()
+            .w()?;
+    }
+    Ok(pool)
+}
+
+/// [`super::pool_peak_bytes`]: the default pool's used-memory high-water mark, then reset.
+pub fn pool_peak_bytes(dev: &CudaDevice) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(dev)?;
     let mut high = 0u64;
     let mut zero = 0u64;
     // SAFETY: FFI on the device's own default pool; `high` and `zero` outlive the calls (the
     // attribute is a cuuint64_t; setting the high-water mark takes only 0).
     unsafe {
-        sys::cuDeviceGetDefaultMemPool(&raw mut pool, cu_device)
-            .result()
-            .w()?;
         sys::cuMemPoolGetAttribute(
             pool,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,

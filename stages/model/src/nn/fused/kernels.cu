@@ -179,29 +179,11 @@ __device__ __forceinline__ float adamw_value(float p, float g, float& m, float& 
     return w - lr * (m / c1) / (sqrtf(v / c2) + eps);
 }
 
-// The same for element i, its moments in place.
-__device__ __forceinline__ float adamw_element(float p, float g, float* m, float* v, size_t i, float b1, float b2,
-                                               float scale, float lr, float decay, float c1, float c2, float eps) {
-    float mi = m[i], vi = v[i];
-    float w = adamw_value(p, g, mi, vi, b1, b2, scale, lr, decay, c1, c2, eps);
-    m[i] = mi;
-    v[i] = vi;
-    return w;
-}
-
-template <typename T>
-__device__ void adamw_fused(T* p, const T* g, float* m, float* v, size_t n, float b1, float b2, float scale,
-                            float lr, float decay, float c1, float c2, float eps) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        store(p, i, adamw_element(load(p, i), load(g, i), m, v, i, b1, b2, scale, lr, decay, c1, c2, eps));
-    }
-}
-
 // Stochastic rounding of f32 to bf16 (the moments of `adamw_sr_T` and `adamw_master_sr_bf16`):
 // the 16 bits bf16 drops, plus a 16-bit coin, carry into the kept bits with the probability the
-// dropped bits give, so the rounding is unbiased. A moment whose change a step is below bf16's resolution
-// (v's 0.1% at beta2 = 0.999, under half of bf16's 0.4% step) then still moves on average, where
-// rounding to nearest would keep it where it is. The coin is a hash of the element's index and
+// dropped bits give, so the rounding is unbiased. A moment whose change a step is below bf16's
+// resolution (v's 0.1% at beta2 = 0.999, under half of bf16's 0.4% step) then still moves on
+// average, where rounding to nearest would keep it where it is. The coin is a hash of the element's index and
 // a seed the optimizer derives from its step (the same on CPU: adamw.rs `coin`).
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {
     x ^= x >> 16;
@@ -218,17 +200,50 @@ __device__ __forceinline__ uint16_t round_stochastic(float x, uint32_t index, ui
     return (uint16_t)(b >> 16);
 }
 
-// `adamw_fused` with the moments stored in bf16: read up to f32, the step computed in f32 as
-// there, written back by stochastic rounding (seeds `seed_m`, `seed_v`).
-template <typename T>
-__device__ void adamw_sr(T* p, const T* g, __nv_bfloat16* m, __nv_bfloat16* v, size_t n, float b1, float b2,
-                         float scale, float lr, float decay, float c1, float c2, float eps, uint32_t seed_m,
-                         uint32_t seed_v) {
+// AdamW's moments as stored: f32 as they are, bf16 read up and stored back by stochastic rounding
+// (element i's coin from `seed`; f32 ignores it). One element, then eight from 16-byte aligned
+// storage (f32: two 16-byte accesses, bf16: one).
+__device__ __forceinline__ float load_moment(const float* m, size_t i) { return m[i]; }
+__device__ __forceinline__ float load_moment(const __nv_bfloat16* m, size_t i) { return __bfloat162float(m[i]); }
+__device__ __forceinline__ void store_moment(float* m, size_t i, float x, uint32_t) { m[i] = x; }
+__device__ __forceinline__ void store_moment(__nv_bfloat16* m, size_t i, float x, uint32_t seed) {
+    m[i] = __ushort_as_bfloat16(round_stochastic(x, (uint32_t)i, seed));
+}
+__device__ __forceinline__ void load_moments8(const float* m, float (&v)[8]) {
+    load16(m, *reinterpret_cast<float(*)[4]>(v));
+    load16(m + 4, *reinterpret_cast<float(*)[4]>(v + 4));
+}
+__device__ __forceinline__ void load_moments8(const __nv_bfloat16* m, float (&v)[8]) { load16(m, v); }
+__device__ __forceinline__ void store_moments8(float* m, const float (&v)[8], size_t, uint32_t) {
+    store16(m, *reinterpret_cast<const float(*)[4]>(v));
+    store16(m + 4, *reinterpret_cast<const float(*)[4]>(v + 4));
+}
+__device__ __forceinline__ void store_moments8(__nv_bfloat16* m, const float (&v)[8], size_t i, uint32_t seed) {
+    alignas(16) uint16_t r[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) r[k] = round_stochastic(v[k], (uint32_t)(i + k), seed);
+    *reinterpret_cast<uint4*>(m) = *reinterpret_cast<const uint4*>(r);
+}
+
+// The same for element i, its moments (f32 or bf16: `load_moment`) in place.
+template <typename M>
+__device__ __forceinline__ float adamw_element(float p, float g, M* m, M* v, size_t i, float b1, float b2, float scale,
+                                               float lr, float decay, float c1, float c2, float eps, uint32_t seed_m,
+                                               uint32_t seed_v) {
+    float mi = load_moment(m, i), vi = load_moment(v, i);
+    float w = adamw_value(p, g, mi, vi, b1, b2, scale, lr, decay, c1, c2, eps);
+    store_moment(m, i, mi, seed_m);
+    store_moment(v, i, vi, seed_v);
+    return w;
+}
+
+// `adamw_fused_T` (f32 moments) and `adamw_sr_T` (bf16 moments, seeds `seed_m`, `seed_v`).
+template <typename T, typename M>
+__device__ void adamw_fused(T* p, const T* g, M* m, M* v, size_t n, float b1, float b2, float scale, float lr,
+                            float decay, float c1, float c2, float eps, uint32_t seed_m, uint32_t seed_v) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float mi = __bfloat162float(m[i]), vi = __bfloat162float(v[i]);
-        store(p, i, adamw_value(load(p, i), load(g, i), mi, vi, b1, b2, scale, lr, decay, c1, c2, eps));
-        m[i] = __ushort_as_bfloat16(round_stochastic(mi, (uint32_t)i, seed_m));
-        v[i] = __ushort_as_bfloat16(round_stochastic(vi, (uint32_t)i, seed_v));
+        store(p, i,
+              adamw_element(load(p, i), load(g, i), m, v, i, b1, b2, scale, lr, decay, c1, c2, eps, seed_m, seed_v));
     }
 }
 
@@ -889,13 +904,13 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
     extern "C" __global__ void adamw_fused_##NAME(T* p, const T* g, float* m, float* v, size_t n,       \
                                                   float b1, float b2, float scale, float lr,           \
                                                   float decay, float c1, float c2, float eps) {        \
-        adamw_fused(p, g, m, v, n, b1, b2, scale, lr, decay, c1, c2, eps);                             \
+        adamw_fused(p, g, m, v, n, b1, b2, scale, lr, decay, c1, c2, eps, 0u, 0u);                     \
     }                                                                                                  \
     extern "C" __global__ void adamw_sr_##NAME(T* p, const T* g, __nv_bfloat16* m, __nv_bfloat16* v,      \
                                                size_t n, float b1, float b2, float scale, float lr,    \
                                                float decay, float c1, float c2, float eps,             \
                                                uint32_t seed_m, uint32_t seed_v) {                     \
-        adamw_sr(p, g, m, v, n, b1, b2, scale, lr, decay, c1, c2, eps, seed_m, seed_v);                \
+        adamw_fused(p, g, m, v, n, b1, b2, scale, lr, decay, c1, c2, eps, seed_m, seed_v);             \
     }                                                                                                  \
     extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, uint32_t n, float eps) {  \
         rms_norm(x, w, y, n, eps);                                                                     \
@@ -993,82 +1008,52 @@ __device__ void strided_copy3(const T* src, T* out, size_t n, uint32_t d1, uint3
 
 FOR_TYPES(KERNELS)
 
-// `adamw_master_bf16` with the moments stored in bf16 (half their memory), read up to f32, the
-// step computed in f32 as there, and written back by stochastic rounding (seeds `seed_m`,
-// `seed_v`); the weights stay f32 and the copy is their cast (round to nearest).
-extern "C" __global__ void adamw_master_sr_bf16(float* p, const __nv_bfloat16* g, __nv_bfloat16* m,
-                                                __nv_bfloat16* v, __nv_bfloat16* low, size_t n, float b1,
-                                                float b2, float scale, float lr, float decay, float c1, float c2,
-                                                float eps, uint32_t seed_m, uint32_t seed_v) {
-    typedef __nv_bfloat16 bf16;
-    if (n % 8 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && aligned16(low)) {
-        for (size_t i = vec_start<bf16>(); i < n; i += vec_step<bf16>()) {
-            float gs[8], ps[8], ms[8], vs[8];
-            load16(g + i, gs);
-            load16(p + i, *reinterpret_cast<float(*)[4]>(ps));
-            load16(p + i + 4, *reinterpret_cast<float(*)[4]>(ps + 4));
-            load16(m + i, ms);
-            load16(v + i, vs);
-            alignas(16) uint16_t mr[8];
-            alignas(16) uint16_t vr[8];
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                ps[k] = adamw_value(ps[k], gs[k], ms[k], vs[k], b1, b2, scale, lr, decay, c1, c2, eps);
-                mr[k] = round_stochastic(ms[k], (uint32_t)(i + k), seed_m);
-                vr[k] = round_stochastic(vs[k], (uint32_t)(i + k), seed_v);
-            }
-            store16(p + i, *reinterpret_cast<float(*)[4]>(ps));
-            store16(p + i + 4, *reinterpret_cast<float(*)[4]>(ps + 4));
-            *reinterpret_cast<uint4*>(m + i) = *reinterpret_cast<const uint4*>(mr);
-            *reinterpret_cast<uint4*>(v + i) = *reinterpret_cast<const uint4*>(vr);
-            store16(low + i, ps);
-        }
-        return;
-    }
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float mi = __bfloat162float(m[i]), vi = __bfloat162float(v[i]);
-        float w = adamw_value(p[i], load(g, i), mi, vi, b1, b2, scale, lr, decay, c1, c2, eps);
-        p[i] = w;
-        store(low, i, w);
-        m[i] = __ushort_as_bfloat16(round_stochastic(mi, (uint32_t)i, seed_m));
-        v[i] = __ushort_as_bfloat16(round_stochastic(vi, (uint32_t)i, seed_v));
-    }
-}
-
 // AdamW over f32 master weights from the step's bf16 gradient, also writing the bf16 copy of the
 // updated weights that the next step computes with (what a cast would make of them): one pass
-// where casting the gradient up and the weights down took two more over the same bytes.
-extern "C" __global__ void adamw_master_bf16(float* p, const __nv_bfloat16* g, float* m, float* v,
-                                             __nv_bfloat16* low, size_t n, float b1, float b2, float scale,
-                                             float lr, float decay, float c1, float c2, float eps) {
+// where casting the gradient up and the weights down took two more over the same bytes. The
+// moments f32 (`adamw_master_bf16`) or bf16 (`adamw_master_sr_bf16`: stochastic rounding, seeds
+// `seed_m`, `seed_v`).
+template <typename M>
+__device__ void adamw_master(float* p, const __nv_bfloat16* g, M* m, M* v, __nv_bfloat16* low, size_t n, float b1,
+                             float b2, float scale, float lr, float decay, float c1, float c2, float eps,
+                             uint32_t seed_m, uint32_t seed_v) {
     typedef __nv_bfloat16 bf16;
     if (n % 8 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && aligned16(low)) {
-        // Eight elements a thread: the gradient's and the copy's sixteen bytes, the weights' and
-        // moments' thirty-two.
+        // Eight elements a thread: the gradient's and the copy's sixteen bytes, the weights'
+        // thirty-two, the moments' thirty-two (f32) or sixteen (bf16).
         for (size_t i = vec_start<bf16>(); i < n; i += vec_step<bf16>()) {
             float gs[8], ps[8], ms[8], vs[8];
             load16(g + i, gs);
             load16(p + i, *reinterpret_cast<float(*)[4]>(ps));
             load16(p + i + 4, *reinterpret_cast<float(*)[4]>(ps + 4));
-            load16(m + i, *reinterpret_cast<float(*)[4]>(ms));
-            load16(m + i + 4, *reinterpret_cast<float(*)[4]>(ms + 4));
-            load16(v + i, *reinterpret_cast<float(*)[4]>(vs));
-            load16(v + i + 4, *reinterpret_cast<float(*)[4]>(vs + 4));
+            load_moments8(m + i, ms);
+            load_moments8(v + i, vs);
 #pragma unroll
             for (int k = 0; k < 8; k++) ps[k] = adamw_value(ps[k], gs[k], ms[k], vs[k], b1, b2, scale, lr, decay, c1, c2, eps);
             store16(p + i, *reinterpret_cast<float(*)[4]>(ps));
             store16(p + i + 4, *reinterpret_cast<float(*)[4]>(ps + 4));
-            store16(m + i, *reinterpret_cast<float(*)[4]>(ms));
-            store16(m + i + 4, *reinterpret_cast<float(*)[4]>(ms + 4));
-            store16(v + i, *reinterpret_cast<float(*)[4]>(vs));
-            store16(v + i + 4, *reinterpret_cast<float(*)[4]>(vs + 4));
+            store_moments8(m + i, ms, i, seed_m);
+            store_moments8(v + i, vs, i, seed_v);
             store16(low + i, ps);
         }
         return;
     }
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float w = adamw_element(p[i], load(g, i), m, v, i, b1, b2, scale, lr, decay, c1, c2, eps);
+        float w = adamw_element(p[i], load(g, i), m, v, i, b1, b2, scale, lr, decay, c1, c2, eps, seed_m, seed_v);
         p[i] = w;
         store(low, i, w);
     }
+}
+
+extern "C" __global__ void adamw_master_bf16(float* p, const __nv_bfloat16* g, float* m, float* v,
+                                             __nv_bfloat16* low, size_t n, float b1, float b2, float scale,
+                                             float lr, float decay, float c1, float c2, float eps) {
+    adamw_master(p, g, m, v, low, n, b1, b2, scale, lr, decay, c1, c2, eps, 0u, 0u);
+}
+
+extern "C" __global__ void adamw_master_sr_bf16(float* p, const __nv_bfloat16* g, __nv_bfloat16* m,
+                                                __nv_bfloat16* v, __nv_bfloat16* low, size_t n, float b1,
+                                                float b2, float scale, float lr, float decay, float c1, float c2,
+                                                float eps, uint32_t seed_m, uint32_t seed_v) {
+    adamw_master(p, g, m, v, low, n, b1, b2, scale, lr, decay, c1, c2, eps, seed_m, seed_v);
 }

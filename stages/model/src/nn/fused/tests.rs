@@ -175,6 +175,17 @@ fn hand_step() -> AdamStep {
     }
 }
 
+/// `low` is `p` cast to bf16, element for element.
+fn assert_is_the_cast(low: &Tensor, p: &Tensor) {
+    assert_eq!(
+        low.to_vec1::<half::bf16>().unwrap(),
+        p.to_dtype(DType::BF16)
+            .unwrap()
+            .to_vec1::<half::bf16>()
+            .unwrap()
+    );
+}
+
 /// Master weights updated from a bf16 gradient are the update from that gradient widened, and
 /// the kept copy is the updated weights' cast, in place (the copy's buffer is the one passed).
 #[test]
@@ -193,13 +204,7 @@ fn the_master_update_keeps_the_weights_cast() {
     adamw_update(&want, &g.to_dtype(DType::F32).unwrap(), &m2, &v2, &step).unwrap();
     assert_eq!(p.to_vec1::<f32>().unwrap(), want.to_vec1::<f32>().unwrap());
     assert_ne!(p.to_vec1::<f32>().unwrap(), [1.0f32, -2.0, 0.5, 3.0]);
-    assert_eq!(
-        low.to_vec1::<half::bf16>().unwrap(),
-        p.to_dtype(DType::BF16)
-            .unwrap()
-            .to_vec1::<half::bf16>()
-            .unwrap()
-    );
+    assert_is_the_cast(&low, &p);
 }
 
 /// Stochastic rounding keeps what bf16 holds exactly, lands on one of the two neighbours
@@ -291,13 +296,7 @@ fn the_master_update_with_bf16_moments_keeps_the_cast() {
     );
     adamw_update_master(&p, &g, &m, &v, &low, &hand_step()).unwrap();
     assert_eq!(m.dtype(), DType::BF16);
-    assert_eq!(
-        low.to_vec1::<half::bf16>().unwrap(),
-        p.to_dtype(DType::BF16)
-            .unwrap()
-            .to_vec1::<half::bf16>()
-            .unwrap()
-    );
+    assert_is_the_cast(&low, &p);
     // The first step's m is (1 - beta1) * g * clip: within bf16's rounding of it.
     let want = (g.to_dtype(DType::F32).unwrap() * (0.1 * 0.5)).unwrap();
     assert!(max_diff(&m.to_dtype(DType::F32).unwrap(), &want) < 1e-2 * 0.05 * 4.0);
