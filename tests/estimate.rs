@@ -556,3 +556,35 @@ fn a_small_targets_step_counts_its_block_rows() {
     let notes = stage(&e, "sweep@block_size=8,draft_layers=3")["notes"].to_string();
     assert!(notes.contains("over its 2.05 K block rows"), "{notes}");
 }
+
+/// `optimizer_moments: bf16` halves the moments in the estimate as in training: each checkpoint
+/// 8 bytes a trainable parameter where f32 moments take 12, and the peak memory per GPU 4 bytes
+/// a parameter less.
+#[test]
+fn bf16_moments_shrink_the_checkpoints_and_the_peak() {
+    let env = story();
+    // Five epochs: not the story's own `drafter` (which a twin would be counted as).
+    let sweep = "  sweep:\n    kind: train\n    inputs: [tokens]\n    params: {target: target-27b, draft_layers: 5, taps: 5, epochs: 5, mask_token_id: 151669}\n    matrix: {optimizer_moments: [f32, bf16]}\n";
+    let e = story_with(&env, sweep);
+    let (f32s, bf16s) = (
+        stage(&e, "sweep@optimizer_moments=f32"),
+        stage(&e, "sweep@optimizer_moments=bf16"),
+    );
+    let storage = |s: &Value| s["storage_bytes"]["value"].as_f64().unwrap();
+    let ratio = storage(bf16s) / storage(f32s);
+    // (8 C + 2) / (12 C + 2) for C checkpoints: between 2/3 and 1.
+    assert!(ratio > 2.0 / 3.0 && ratio < 0.7, "{ratio}");
+    let peak = |s: &Value| {
+        let notes = s["notes"].to_string();
+        let at = notes.find("peak memory per GPU ~").expect("a peak note");
+        notes[at..]
+            .split('~')
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .take(2)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_ne!(peak(f32s), peak(bf16s), "the same peak for both moments");
+}

@@ -792,8 +792,13 @@ impl Sizer<'_> {
         let pd = drafter.trainable_parameters() as f64;
         let checkpoints = (steps / p.checkpoint_every.max(1) as f64).floor();
         // What the train stage writes: every checkpoint holds f32 weights and both Adam moments
-        // (exact resume; immutable, so all of them stay), and the export holds bf16 weights.
-        s.storage_bytes = Some(Figure::new(checkpoints * 12.0 * pd + 2.0 * pd, basis));
+        // (f32 or bf16: `optimizer_moments`; exact resume; immutable, so all of them stay), and
+        // the export holds bf16 weights.
+        let checkpoint_bytes = (4.0 + p.moment_bytes()) * pd;
+        s.storage_bytes = Some(Figure::new(
+            checkpoints * checkpoint_bytes + 2.0 * pd,
+            basis,
+        ));
         s.notes.push(format!(
             "drafter {} trainable ({} layers, B={}, taps {:?}); {:.0} anchors of {:.0} tokens; {} steps, data parallel over {hw}",
             count(pd),
@@ -813,7 +818,7 @@ impl Sizer<'_> {
         s.notes.push(format!(
             "{} checkpoints of {} (every {} steps; raise `checkpoint_every` to store fewer)",
             count(checkpoints),
-            bytes(12.0 * pd),
+            bytes(checkpoint_bytes),
             p.checkpoint_every
         ));
         if done.is_some() {
@@ -825,7 +830,7 @@ impl Sizer<'_> {
             }
             _ => 2.0 * target.parameters() as f64,
         };
-        let memory = drafter.train_memory_bytes(target_bytes, seq, anchors);
+        let memory = drafter.train_memory_bytes(target_bytes, seq, anchors, p.moment_bytes());
         if memory > hw.gpu.memory_gb * 1e9 {
             self.warnings.push(format!(
                 "`{}`: one replica (target {} + drafter, optimizer and activations) needs {} per GPU; a {} has {:.0} GB: lower `anchors` or `max_length`, or split target and drafter over GPUs",

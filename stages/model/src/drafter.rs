@@ -119,13 +119,20 @@ impl DrafterShape {
 
     /// Peak training memory of one replica (target + drafter on one device), in bytes: the
     /// frozen target in bf16 (or its file size when quantized), the drafter's bf16 weights and
-    /// gradients plus fp32 master weights and AdamW moments (16 bytes a parameter), the draft
-    /// layers' saved activations, and the logits of every block position (bf16 plus fp32 for the
-    /// softmax). Checked against the measured 46 GiB of DFLASH.md's Qwen3-8B step.
-    pub fn train_memory_bytes(&self, target_weight_bytes: f64, tokens: f64, anchors: f64) -> f64 {
+    /// gradients plus fp32 master weights (8 bytes a parameter) and AdamW's moments
+    /// (`moment_bytes` a parameter: 8 in f32, 4 in bf16), the draft layers' saved activations,
+    /// and the logits of every block position (bf16 plus fp32 for the softmax). Checked against
+    /// the measured 46 GiB of DFLASH.md's Qwen3-8B step (f32 moments).
+    pub fn train_memory_bytes(
+        &self,
+        target_weight_bytes: f64,
+        tokens: f64,
+        anchors: f64,
+        moment_bytes: f64,
+    ) -> f64 {
         let t = &self.target;
         let queries = anchors * self.block_size as f64;
-        let drafter = 16.0 * self.trainable_parameters() as f64;
+        let drafter = (8.0 + moment_bytes) * self.trainable_parameters() as f64;
         let per_token_layer = 2.0 * (10 * t.hidden + 4 * t.ffn) as f64;
         let activations = self.layers as f64 * queries * per_token_layer;
         let logits = queries * t.vocab as f64 * 6.0;
@@ -266,7 +273,11 @@ mod tests {
         assert_eq!(d.offline_bytes_per_token(), 40_960);
         // Measured peak: 46 GiB.
         let target = 2.0 * d.target.parameters() as f64;
-        let gib = d.train_memory_bytes(target, 3072.0, 512.0) / f64::from(1u32 << 30);
+        let gib = d.train_memory_bytes(target, 3072.0, 512.0, 8.0) / f64::from(1u32 << 30);
         assert!((42.0..50.0).contains(&gib), "{gib}");
+        // bf16 moments: 4 bytes a parameter less.
+        let bf16 = d.train_memory_bytes(target, 3072.0, 512.0, 4.0) / f64::from(1u32 << 30);
+        let less = 4.0 * d.trainable_parameters() as f64 / f64::from(1u32 << 30);
+        assert!((gib - bf16 - less).abs() < 1e-9, "{gib} {bf16}");
     }
 }

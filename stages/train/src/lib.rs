@@ -44,6 +44,13 @@ pub struct Params {
     pub grad_accum: u64,
     /// Steps between checkpoints.
     pub checkpoint_every: u64,
+    /// AdamW's moments: `f32` or `bf16`.
+    #[serde(default = "f32_moments")]
+    pub optimizer_moments: String,
+}
+
+fn f32_moments() -> String {
+    "f32".to_owned()
 }
 
 impl Params {
@@ -56,6 +63,15 @@ impl Params {
     /// Sequences per optimizer step.
     pub fn sequences_per_step(&self) -> u64 {
         (self.batch_size * self.grad_accum).max(1)
+    }
+
+    /// Bytes a trainable parameter's two AdamW moments take: 8 in f32, 4 in bf16.
+    pub fn moment_bytes(&self) -> f64 {
+        if self.optimizer_moments == "bf16" {
+            4.0
+        } else {
+            8.0
+        }
     }
 }
 
