@@ -25,6 +25,8 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
     python3 bench/flash_reference.py wg|wgv flash.ptx
         flash_forward_wg (the causal forward's scores on wgmma) or flash_forward_wgv (the
         values' product too) checked and timed alone.
+    python3 bench/flash_reference.py dqwg flash.ptx
+        flash_dq_wg (block mode's dQ on wgmma) checked and timed alone.
     python3 bench/flash_reference.py once flash.ptx
         Each kernel launched once at those shapes, for a profiler (story.sh `flash-profile`).
 """
@@ -144,7 +146,8 @@ def dkv_tiled_smem(group, d):
 
 
 def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False, dkv="staged", dq_kind="narrow"):
-    """dQ (flash_dq, or given dq_kind="tall" flash_dq_tall: 32 rows a warp), then dK and dV by
+    """dQ (flash_dq, or given dq_kind="tall" flash_dq_tall: 32 rows a warp, or "wg" flash_dq_wg:
+    wgmma, groups of four heads), then dK and dV by
     `dkv`: the staged kernel, the pipelined one, or the tiled one (with flash_dkv_own for the
     block's own keys)."""
     heads, m, d = q.shape
@@ -157,6 +160,8 @@ def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False, dkv="stage
     if dq_kind == "tall":
         K.launch(f"flash_dq_tall_d{d}", ((m + 2 * ROWS - 1) // (2 * ROWS), kv, 1), (32 * group, 1, 1), dq_args,
                  (2 * 2 * 32 + 2 * group * 2 * ROWS) * (d + 8) * 2)
+    elif dq_kind == "wg":  # groups of four heads, sm_90a PTX
+        K.launch(f"flash_dq_wg_d{d}", (m // ROWS, kv, 1), (128, 1, 1), dq_args, 1024 + 4 * 64 * d * 2)
     else:
         K.launch(f"flash_dq_d{d}", (m // ROWS, kv, 1), (32 * group, 1, 1), dq_args)
     if dq_only:
@@ -470,16 +475,48 @@ def wg(K, args, kind="wg"):
         print(json.dumps({"metric": f"causal_fwd_{key}_ms", "value": value}))
 
 
+def dqwg(K, args):
+    """flash_dq_wg (dQ on wgmma; block mode, groups of four heads) alone, in a process of its
+    own (a fault in it cannot take the other kernels' results along): checked against autograd in
+    f64 as `check` checks dQ (`wg_dq`, beside the tall kernel's `tall_dq`, and `wg_delta` against
+    the tall kernel's delta), then timed at `speed`'s shape beside the tall kernel."""
+    torch.manual_seed(0)
+    worst = 0.0
+    for heads, kv, d, s, blocks in [(4, 1, 64, 40, 3), (8, 2, 128, 200, 9), (32, 8, 128, 300, 12), (4, 1, 128, 70, 5)]:
+        m = blocks * ROWS
+        q, dout = randn(heads, m, d), randn(heads, m, d)
+        k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
+        anchors = torch.sort(torch.randint(0, s, (blocks,), device="cuda")).values
+        anchors[0] = 0  # a block that sees no context at all
+        hi = anchors.to(torch.int32).contiguous()
+        out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
+        ref = [t.double().requires_grad_() for t in (q, k1, v1, k2, v2)]
+        ro, _ = reference_block(*ref, anchors)
+        ro.backward(dout.double())
+        tall = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True, dq_kind="tall")
+        wg = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True, dq_kind="wg")
+        torch.cuda.synchronize()
+        errs = {"tall_dq": rel(tall, ref[0].grad), "wg_dq": rel(wg, ref[0].grad)}
+        worst = max(worst, errs["wg_dq"])
+        print(json.dumps({"mode": "block", "heads": heads, "kv": kv, "d": d, "s": s, "blocks": blocks, **errs}))
+    print(json.dumps({"wg_dq_worst": worst, "pass": worst < 2e-2}))
+    heads, kv, d, s, m, q, dout, k1, v1, k2, v2, anchors, hi = step_operands(args)
+    out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
+    for kind in ("tall", "wg"):
+        ms = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True, dq_kind=kind))
+        print(json.dumps({"metric": f"dflash_dq_{kind}_ms", "value": ms}))
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["check", "speed", "once", "wg", "wgv"])
+    p.add_argument("mode", choices=["check", "speed", "once", "wg", "wgv", "dqwg"])
     p.add_argument("ptx")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--seq", type=int, default=3072)
     args = p.parse_args()
     K = Kernels(args.ptx)
     {"check": check, "speed": speed, "once": once, "wg": wg,
-     "wgv": lambda K, args: wg(K, args, "wgv")}[args.mode](K, args)
+     "wgv": lambda K, args: wg(K, args, "wgv"), "dqwg": dqwg}[args.mode](K, args)
 
 
 if __name__ == "__main__":

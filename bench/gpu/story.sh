@@ -15,8 +15,8 @@
 #     runs `stash`, which keeps it in /tmp; the calls follow each other while the machine is
 #     warm (30 s: about 6 s of device time each), the last one runs `setup` and can go on;
 #   - `checks` runs the training kernels' checks and the step against PyTorch (issue 22);
-#     `flash` the attention kernels' checks, timings and the step; `wgmma` the wgmma forwards
-#     alone and the step with each (a short call);
+#     `flash` the attention kernels' checks, timings and the step; `wgmma` the wgmma kernels
+#     alone and the step with them (a short call);
 #     `hybrid [LAYERS] [TOKENS]` a hybrid target's forward against transformers (issue 23),
 #     `hybrid-decode` its batched decoding against transformers' `generate`;
 #     `decode [BATCH] [PROMPT] [STEPS]` generate's batched decoding against transformers'
@@ -205,14 +205,12 @@ earlier_kernels_step() {
     DFLASH_FLASH_FORWARD=narrow DFLASH_FLASH_DQ=narrow DFLASH_FLASH_DKV=pipelined \
         peak_memory $STASH/train_probe speed --anchors 512 || echo "speed (earlier kernels) failed: $?"
 }
-# The step with the target's causal forward on wgmma (`flash_forward_wg`, written without a GPU
-# to run it: opt-in by DFLASH_FLASH_FORWARD=wg until `flash_reference.py check` holds it).
-wgmma_step() {
-    for kind in wg wgv; do
-        echo "{\"phase\": \"label\", \"name\": \"dflash, DFLASH_FLASH_FORWARD=$kind\"}"
-        DFLASH_FLASH_FORWARD=$kind peak_memory $STASH/train_probe speed --anchors 512 ||
-            echo "speed (DFLASH_FLASH_FORWARD=$kind) failed: $?"
-    done
+# The step with the target's causal forward of before the sixteenth call (the wide kernel; the
+# default since is `flash_forward_wgv`, on wgmma), to see what that bought in the same call.
+wide_forward_step() {
+    echo '{"phase": "label", "name": "dflash, DFLASH_FLASH_FORWARD=wide"}'
+    DFLASH_FLASH_FORWARD=wide peak_memory $STASH/train_probe speed --anchors 512 ||
+        echo "speed (DFLASH_FLASH_FORWARD=wide) failed: $?"
 }
 case $cmd in
 pack-inputs)
@@ -523,50 +521,51 @@ flash)
         python3 bench/flash_reference.py speed $STASH/flash.ptx --anchors 512 || echo "speed failed: $?"
         python3 bench/flash_reference.py wg $STASH/flash.ptx || echo "wg failed: $?"
         python3 bench/flash_reference.py wgv $STASH/flash.ptx || echo "wgv failed: $?"
+        python3 bench/flash_reference.py dqwg $STASH/flash.ptx || echo "dqwg failed: $?"
         $STASH/train_probe flash || echo "train_probe flash failed: $?"
-        DFLASH_FLASH_FORWARD=wg $STASH/train_probe flash || echo "train_probe flash (wgmma) failed: $?"
-        DFLASH_FLASH_FORWARD=wgv $STASH/train_probe flash || echo "train_probe flash (wgmma values) failed: $?"
+        DFLASH_FLASH_FORWARD=wide $STASH/train_probe flash || echo "train_probe flash (wide) failed: $?"
+        DFLASH_FLASH_DQ=wg $STASH/train_probe flash || echo "train_probe flash (wgmma dQ) failed: $?"
         $STASH/train_probe fused || echo "train_probe fused failed: $?"
         $STASH/train_probe parity /tmp/parity.safetensors &&
             python3 bench/train_reference.py parity /tmp/parity.safetensors || echo "parity failed: $?"
-        wgmma_step
+        wide_forward_step
         step_against_pytorch ${FLEX:-}
     } 2>&1 | grep -v Warning | tee "$OUT/flash.txt"
     python3 bench/step_ratio.py "$OUT/flash.txt" | tee -a "$OUT/flash.txt"
     ;;
 wgmma)
-    # There: the wgmma forwards alone, as few seconds as they need (a call with little device
-    # time left): each checked against autograd and timed (`flash_reference.py wg`, `wgv`, each
-    # in its own process), the values-on-wgmma one through the model's entry points, AdamW's
-    # kernels (bf16 moments among them) against the CPU, then the step as `train` runs it, with
-    # bf16 moments, with each wgmma forward, and compiled PyTorch's. Needs only flash.ptx and
-    # train_probe.xz stashed.
+    # There: the wgmma kernels alone, as few seconds as they need (a call with little device
+    # time left): each checked against autograd and timed in its own process
+    # (`flash_reference.py wg`, `wgv`: the causal forwards; `dqwg`: block mode's dQ), the dQ
+    # kernel through the model's entry points, AdamW's kernels (bf16 moments among them) against
+    # the CPU, then the step as `train` runs it (the causal forward on wgmma since the sixteenth
+    # call), the same with bf16 moments, with the wgmma dQ if its check passed, and compiled
+    # PyTorch's (NO_TORCH=1: not). Needs only flash.ptx and train_probe.xz stashed.
     unpack_probe
     mkdir -p $STASH/assets
     cuda_env
     {
-        for kind in wg wgv; do
+        for kind in wg wgv dqwg; do
             python3 bench/flash_reference.py $kind $STASH/flash.ptx | tee /tmp/$kind.txt ||
                 echo "$kind failed: $?"
         done
-        DFLASH_FLASH_FORWARD=wgv $STASH/train_probe flash || echo "train_probe flash (wgmma values) failed: $?"
+        DFLASH_FLASH_DQ=wg $STASH/train_probe flash || echo "train_probe flash (wgmma dQ) failed: $?"
         $STASH/train_probe fused | grep 'adamw' || echo "train_probe fused failed: $?"
         echo '{"phase": "label", "name": "dflash, as train runs it"}'
         peak_memory $STASH/train_probe speed --anchors 512 || echo "speed failed: $?"
         echo '{"phase": "label", "name": "dflash, AdamW moments in bf16"}'
         peak_memory $STASH/train_probe speed --anchors 512 --moments bf16 || echo "speed (bf16 moments) failed: $?"
-        # The step with each wgmma forward its check passed (a wrong kernel's time says nothing).
-        for kind in wg wgv; do
-            grep -q '"pass": true' /tmp/$kind.txt || continue
-            echo "{\"phase\": \"label\", \"name\": \"dflash, DFLASH_FLASH_FORWARD=$kind\"}"
-            DFLASH_FLASH_FORWARD=$kind peak_memory $STASH/train_probe speed --anchors 512 ||
-                echo "speed (DFLASH_FLASH_FORWARD=$kind) failed: $?"
-        done
-        # NO_TORCH=1: not compiled PyTorch's step (a call with little device time left).
+        # The step with the wgmma dQ only if its check passed (a wrong kernel's time says nothing).
+        if grep -q '"pass": true' /tmp/dqwg.txt; then
+            echo '{"phase": "label", "name": "dflash, DFLASH_FLASH_DQ=wg"}'
+            DFLASH_FLASH_DQ=wg peak_memory $STASH/train_probe speed --anchors 512 ||
+                echo "speed (DFLASH_FLASH_DQ=wg) failed: $?"
+        fi
         [ -n "${NO_TORCH:-}" ] ||
             peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex \
                 --compile --steps 6 --warmup 3 || echo "speed (PyTorch, compiled) failed: $?"
     } 2>&1 | grep -v Warning | tee "$OUT/wgmma.txt"
+    [ -n "${NO_TORCH:-}" ] || python3 bench/step_ratio.py "$OUT/wgmma.txt" | tee -a "$OUT/wgmma.txt"
     ;;
 step)
     # There: the step's comparison alone (issue 22; what `flash` ends with, without the flash
@@ -581,7 +580,7 @@ step)
         $STASH/train_probe fused | grep 'adamw\|head_rows\|swiglu\|strided\|rms_norm\|sum_squares\|"add_' ||
             echo "train_probe fused failed: $?"
         earlier_kernels_step
-        wgmma_step
+        wide_forward_step
         step_against_pytorch
     } 2>&1 | grep -v Warning | tee "$OUT/step.txt"
     python3 bench/step_ratio.py "$OUT/step.txt" | tee -a "$OUT/step.txt"

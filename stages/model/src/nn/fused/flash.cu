@@ -661,6 +661,30 @@ __device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16*
 
 constexpr int KT_DQ = 32;  // keys per staged tile in the dQ pass (two more accumulators live)
 
+// delta = rowsum(dO * O) and lse of a warp's rows g and g + 8 (row0 its first), delta written
+// out for the dK/dV pass; rows at or past m: delta 0, lse +inf (their probabilities 0).
+template <int D>
+__device__ __forceinline__ void row_delta_lse(float (&dl)[2], float (&ls)[2], const bf16* out, const bf16* dout,
+                                              const float* lse, float* delta, int head, int row0, int m) {
+    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int row = row0 + g + 8 * h;
+        float sum = 0.f;
+        if (row < m) {
+            const bf16* o = out + ((size_t)head * m + row) * D;
+            const bf16* d = dout + ((size_t)head * m + row) * D;
+            for (int j = 2 * c; j < D; j += 8) {
+                sum += __bfloat162float(o[j]) * __bfloat162float(d[j]);
+                sum += __bfloat162float(o[j + 1]) * __bfloat162float(d[j + 1]);
+            }
+        }
+        dl[h] = quad_sum(sum);
+        ls[h] = row < m ? lse[(size_t)head * m + row] : INFINITY;
+        if (c == 0 && row < m) delta[(size_t)head * m + row] = dl[h];
+    }
+}
+
 // dQ for block mode, and delta = rowsum(dO * O), which the dK/dV pass reads. Same grid as the
 // forward.
 template <int D>
@@ -678,24 +702,8 @@ __device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf
         load_a(qa[k], q + at, D, k * 16, m - row0);
         load_a(da[k], dout + at, D, k * 16, m - row0);
     }
-    // delta and lse of rows g and g + 8.
     float dl[2], ls[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int row = row0 + g + 8 * h;
-        float sum = 0.f;
-        if (row < m) {
-            const bf16* o = out + ((size_t)head * m + row) * D;
-            const bf16* d = dout + ((size_t)head * m + row) * D;
-            for (int j = 2 * c; j < D; j += 8) {
-                sum += __bfloat162float(o[j]) * __bfloat162float(d[j]);
-                sum += __bfloat162float(o[j + 1]) * __bfloat162float(d[j + 1]);
-            }
-        }
-        dl[h] = quad_sum(sum);
-        ls[h] = row < m ? lse[(size_t)head * m + row] : INFINITY;
-        if (c == 0 && row < m) delta[(size_t)head * m + row] = dl[h];
-    }
+    row_delta_lse<D>(dl, ls, out, dout, lse, delta, head, row0, m);
     float acc[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -913,6 +921,133 @@ __device__ void flash_dq_tall(const bf16* q, const bf16* k1, const bf16* v1, con
                 *reinterpret_cast<uint32_t*>(o + n * 8 + 2 * c) =
                     pack(acc[i][n][2 * h] * scale, acc[i][n][2 * h + 1] * scale);
         }
+}
+
+// dQ on Hopper's warpgroup MMA (`flash_dq_wg`; block mode, groups of four heads, flash_dq's
+// operands and outputs, delta among them). A block's four warps (the group's heads, 16 rows of
+// one block each) are one warpgroup. Per tile of 64 keys: S = Q K^T and dP = dO V^T by wgmma
+// (the queries and output gradients the A fragments, in registers; keys and values K-major from
+// tiles in the 128-byte swizzle), dS = P (dP - delta) in registers, then dQ += dS K by wgmma with
+// the same key tile read N-major. The block's own 16 keys: one more tile, k2's rows in its first
+// 16 (the rest zeros, closed). Dynamic shared memory: up to 1,023 bytes to align, two key and two
+// value tiles of KT_WG x D (flash.rs's dQ kernel choice). Where the PTX is not sm_90a it traps.
+template <int D>
+__device__ void flash_dq_wg(unsigned char* smem, const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,
+                            const bf16* v2, const uint32_t* hi, const bf16* out, const bf16* dout, const float* lse,
+                            float* delta, bf16* dq, int m, int s1, float scale2, float scale) {
+#ifdef DFLASH_WGMMA
+    constexpr int TILE = KT_WG * D;
+    unsigned base = (unsigned)__cvta_generic_to_shared(smem);
+    bf16* ks_all = reinterpret_cast<bf16*>(smem + ((1024 - (base & 1023)) & 1023));
+    bf16* vs_all = ks_all + 2 * TILE;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int kv = blockIdx.y, head = kv * 4 + warp, tile = row_tile(), row0 = tile * ROWS;
+    size_t at = ((size_t)head * m + row0) * D;
+    uint32_t qa[D / 16][4], da[D / 16][4];
+#pragma unroll
+    for (int k = 0; k < D / 16; k++) {
+        load_a(qa[k], q + at, D, k * 16, m - row0);
+        load_a(da[k], dout + at, D, k * 16, m - row0);
+    }
+    float dl[2], ls[2];
+    row_delta_lse<D>(dl, ls, out, dout, lse, delta, head, row0, m);
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    View view;
+    view.past = -1;
+    view.row0 = row0;
+    view.hi = (int)hi[tile];
+    const bf16* kh = k1 + (size_t)kv * s1 * D;
+    const bf16* vh = v1 + (size_t)kv * s1 * D;
+    int tiles = (view.hi + KT_WG - 1) / KT_WG;
+    // Tiles of k1, then the block's own keys.
+    auto issue = [&](int t) {
+        if (t == tiles) {
+            int own_end = min(row0 + ROWS, m);
+            stage_async_sw128<D>(ks_all + (t & 1) * TILE, k2 + (size_t)kv * m * D, row0, KT_WG, own_end);
+            stage_async_sw128<D>(vs_all + (t & 1) * TILE, v2 + (size_t)kv * m * D, row0, KT_WG, own_end);
+        } else {
+            stage_async_sw128<D>(ks_all + (t & 1) * TILE, kh, t * KT_WG, KT_WG, s1);
+            stage_async_sw128<D>(vs_all + (t & 1) * TILE, vh, t * KT_WG, KT_WG, s1);
+        }
+    };
+    issue(0);
+    async_commit();
+    for (int t = 0; t <= tiles; t++) {
+        bool own = t == tiles;
+        if (t < tiles) issue(t + 1);
+        async_commit();  // empty after the last tile: keeps the wait below uniform
+        async_wait<1>();
+        fence_proxy_async();  // this thread's staged tiles, visible to wgmma's reads
+        __syncthreads();
+        const bf16* kt = ks_all + (t & 1) * TILE;
+        const bf16* vt = vs_all + (t & 1) * TILE;
+        float sc[KT_WG / 8][4], dp[KT_WG / 8][4];
+#pragma unroll
+        for (int n = 0; n < KT_WG / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sc[n][e] = dp[n][e] = 0.f;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < D / 16; k++)
+            wgmma_k16<KT_WG, 0>(sc, qa[k], sw128_desc(kt + (k >> 2) * KT_WG * 64 + (k & 3) * 16));
+#pragma unroll
+        for (int k = 0; k < D / 16; k++)
+            wgmma_k16<KT_WG, 0>(dp, da[k], sw128_desc(vt + (k >> 2) * KT_WG * 64 + (k & 3) * 16));
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int n = 0; n < KT_WG / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                fence_operand(sc[n][e]);
+                fence_operand(dp[n][e]);
+            }
+        // dS = P (dP - delta), in the units of the scaled scores; closed keys' P is 0: past the
+        // row tile's context, or in the own tile past its 16 keys.
+        uint32_t pa[KT_WG / 16][4];
+#pragma unroll
+        for (int n = 0; n < KT_WG / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int h = e >> 1, col = n * 8 + 2 * c + (e & 1);
+                bool open = own ? col < ROWS : view.sees(t * KT_WG + col, row0 + g + 8 * h);
+                float pr = open ? exp2f(sc[n][e] * scale2 - ls[h]) : 0.f;
+                sc[n][e] = pr * (dp[n][e] - dl[h]);
+            }
+#pragma unroll
+        for (int j = 0; j < KT_WG / 16; j++) {
+            pa[j][0] = pack(sc[2 * j][0], sc[2 * j][1]);
+            pa[j][1] = pack(sc[2 * j][2], sc[2 * j][3]);
+            pa[j][2] = pack(sc[2 * j + 1][0], sc[2 * j + 1][1]);
+            pa[j][3] = pack(sc[2 * j + 1][2], sc[2 * j + 1][3]);
+        }
+        wgmma_fence();  // the fragments and the accumulators, before wgmma reads them
+#pragma unroll
+        for (int j = 0; j < KT_WG / 16; j++)
+            // Keys 16j.. of the tile (K), the head's columns (N) an atom of 64 at a time.
+            wgmma_k16<D, 1>(acc, pa[j], sw128_desc(kt + j * 16 * 64, KT_WG * 128));
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) fence_operand(acc[n][e]);
+        __syncthreads();  // the next iteration stages into the buffer read here
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int row = row0 + g + 8 * h;
+        if (row >= m) continue;
+        bf16* o = dq + ((size_t)head * m + row) * D;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            *reinterpret_cast<uint32_t*>(o + n * 8 + 2 * c) = pack(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
+    }
+#else
+    __trap();
+#endif
 }
 
 // One head's 16 rows (q and dout staged at qs and ds, their lse and delta at ls and dl) against
@@ -1398,6 +1533,13 @@ __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf1
                                                   const bf16* dout, const float* lse, float* delta, bf16* dq,      \
                                                   int m, int s1, int group, float scale2, float scale) {           \
         flash_dq_tall<D>(q, k1, v1, k2, v2, hi, out, dout, lse, delta, dq, m, s1, group, scale2, scale);            \
+    }                                                                                                               \
+    extern "C" __global__ void flash_dq_wg_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,      \
+                                                const bf16* v2, const uint32_t* hi, const bf16* out,               \
+                                                const bf16* dout, const float* lse, float* delta, bf16* dq, int m, \
+                                                int s1, int group, float scale2, float scale) {                    \
+        extern __shared__ __align__(16) unsigned char smem[];                                                       \
+        flash_dq_wg<D>(smem, q, k1, v1, k2, v2, hi, out, dout, lse, delta, dq, m, s1, scale2, scale);               \
     }                                                                                                               \
     extern "C" __global__ void flash_dkv_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,        \
                                               const bf16* v2, const uint32_t* hi, const bf16* dout,                \

@@ -192,10 +192,20 @@ mod cuda {
     /// `flash_dq_tall` (32 rows a warp, queries and output gradients in shared memory: 1.56 ms
     /// against 2.04 at the Qwen3-8B shape on an H100) where the device lets a block have its
     /// shared memory, else (or given `DFLASH_FLASH_DQ=narrow`) `flash_dq` (16 rows a warp).
+    /// `DFLASH_FLASH_DQ=wg`: `flash_dq_wg` (on `wgmma`, groups of four heads, sm_90a builds),
+    /// written without a GPU to run it: opt-in until `flash_reference.py dqwg` holds it.
     fn dq_kernel(dev: &CudaDevice, group: usize, d: usize) -> Result<(CudaFunction, usize, u32)> {
-        static TALL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let tall =
-            *TALL.get_or_init(|| std::env::var("DFLASH_FLASH_DQ").map_or(true, |v| v != "narrow"));
+        static ASKED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let asked = ASKED.get_or_init(|| std::env::var("DFLASH_FLASH_DQ").unwrap_or_default());
+        if asked == "wg" && group == 4 && cfg!(dflash_wgmma_ptx) {
+            // flash.cu's flash_dq_wg: up to 1,023 bytes to align, two key and two value tiles
+            // of 64 x d.
+            let bytes = 1024 + 4 * 64 * d * 2;
+            if let Some(f) = with_smem(dev, "flash_dq_wg", d, bytes)? {
+                return Ok((f, ROWS, bytes as u32));
+            }
+        }
+        let tall = asked != "narrow";
         // flash_dq_tall's layout (flash.cu): two tiles of 32 keys and values, every head's 32
         // rows of q and of dout.
         let bytes = (2 * 2 * 32 + 2 * group * 2 * ROWS) * (d + 8) * 2;
