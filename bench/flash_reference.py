@@ -230,18 +230,25 @@ def randn(*shape):
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
 
+def block_case(heads, kv, d, s, blocks):
+    """Random block-mode operands: `blocks` blocks of ROWS rows over `s` context keys, the
+    anchors sorted, the first 0 (a block that sees no context at all)."""
+    m = blocks * ROWS
+    q, dout = randn(heads, m, d), randn(heads, m, d)
+    k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
+    anchors = torch.sort(torch.randint(0, s, (blocks,), device="cuda")).values
+    anchors[0] = 0
+    hi = anchors.to(torch.int32).contiguous()
+    return m, q, dout, k1, v1, k2, v2, anchors, hi
+
+
 def check(K, args):
     torch.manual_seed(0)
     worst = 0.0
     equal_all = True
     for heads, kv, d, s, blocks in [(4, 2, 64, 40, 3), (8, 2, 128, 200, 9), (32, 8, 128, 300, 12), (2, 2, 64, 64, 4),
                                      (6, 2, 128, 150, 5), (9, 3, 64, 100, 6)]:  # the last: SmolLM2's
-        m = blocks * ROWS
-        q, dout = randn(heads, m, d), randn(heads, m, d)
-        k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
-        anchors = torch.sort(torch.randint(0, s, (blocks,), device="cuda")).values
-        anchors[0] = 0  # a block that sees no context at all
-        hi = anchors.to(torch.int32).contiguous()
+        m, q, dout, k1, v1, k2, v2, anchors, hi = block_case(heads, kv, d, s, blocks)
         out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
         ref = [t.double().requires_grad_() for t in (q, k1, v1, k2, v2)]
         ro, rl = reference_block(*ref, anchors)
@@ -483,12 +490,7 @@ def dqwg(K, args):
     torch.manual_seed(0)
     worst = 0.0
     for heads, kv, d, s, blocks in [(4, 1, 64, 40, 3), (8, 2, 128, 200, 9), (32, 8, 128, 300, 12), (4, 1, 128, 70, 5)]:
-        m = blocks * ROWS
-        q, dout = randn(heads, m, d), randn(heads, m, d)
-        k1, v1, k2, v2 = randn(kv, s, d), randn(kv, s, d), randn(kv, m, d), randn(kv, m, d)
-        anchors = torch.sort(torch.randint(0, s, (blocks,), device="cuda")).values
-        anchors[0] = 0  # a block that sees no context at all
-        hi = anchors.to(torch.int32).contiguous()
+        m, q, dout, k1, v1, k2, v2, anchors, hi = block_case(heads, kv, d, s, blocks)
         out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
         ref = [t.double().requires_grad_() for t in (q, k1, v1, k2, v2)]
         ro, _ = reference_block(*ref, anchors)
