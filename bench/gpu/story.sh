@@ -102,11 +102,15 @@
 # Then `stash; step` three times (186, 179, 193 s: the new defaults beside the earlier
 # attention kernels and PyTorch's two forms; the last with the target's unused layers dropped:
 # 234.0 ms, 1.50x / 0.97x) and `profile dflash` (the machine has no nsys for the host's side).
-# Next, first: `stash; flash` with .gpu/f (~260 s): `flash_forward_wg` (the target's causal
-# forward with its scores on wgmma, written after the last call) checked and timed by
-# `flash_reference.py wg` (`wg_out`, `wg_lse`, `causal_fwd_wg_ms`), `train_probe flash` under
-# DFLASH_FLASH_FORWARD=wg, and the step with it; where it holds and pays, make it causal mode's default (flash.rs's
-# `Forward::chosen_default`) and put the values' product on wgmma too. Then the block-16
+# The sixteenth (2026-12-07, an H100; the eleventh try got a machine, ten found none):
+# `stash; NO_TORCH=1 wgmma` with .gpu/f (111.3 s): `flash_forward_wg` and `flash_forward_wgv`
+# checked and timed (wgv became causal mode's default), AdamW's bf16-moment kernels checked,
+# the step with bf16 moments (34,639 MiB): bench/results/issue22-h100-sixteenth/.
+# Next, first: `stash; wgmma` with .gpu/f (~250 s): `flash_dq_wg` (block mode's dQ on wgmma,
+# written after that call) checked and timed by `flash_reference.py dqwg`, `train_probe flash`
+# under DFLASH_FLASH_DQ=wg, the re-templated AdamW kernels checked, the step as `train` runs it,
+# with bf16 moments, with the wgmma dQ, and compiled PyTorch's; where the dQ holds and pays, make
+# it the default (flash.rs's `dq_kernel`). Then the block-16
 # training plan above, with .gpu/1..5 as repacked at the end of the
 # fourteenth session (.gpu/3's dflash.xz rebuilt at the fifteenth's end with its kernels, its
 # flash.ptx left out: .gpu/f has it) (`pack-inputs BIN .gpu drafters:smollm2-5600
