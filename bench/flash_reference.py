@@ -24,7 +24,8 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
         the ratios (JSON lines).
     python3 bench/flash_reference.py wg|wgv flash.ptx
         flash_forward_wg (the causal forward's scores on wgmma) or flash_forward_wgv (the
-        values' product too) checked and timed alone.
+        values' product too; `wgv` checks and times its block-mode form too) checked and timed
+        alone.
     python3 bench/flash_reference.py dqwg flash.ptx
         flash_dq_wg (block mode's dQ on wgmma) checked and timed alone.
     python3 bench/flash_reference.py once flash.ptx
@@ -98,6 +99,8 @@ def forward_kernel(kind, group, d):
         "wg": (f"flash_forward_wg_d{d}", ROWS, 1024 + 2 * 64 * d * 2 + 2 * 64 * ld * 2),
         # the same with the values' product on wgmma (value tiles swizzled, unpadded)
         "wgv": (f"flash_forward_wgv_d{d}", ROWS, 1024 + 4 * 64 * d * 2),
+        # the same in block mode (the context, then the block's own keys)
+        "wgv_block": (f"flash_forward_wgv_block_d{d}", ROWS, 1024 + 4 * 64 * d * 2),
     }[kind]
 
 
@@ -480,6 +483,32 @@ def wg(K, args, kind="wg"):
             lambda: F.scaled_dot_product_attention(q[None], kr[None], vr[None], is_causal=True))
     for key, value in res.items():
         print(json.dumps({"metric": f"causal_fwd_{key}_ms", "value": value}))
+    if kind == "wgv":
+        wgv_block(K, args)
+
+
+def wgv_block(K, args):
+    """flash_forward_wgv_block (block mode's forward on wgmma, groups of four heads): checked
+    against autograd in f64 beside the narrow kernel (`wgv_block_out`, `wgv_block_lse`), then
+    timed at `speed`'s shape beside it."""
+    torch.manual_seed(0)
+    worst = 0.0
+    for heads, kv, d, s, blocks in [(4, 1, 64, 40, 3), (8, 2, 128, 200, 9), (32, 8, 128, 300, 12), (4, 1, 128, 70, 5)]:
+        m, q, dout, k1, v1, k2, v2, anchors, hi = block_case(heads, kv, d, s, blocks)
+        ref = [t.double() for t in (q, k1, v1, k2, v2)]
+        ro, rl = reference_block(*ref, anchors)
+        out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
+        errs = {"out": rel(out, ro), "lse": rel(lse * math.log(2), rl)}
+        out, lse = forward(K, q, k1, v1, k2, v2, hi, -1, kind="wgv_block")
+        torch.cuda.synchronize()
+        errs.update({"wgv_block_out": rel(out, ro), "wgv_block_lse": rel(lse * math.log(2), rl)})
+        worst = max(worst, errs["wgv_block_out"], errs["wgv_block_lse"])
+        print(json.dumps({"mode": "block", "heads": heads, "kv": kv, "d": d, "s": s, "blocks": blocks, **errs}))
+    print(json.dumps({"wgv_block_worst": worst, "pass": worst < 2e-2}))
+    heads, kv, d, s, m, q, dout, k1, v1, k2, v2, anchors, hi = step_operands(args)
+    for kind in ("narrow", "wgv_block"):
+        ms = timed(lambda: forward(K, q, k1, v1, k2, v2, hi, -1, kind=kind))
+        print(json.dumps({"metric": f"dflash_block_fwd_{kind}_ms", "value": ms}))
 
 
 def dqwg(K, args):

@@ -540,11 +540,12 @@ flash)
 wgmma)
     # There: the wgmma kernels alone, as few seconds as they need (a call with little device
     # time left): each checked against autograd and timed in its own process
-    # (`flash_reference.py wg`, `wgv`: the causal forwards; `dqwg`: block mode's dQ), the dQ
-    # kernel through the model's entry points, AdamW's kernels (bf16 moments among them) against
-    # the CPU, then the step as `train` runs it (the causal forward on wgmma since the sixteenth
-    # call), the same with bf16 moments, with the wgmma dQ if its check passed, and compiled
-    # PyTorch's (NO_TORCH=1: not). Needs only flash.ptx and train_probe.xz stashed.
+    # (`flash_reference.py wg`, `wgv`: the causal forwards, `wgv` block mode's too; `dqwg`:
+    # block mode's dQ), block mode's forward and dQ through the model's entry points, AdamW's
+    # kernels (bf16 moments among them) against the CPU, then the step as `train` runs it (the
+    # causal forward on wgmma since the sixteenth call), the same with bf16 moments, with the
+    # wgmma dQ and block forward where their checks passed, and compiled PyTorch's (NO_TORCH=1:
+    # not). Needs only flash.ptx and train_probe.xz stashed.
     unpack_probe
     mkdir -p $STASH/assets
     cuda_env
@@ -553,17 +554,24 @@ wgmma)
             python3 bench/flash_reference.py $kind $STASH/flash.ptx | tee /tmp/$kind.txt ||
                 echo "$kind failed: $?"
         done
-        DFLASH_FLASH_DQ=wg $STASH/train_probe flash || echo "train_probe flash (wgmma dQ) failed: $?"
+        DFLASH_FLASH_FORWARD=wgv DFLASH_FLASH_DQ=wg $STASH/train_probe flash ||
+            echo "train_probe flash (wgmma block forward and dQ) failed: $?"
         $STASH/train_probe fused | grep 'adamw' || echo "train_probe fused failed: $?"
         echo '{"phase": "label", "name": "dflash, as train runs it"}'
         peak_memory $STASH/train_probe speed --anchors 512 || echo "speed failed: $?"
         echo '{"phase": "label", "name": "dflash, AdamW moments in bf16"}'
         peak_memory $STASH/train_probe speed --anchors 512 --moments bf16 || echo "speed (bf16 moments) failed: $?"
-        # The step with the wgmma dQ only if its check passed (a wrong kernel's time says nothing).
+        # The step with the wgmma dQ and block forward only where their checks passed (a wrong
+        # kernel's time says nothing).
         if grep -q '"pass": true' /tmp/dqwg.txt; then
             echo '{"phase": "label", "name": "dflash, DFLASH_FLASH_DQ=wg"}'
             DFLASH_FLASH_DQ=wg peak_memory $STASH/train_probe speed --anchors 512 ||
                 echo "speed (DFLASH_FLASH_DQ=wg) failed: $?"
+        fi
+        if grep -q '"wgv_block_worst".*"pass": true' /tmp/wgv.txt; then
+            echo '{"phase": "label", "name": "dflash, DFLASH_FLASH_FORWARD=wgv (block mode too)"}'
+            DFLASH_FLASH_FORWARD=wgv peak_memory $STASH/train_probe speed --anchors 512 ||
+                echo "speed (DFLASH_FLASH_FORWARD=wgv) failed: $?"
         fi
         [ -n "${NO_TORCH:-}" ] ||
             peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex \

@@ -550,8 +550,9 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[N / 8][4], const uint32_t (
 __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 #endif
 
-// Causal mode only (past >= 0), group == 4 (one warpgroup a block; the launch's k2, v2, hi and
-// group, which the other forward kernels take, are not read). Grid (row tiles, kv_heads);
+// Causal mode (past >= 0; or with BLOCK block mode, below), group == 4 (one warpgroup a block;
+// the launch's group, which the other forward kernels take, is not read; nor k2, v2 and hi in
+// causal mode). Grid (row tiles, kv_heads);
 // 128 threads; dynamic shared memory: up to 1,023 bytes to align, two swizzled key tiles of
 // KT_WG x D, two value tiles: padded, KT_WG x (D + PAD), or with VALUES swizzled as the keys,
 // KT_WG x D (flash.rs's `Forward::smem`).
@@ -559,9 +560,15 @@ __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"
 // VALUES: the values' product on wgmma too (flash_forward_wgv): the value tiles staged in the
 // same swizzle, read N-major (the head's columns are N, the keys K), the probabilities the A
 // fragment in registers, the output accumulators wgmma's; else mma.sync, as flash_forward.
-template <int D, bool VALUES>
-__device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16* k1, const bf16* v1, bf16* out,
-                                 float* lse, int m, int s1, int past, float scale2) {
+//
+// BLOCK: block mode (`flash_forward_wgv_block`, with VALUES): a row tile (one anchor's block)
+// sees the context keys below `hi[tile]`, then its own 16 keys (k2's and v2's rows of the tile:
+// one more tile, the rest of it zeros, closed); `past` is not read.
+template <int D, bool VALUES, bool BLOCK = false>
+__device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,
+                                 const bf16* v2, const uint32_t* hi, bf16* out, float* lse, int m, int s1, int past,
+                                 float scale2) {
+    static_assert(VALUES || !BLOCK, "block mode on wgmma takes the values' product there too");
 #ifdef DFLASH_WGMMA
     constexpr int KTILE = KT_WG * D, VTILE = VALUES ? KT_WG * D : KT_WG * (D + PAD);
     unsigned base = (unsigned)__cvta_generic_to_shared(smem);
@@ -574,14 +581,21 @@ __device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16*
 #pragma unroll
     for (int k = 0; k < D / 16; k++) load_a(qa[k], qh, D, k * 16, m - row0);
     View view;
-    view.past = past;
+    view.past = BLOCK ? -1 : past;
     view.row0 = row0;
-    view.hi = min(past + row0 + ROWS, s1);
+    view.hi = BLOCK ? (int)hi[tile] : min(past + row0 + ROWS, s1);
     Running<D> run;
     const bf16* kh = k1 + (size_t)kv * s1 * D;
     const bf16* vh = v1 + (size_t)kv * s1 * D;
-    int tiles = (view.hi + KT_WG - 1) / KT_WG;
+    // The context's tiles, then in block mode the row tile's own keys.
+    int context = (view.hi + KT_WG - 1) / KT_WG, tiles = context + (BLOCK ? 1 : 0);
     auto issue = [&](int t) {
+        if (BLOCK && t == context) {
+            int own_end = min(row0 + ROWS, m);
+            stage_async_sw128<D>(ks_all + (t & 1) * KTILE, k2 + (size_t)kv * m * D, row0, KT_WG, own_end);
+            stage_async_sw128<D>(vs_all + (t & 1) * VTILE, v2 + (size_t)kv * m * D, row0, KT_WG, own_end);
+            return;
+        }
         stage_async_sw128<D>(ks_all + (t & 1) * KTILE, kh, t * KT_WG, KT_WG, s1);
         if constexpr (VALUES)
             stage_async_sw128<D>(vs_all + (t & 1) * VTILE, vh, t * KT_WG, KT_WG, s1);
@@ -610,7 +624,15 @@ __device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16*
         for (int n = 0; n < KT_WG / 8; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) fence_operand(sc[n][e]);
-        mask_scores<KT_WG / 8>(sc, scale2, &view, t * KT_WG);
+        if (BLOCK && t == context) {
+            // The own tile: all 16 of the block's keys open to its rows, the zeros past them shut.
+#pragma unroll
+            for (int n = 0; n < KT_WG / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sc[n][e] = n * 8 + 2 * c + (e & 1) < ROWS ? sc[n][e] * scale2 : -INFINITY;
+        } else {
+            mask_scores<KT_WG / 8>(sc, scale2, &view, t * KT_WG);
+        }
         if constexpr (VALUES) {
             run.template rescale<KT_WG / 8>(sc);
             const bf16* vt = vs_all + (t & 1) * VTILE;
@@ -1513,14 +1535,21 @@ __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf1
                                                      bf16* out, float* lse, int m, int s1, int group, int past,     \
                                                      float scale2) {                                                \
         extern __shared__ __align__(16) unsigned char smem[];                                                       \
-        flash_forward_wg<D, false>(smem, q, k1, v1, out, lse, m, s1, past, scale2);                                 \
+        flash_forward_wg<D, false>(smem, q, k1, v1, k2, v2, hi, out, lse, m, s1, past, scale2);                     \
     }                                                                                                               \
     extern "C" __global__ void flash_forward_wgv_d##D(const bf16* q, const bf16* k1, const bf16* v1,               \
                                                       const bf16* k2, const bf16* v2, const uint32_t* hi,           \
                                                       bf16* out, float* lse, int m, int s1, int group, int past,    \
                                                       float scale2) {                                               \
         extern __shared__ __align__(16) unsigned char smem[];                                                       \
-        flash_forward_wg<D, true>(smem, q, k1, v1, out, lse, m, s1, past, scale2);                                  \
+        flash_forward_wg<D, true>(smem, q, k1, v1, k2, v2, hi, out, lse, m, s1, past, scale2);                      \
+    }                                                                                                               \
+    extern "C" __global__ void flash_forward_wgv_block_d##D(const bf16* q, const bf16* k1, const bf16* v1,         \
+                                                            const bf16* k2, const bf16* v2, const uint32_t* hi,     \
+                                                            bf16* out, float* lse, int m, int s1, int group,        \
+                                                            int past, float scale2) {                               \
+        extern __shared__ __align__(16) unsigned char smem[];                                                       \
+        flash_forward_wg<D, true, true>(smem, q, k1, v1, k2, v2, hi, out, lse, m, s1, past, scale2);                \
     }                                                                                                               \
     extern "C" __global__ void flash_dq_d##D(const bf16* q, const bf16* k1, const bf16* v1, const bf16* k2,         \
                                              const bf16* v2, const uint32_t* hi, const bf16* out, const bf16* dout, \

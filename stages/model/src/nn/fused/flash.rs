@@ -236,6 +236,9 @@ mod cuda {
         /// `flash_forward_wgv`: `Wg` with the values' product on `wgmma` too (value tiles
         /// swizzled, read N-major). Same limits; held to autograd by `flash_reference.py wgv`;
         /// 0.35 ms against the wide kernel's 0.45 (H100): the causal default where it can run.
+        /// In block mode `flash_forward_wgv_block` (the context, then the block's own keys as
+        /// one more tile), written without a GPU to run it: only where asked
+        /// (`DFLASH_FLASH_FORWARD=wgv`) until `flash_reference.py wgv` holds it.
         WgValues,
     }
 
@@ -272,12 +275,16 @@ mod cuda {
             }
         }
 
-        /// `self`, or where it is a `wgmma` kernel that cannot run here (block mode, a group
-        /// not of four heads, a build whose flash PTX is not sm_90a) the kernel of its mode
-        /// that can: the wide one for causal mode, the narrow one for block mode.
+        /// `self`, or where it is a `wgmma` kernel that cannot run here (a group not of four
+        /// heads, a build whose flash PTX is not sm_90a, `Wg` in block mode) the kernel of its
+        /// mode that can: the wide one for causal mode, the narrow one for block mode.
         fn or_fallback(self, causal: bool, group: usize) -> Forward {
-            let on_wgmma = matches!(self, Forward::Wg | Forward::WgValues);
-            if on_wgmma && !(causal && group == 4 && cfg!(dflash_wgmma_ptx)) {
+            let runs = match self {
+                Forward::Wg => causal,
+                Forward::WgValues => true,
+                _ => return self,
+            };
+            if !(runs && group == 4 && cfg!(dflash_wgmma_ptx)) {
                 if causal {
                     Forward::Wide
                 } else {
@@ -288,13 +295,14 @@ mod cuda {
             }
         }
 
-        fn name(self) -> &'static str {
+        fn name(self, causal: bool) -> &'static str {
             match self {
                 Forward::Narrow => "flash_forward",
                 Forward::Wide => "flash_forward_wide",
                 Forward::Tall => "flash_forward_tall",
                 Forward::Wg => "flash_forward_wg",
-                Forward::WgValues => "flash_forward_wgv",
+                Forward::WgValues if causal => "flash_forward_wgv",
+                Forward::WgValues => "flash_forward_wgv_block",
             }
         }
 
@@ -333,12 +341,12 @@ mod cuda {
         let which = Forward::chosen(causal).or_fallback(causal, group);
         if which != Forward::Narrow {
             let bytes = which.smem(group, d);
-            if let Some(f) = with_smem(dev, which.name(), d, bytes)? {
+            if let Some(f) = with_smem(dev, which.name(causal), d, bytes)? {
                 return Ok((f, which.rows(), bytes as u32));
             }
         }
         // The narrow kernel: also where a large group's shared memory is past the device's.
-        Ok((kernel(dev, Forward::Narrow.name(), d)?, ROWS, 0))
+        Ok((kernel(dev, Forward::Narrow.name(causal), d)?, ROWS, 0))
     }
 
     /// `name`'s kernel for head size `d`, opted in to `bytes` of dynamic shared memory (past
