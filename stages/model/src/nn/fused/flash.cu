@@ -683,12 +683,22 @@ __device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16*
 
 constexpr int KT_DQ = 32;  // keys per staged tile in the dQ pass (two more accumulators live)
 
-// delta = rowsum(dO * O) and lse of a warp's rows g and g + 8 (row0 its first), delta written
-// out for the dK/dV pass; rows at or past m: delta 0, lse +inf (their probabilities 0).
+// A dQ kernel's warp, its 16 rows of one head (row tile `tile`), made ready: the queries' and
+// output gradients' A fragments; delta = rowsum(dO * O) and lse of rows g and g + 8, delta
+// written out for the dK/dV pass (rows at or past m: delta 0, lse +inf, so their probabilities
+// are 0); dQ's accumulators at zero; the view of the context (block mode: `hi[tile]` keys).
 template <int D>
-__device__ __forceinline__ void row_delta_lse(float (&dl)[2], float (&ls)[2], const bf16* out, const bf16* dout,
-                                              const float* lse, float* delta, int head, int row0, int m) {
-    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+__device__ __forceinline__ void dq_rows(uint32_t (&qa)[D / 16][4], uint32_t (&da)[D / 16][4], float (&dl)[2],
+                                        float (&ls)[2], float (&acc)[D / 8][4], View& view, const bf16* q,
+                                        const bf16* dout, const bf16* out, const float* lse, float* delta,
+                                        const uint32_t* hi, int head, int tile, int m) {
+    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, row0 = tile * ROWS;
+    size_t at = ((size_t)head * m + row0) * D;
+#pragma unroll
+    for (int k = 0; k < D / 16; k++) {
+        load_a(qa[k], q + at, D, k * 16, m - row0);
+        load_a(da[k], dout + at, D, k * 16, m - row0);
+    }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int row = row0 + g + 8 * h;
@@ -705,6 +715,11 @@ __device__ __forceinline__ void row_delta_lse(float (&dl)[2], float (&ls)[2], co
         ls[h] = row < m ? lse[(size_t)head * m + row] : INFINITY;
         if (c == 0 && row < m) delta[(size_t)head * m + row] = dl[h];
     }
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    view.past = -1;
+    view.row0 = row0;
+    view.hi = (int)hi[tile];
 }
 
 // dQ for block mode, and delta = rowsum(dO * O), which the dK/dV pass reads. Same grid as the
@@ -717,22 +732,10 @@ __device__ void flash_dq(const bf16* q, const bf16* k1, const bf16* v1, const bf
     __shared__ __align__(16) bf16 vs[2][KT_DQ * (D + PAD)];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     int kv = blockIdx.y, head = kv * group + warp, tile = row_tile(), row0 = tile * ROWS;
-    size_t at = ((size_t)head * m + row0) * D;
     uint32_t qa[D / 16][4], da[D / 16][4];
-#pragma unroll
-    for (int k = 0; k < D / 16; k++) {
-        load_a(qa[k], q + at, D, k * 16, m - row0);
-        load_a(da[k], dout + at, D, k * 16, m - row0);
-    }
-    float dl[2], ls[2];
-    row_delta_lse<D>(dl, ls, out, dout, lse, delta, head, row0, m);
-    float acc[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float dl[2], ls[2], acc[D / 8][4];
     View view;
-    view.past = -1;
-    view.row0 = row0;
-    view.hi = (int)hi[tile];
+    dq_rows<D>(qa, da, dl, ls, acc, view, q, dout, out, lse, delta, hi, head, tile, m);
     const bf16* kh = k1 + (size_t)kv * s1 * D;
     const bf16* vh = v1 + (size_t)kv * s1 * D;
     int tiles = (view.hi + KT_DQ - 1) / KT_DQ;
@@ -964,22 +967,10 @@ __device__ void flash_dq_wg(unsigned char* smem, const bf16* q, const bf16* k1, 
     bf16* vs_all = ks_all + 2 * TILE;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     int kv = blockIdx.y, head = kv * 4 + warp, tile = row_tile(), row0 = tile * ROWS;
-    size_t at = ((size_t)head * m + row0) * D;
     uint32_t qa[D / 16][4], da[D / 16][4];
-#pragma unroll
-    for (int k = 0; k < D / 16; k++) {
-        load_a(qa[k], q + at, D, k * 16, m - row0);
-        load_a(da[k], dout + at, D, k * 16, m - row0);
-    }
-    float dl[2], ls[2];
-    row_delta_lse<D>(dl, ls, out, dout, lse, delta, head, row0, m);
-    float acc[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float dl[2], ls[2], acc[D / 8][4];
     View view;
-    view.past = -1;
-    view.row0 = row0;
-    view.hi = (int)hi[tile];
+    dq_rows<D>(qa, da, dl, ls, acc, view, q, dout, out, lse, delta, hi, head, tile, m);
     const bf16* kh = k1 + (size_t)kv * s1 * D;
     const bf16* vh = v1 + (size_t)kv * s1 * D;
     int tiles = (view.hi + KT_WG - 1) / KT_WG;
