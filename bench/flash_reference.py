@@ -321,6 +321,17 @@ def step_operands(args):
     return heads, kv, d, s, m, q, dout, k1, v1, k2, v2, anchors, hi
 
 
+def timed_into(res, key, fn, error):
+    """res[key] = fn's time, True; where fn fails (a PTX built before its kernel, an older
+    torch) say so as the metric `error`, False, and let the caller time the rest."""
+    try:
+        res[key] = timed(fn)
+        return True
+    except Exception as e:
+        print(json.dumps({"metric": error, "value": repr(e)[:300]}))
+        return False
+
+
 def speed(K, args):
     heads, kv, d, s, m, q, dout, k1, v1, k2, v2, anchors, hi = step_operands(args)
     seen = anchors.double().mean().item()
@@ -330,37 +341,23 @@ def speed(K, args):
     fw = lambda: forward(K, q, k1, v1, k2, v2, hi, -1)
     res["dflash_block_fwd_ms"] = timed(fw)
     for kind in OTHER_FORWARDS:
-        try:
-            res[f"dflash_block_fwd_{kind}_ms"] = timed(lambda: forward(K, q, k1, v1, k2, v2, hi, -1, kind=kind))
-        except Exception as e:  # a PTX built before this kernel: say so, time the rest
-            print(json.dumps({"metric": f"{kind}_forward_error", "value": repr(e)[:300]}))
+        timed_into(res, f"dflash_block_fwd_{kind}_ms", lambda: forward(K, q, k1, v1, k2, v2, hi, -1, kind=kind),
+                   f"{kind}_forward_error")
     out, lse = fw()
     res["dflash_block_bwd_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout))
     res["dflash_block_bwd_dq_only_ms"] = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True))
     res["dflash_dkv_staged_ms"] = res["dflash_block_bwd_ms"] - res["dflash_block_bwd_dq_only_ms"]
-    try:
-        res["dflash_dq_tall_ms"] = timed(
-            lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True, dq_kind="tall"))
-    except Exception as e:  # say so, time the rest
-        print(json.dumps({"metric": "tall_dq_error", "value": repr(e)[:300]}))
-    try:
-        res["dflash_block_bwd_pipelined_dkv_ms"] = timed(
-            lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="pipelined"))
-        res["dflash_dkv_pipelined_ms"] = res["dflash_block_bwd_pipelined_dkv_ms"] - res["dflash_block_bwd_dq_only_ms"]
-    except Exception as e:  # say so, time the rest
-        print(json.dumps({"metric": "pipelined_dkv_error", "value": repr(e)[:300]}))
-    try:
-        res["dflash_block_bwd_tiled_dkv_ms"] = timed(
-            lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled"))
-        res["dflash_dkv_tiled_ms"] = res["dflash_block_bwd_tiled_dkv_ms"] - res["dflash_block_bwd_dq_only_ms"]
-    except Exception as e:  # say so, time the rest
-        print(json.dumps({"metric": "tiled_dkv_error", "value": repr(e)[:300]}))
+    timed_into(res, "dflash_dq_tall_ms",
+               lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=True, dq_kind="tall"),
+               "tall_dq_error")
+    for dkv in ("pipelined", "tiled"):
+        if timed_into(res, f"dflash_block_bwd_{dkv}_dkv_ms",
+                      lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv=dkv), f"{dkv}_dkv_error"):
+            res[f"dflash_dkv_{dkv}_ms"] = res[f"dflash_block_bwd_{dkv}_dkv_ms"] - res["dflash_block_bwd_dq_only_ms"]
     # The backward as `train` runs it (flash.rs): the tall dQ and the tiled dK/dV.
-    try:
-        res["dflash_block_bwd_default_ms"] = timed(
-            lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled", dq_kind="tall"))
-    except Exception as e:  # a PTX built before them: say so, time the rest
-        print(json.dumps({"metric": "default_backward_error", "value": repr(e)[:300]}))
+    timed_into(res, "dflash_block_bwd_default_ms",
+               lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv="tiled", dq_kind="tall"),
+               "default_backward_error")
     # FlexAttention under torch.compile with the block mask as a mask_mod: the block-sparse
     # kernel a PyTorch user trains DFlash with (the issue's peer), forward and backward.
     try:
@@ -422,10 +419,8 @@ def speed(K, args):
     q, k, v = randn(heads, n, d), randn(kv, n, d), randn(kv, n, d)
     res["dflash_causal_fwd_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0))
     for kind in OTHER_FORWARDS:
-        try:
-            res[f"dflash_causal_fwd_{kind}_ms"] = timed(lambda: forward(K, q, k, v, None, None, None, 0, kind=kind))
-        except Exception as e:
-            print(json.dumps({"metric": f"{kind}_forward_error", "value": repr(e)[:300]}))
+        timed_into(res, f"dflash_causal_fwd_{kind}_ms", lambda: forward(K, q, k, v, None, None, None, 0, kind=kind),
+                   f"{kind}_forward_error")
     causal = torch.full((n, n), float("-inf"), device="cuda", dtype=torch.bfloat16).triu(1)
     kr, vr = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
     with torch.no_grad():
