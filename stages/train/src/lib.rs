@@ -65,13 +65,14 @@ impl Params {
         (self.batch_size * self.grad_accum).max(1)
     }
 
+    /// Whether AdamW's moments are kept in bf16 (`optimizer_moments: bf16`).
+    pub fn bf16_moments(&self) -> bool {
+        self.optimizer_moments == "bf16"
+    }
+
     /// Bytes a trainable parameter's two AdamW moments take: 8 in f32, 4 in bf16.
     pub fn moment_bytes(&self) -> f64 {
-        if self.optimizer_moments == "bf16" {
-            4.0
-        } else {
-            8.0
-        }
+        if self.bf16_moments() { 4.0 } else { 8.0 }
     }
 }
 

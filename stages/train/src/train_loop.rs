@@ -269,9 +269,10 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     }
     let weight_decay = raw["weight_decay"].as_f64().unwrap_or(0.0);
     // AdamW's moments: f32, or bf16 (half their memory, stochastic rounding) on request.
-    let moments = match raw["optimizer_moments"].as_str() {
-        Some("bf16") => DType::BF16,
-        _ => DType::F32,
+    let moments = if p.bf16_moments() {
+        DType::BF16
+    } else {
+        DType::F32
     };
     let (drafter, mut adam, start) = match done.last() {
         Some(name) => {

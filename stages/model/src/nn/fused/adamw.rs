@@ -159,15 +159,19 @@ fn adamw_bf16_moments_host(
     );
     let (seed_m, seed_v) = moment_seeds(step.rounding_seed);
     let (mut m16, mut v16) = (vec![half::bf16::ZERO; n], vec![half::bf16::ZERO; n]);
-    for i in 0..n {
-        let x = g[i] * scale;
-        mm[i] = b1 * mm[i] + (1.0 - b1) * x;
-        vv[i] = b2 * vv[i] + (1.0 - b2) * (x * x);
-        p[i] = p[i] * decay - lr * (mm[i] / c1) / ((vv[i] / c2).sqrt() + eps);
-        // Indices as the kernel's (u32, wrapping past 4G elements).
-        m16[i] = round_stochastic(mm[i], i as u32, seed_m);
-        v16[i] = round_stochastic(vv[i], i as u32, seed_v);
-    }
+    p.par_iter_mut()
+        .zip(mm.par_iter_mut().zip(vv.par_iter_mut()))
+        .zip(m16.par_iter_mut().zip(v16.par_iter_mut()))
+        .enumerate()
+        .for_each(|(i, ((p, (m, v)), (m16, v16)))| {
+            let x = g[i] * scale;
+            *m = b1 * *m + (1.0 - b1) * x;
+            *v = b2 * *v + (1.0 - b2) * (x * x);
+            *p = *p * decay - lr * (*m / c1) / ((*v / c2).sqrt() + eps);
+            // Indices as the kernel's (u32, wrapping past 4G elements).
+            *m16 = round_stochastic(*m, i as u32, seed_m);
+            *v16 = round_stochastic(*v, i as u32, seed_v);
+        });
     let (shape, device) = (param.shape().clone(), param.device());
     let put = |into: &Tensor, t: Tensor| -> Result<()> {
         into.slice_set(&t.reshape(shape.clone())?.to_dtype(into.dtype())?, 0, 0)
