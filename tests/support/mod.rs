@@ -74,23 +74,33 @@ pub const SECRET_KEY: &str = "dflash-test-secret-do-not-log";
 
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    free_ports::<1>()[0]
 }
 
+/// `N` distinct ports nobody listens on right now: all bound at once, then released together,
+/// so no two of them are the same port.
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().unwrap().port())
+}
+
+/// How long one SeaweedFS start may take to accept a write before it is abandoned for another.
+/// A healthy start takes 1-5 s here; a start that hangs has been seen to hang for good.
+const START_DEADLINE: Duration = Duration::from_secs(75);
+
 impl Seaweed {
-    /// Start one; if it exits at start (it did once in CI, cause unknown: its output is now
-    /// kept and printed), start another on fresh ports, three times at most.
+    /// Start one; if it exits at start or does not take a write within [`START_DEADLINE`], kill
+    /// it and start another on fresh ports in a fresh folder, three times at most. Each failed
+    /// start is reported with the server's last log lines.
     pub fn start() -> Self {
         let mut tries = 0;
         loop {
             tries += 1;
             match Self::start_once() {
                 Ok(s) => return s,
-                Err(why) if tries < 3 => eprintln!("{why}; starting it again on other ports"),
+                Err(why) if tries < 3 => eprintln!("{why}\nstarting it again on other ports"),
                 Err(why) => panic!("{why}"),
             }
         }
@@ -98,17 +108,42 @@ impl Seaweed {
 
     fn start_once() -> Result<Self, String> {
         let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
+        // Every port named, gRPC ones too: left out, SeaweedFS derives them (HTTP port + 10000,
+        // which can collide or pass 65535) or uses fixed defaults (the admin server's 23646) that
+        // two servers started at once would share.
+        let [
+            s3,
+            s3_grpc,
+            master,
+            master_grpc,
+            volume,
+            volume_grpc,
+            filer,
+            filer_grpc,
+            admin,
+            admin_grpc,
+        ] = free_ports::<10>();
         let bucket = "dflash-test".to_owned();
-        // Its output goes to a file in its folder, quoted if it exits at start.
+        // Its output goes to a file in its folder, quoted if it fails to start.
         let log = std::fs::File::create(dir.path().join("weed.log")).unwrap();
+        let port_flags = [
+            ("s3.port", s3),
+            ("s3.port.grpc", s3_grpc),
+            ("master.port", master),
+            ("master.port.grpc", master_grpc),
+            ("volume.port", volume),
+            ("volume.port.grpc", volume_grpc),
+            ("filer.port", filer),
+            ("filer.port.grpc", filer_grpc),
+            ("admin.port", admin),
+            ("admin.port.grpc", admin_grpc),
+        ];
         let child = Command::new("weed")
             .args(["mini", &format!("-dir={}", dir.path().display()), "-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
-            .arg(format!("-s3.port={port}"))
+            .args(port_flags.iter().map(|(flag, port)| format!("-{flag}={port}")))
             .args(["-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0"])
-            .arg(format!("-master.port={}", free_port()))
-            .arg(format!("-volume.port={}", free_port()))
-            .arg(format!("-filer.port={}", free_port()))
+            // Tests never report to SeaweedFS's telemetry server (nor wait on it offline).
+            .arg("-master.telemetry=false")
             .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
             .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
             .env("S3_BUCKET", &bucket)
@@ -120,11 +155,19 @@ impl Seaweed {
         let mut s = Self {
             child,
             _dir: dir,
-            port,
+            port: s3,
             bucket,
         };
+        // On failure `s` drops here, which kills the server before the next try starts.
         s.wait_ready()?;
         Ok(s)
+    }
+
+    /// The last lines SeaweedFS wrote, for a failed start's report.
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self._dir.path().join("weed.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(20).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
     }
 
     /// Poll until the gateway takes a write (readiness, with a deadline). A listing is not
@@ -132,7 +175,7 @@ impl Seaweed {
     /// then hangs while the master grows volumes, which on a loaded 2-core machine can outlast
     /// the client's 30 s request timeout. Each probe writes a fresh key outside the tests' prefixes.
     fn wait_ready(&mut self) -> Result<(), String> {
-        let deadline = Instant::now() + Duration::from_secs(180);
+        let deadline = Instant::now() + START_DEADLINE;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -150,20 +193,20 @@ impl Seaweed {
             // A server that exited will never answer: say so now, not after the deadline, with its
             // exit status (a local run once waited the whole 180 s on a port nothing listened on).
             if let Ok(Some(status)) = self.child.try_wait() {
-                let log =
-                    std::fs::read_to_string(self._dir.path().join("weed.log")).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(15).collect();
                 return Err(format!(
                     "SeaweedFS exited at start ({status}) before taking a write on port {}; its last lines:\n{}",
                     self.port,
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    self.log_tail()
                 ));
             }
-            assert!(
-                Instant::now() < deadline,
-                "SeaweedFS did not take a write on port {} within 180 s: {wrote:?}",
-                self.port
-            );
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "SeaweedFS did not take a write on port {} within {} s ({wrote:?}); its last lines:\n{}",
+                    self.port,
+                    START_DEADLINE.as_secs(),
+                    self.log_tail()
+                ));
+            }
             std::thread::sleep(Duration::from_millis(200));
         }
     }
