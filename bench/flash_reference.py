@@ -28,6 +28,8 @@ flash.cu is loaded through the CUDA driver API and launched on PyTorch's tensors
         alone.
     python3 bench/flash_reference.py dqwg flash.ptx
         flash_dq_wg (block mode's dQ on wgmma) checked and timed alone.
+    python3 bench/flash_reference.py dkvwg flash.ptx
+        flash_dkv_wg (block mode's dK/dV of the context keys on wgmma) checked and timed alone.
     python3 bench/flash_reference.py once flash.ptx
         Each kernel launched once at those shapes, for a profiler (story.sh `flash-profile`).
 """
@@ -148,11 +150,17 @@ def dkv_tiled_smem(group, d):
     return (2 * 128 * ld + 2 * 2 * group * ROWS * ld + 2 * 128 * pld) * 2 + 2 * 2 * group * ROWS * 4
 
 
+def dkv_wg_smem(d):
+    """flash_dkv_wg's dynamic shared memory (flash.rs's dkv_wg_smem): up to 1,023 bytes to
+    align, eight swizzled tiles of 64 x d, two buffers of 64 lse and 64 delta."""
+    return 1024 + 8 * 64 * d * 2 + 4 * 64 * 4
+
+
 def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False, dkv="staged", dq_kind="narrow"):
     """dQ (flash_dq, or given dq_kind="tall" flash_dq_tall: 32 rows a warp, or "wg" flash_dq_wg:
     wgmma, groups of four heads), then dK and dV by
-    `dkv`: the staged kernel, the pipelined one, or the tiled one (with flash_dkv_own for the
-    block's own keys)."""
+    `dkv`: the staged kernel, the pipelined one, the tiled one or (`wg`) flash_dkv_wg, each of
+    the last two with flash_dkv_own for the block's own keys."""
     heads, m, d = q.shape
     kv, s1 = k1.shape[0], k1.shape[1]
     group = heads // kv
@@ -176,10 +184,12 @@ def backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dq_only=False, dkv="stage
     part_v = torch.empty_like(part_k)
     common = [dout, lse, delta, part_k, part_v]
     tail = [m, s1, group, scale2, scale]
-    if dkv == "tiled":
-        # flash_dkv_tiled over k1's keys (tiles of 128, 8 warps), flash_dkv_own over k2's.
-        K.launch(f"flash_dkv_tiled_d{d}", ((s1 + 127) // 128, kv, chunks), (256, 1, 1),
-                 [q, k1, v1, hi, *common, *tail], dkv_tiled_smem(group, d))
+    if dkv in ("tiled", "wg"):
+        # flash_dkv_tiled or flash_dkv_wg over k1's keys (tiles of 128, 8 warps), flash_dkv_own
+        # over k2's.
+        name, shared = ((f"flash_dkv_tiled_d{d}", dkv_tiled_smem(group, d)) if dkv == "tiled"
+                        else (f"flash_dkv_wg_d{d}", dkv_wg_smem(d)))
+        K.launch(name, ((s1 + 127) // 128, kv, chunks), (256, 1, 1), [q, k1, v1, hi, *common, *tail], shared)
         K.launch(f"flash_dkv_own_d{d}", ((m + 63) // 64, kv, 1), (128, 1, 1),
                  [q, k1, v1, k2, v2, hi, *common, dk2, dv2, *tail], dkv_pipelined_smem(group, d))
     else:
@@ -533,16 +543,47 @@ def dqwg(K, args):
         print(json.dumps({"metric": f"dflash_dq_{kind}_ms", "value": ms}))
 
 
+def dkvwg(K, args):
+    """flash_dkv_wg (dK and dV of the context keys on wgmma; block mode, groups of four heads)
+    alone, in a process of its own: checked against autograd in f64 beside the tiled kernel
+    (`wg_dk1`, `wg_dv1` beside `tiled_dk1`, `tiled_dv1`; the shapes' contexts end inside a block
+    of 128 keys, and the last has several row chunks), then the backward as `train` runs it
+    (the tall dQ, the tiled dK/dV) timed beside the same with the wgmma dK/dV."""
+    torch.manual_seed(0)
+    worst = 0.0
+    for heads, kv, d, s, blocks in [(4, 1, 64, 40, 3), (8, 2, 128, 200, 9), (32, 8, 128, 300, 12), (4, 1, 128, 70, 5),
+                                     (8, 2, 128, 1000, 130)]:
+        m, q, dout, k1, v1, k2, v2, anchors, hi = block_case(heads, kv, d, s, blocks)
+        out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
+        ref = [t.double().requires_grad_() for t in (q, k1, v1, k2, v2)]
+        ro, _ = reference_block(*ref, anchors)
+        ro.backward(dout.double())
+        errs = {}
+        for kind in ("tiled", "wg"):
+            grads = backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv=kind, dq_kind="tall")
+            torch.cuda.synchronize()
+            for name, g, r in zip(["dk1", "dv1", "dk2", "dv2"], grads[1:], ref[1:]):
+                errs[f"{kind}_{name}"] = rel(g, r.grad)
+        worst = max(worst, errs["wg_dk1"], errs["wg_dv1"])
+        print(json.dumps({"mode": "block", "heads": heads, "kv": kv, "d": d, "s": s, "blocks": blocks, **errs}))
+    print(json.dumps({"wg_dkv_worst": worst, "pass": worst < 2e-2}))
+    heads, kv, d, s, m, q, dout, k1, v1, k2, v2, anchors, hi = step_operands(args)
+    out, lse = forward(K, q, k1, v1, k2, v2, hi, -1)
+    for kind in ("tiled", "wg"):
+        ms = timed(lambda: backward(K, q, k1, v1, k2, v2, hi, out, lse, dout, dkv=kind, dq_kind="tall"))
+        print(json.dumps({"metric": f"dflash_block_bwd_dkv_{kind}_ms", "value": ms}))
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["check", "speed", "once", "wg", "wgv", "dqwg"])
+    p.add_argument("mode", choices=["check", "speed", "once", "wg", "wgv", "dqwg", "dkvwg"])
     p.add_argument("ptx")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--seq", type=int, default=3072)
     args = p.parse_args()
     K = Kernels(args.ptx)
     {"check": check, "speed": speed, "once": once, "wg": wg,
-     "wgv": lambda K, args: wg(K, args, "wgv"), "dqwg": dqwg}[args.mode](K, args)
+     "wgv": lambda K, args: wg(K, args, "wgv"), "dqwg": dqwg, "dkvwg": dkvwg}[args.mode](K, args)
 
 
 if __name__ == "__main__":

@@ -541,21 +541,22 @@ wgmma)
     # There: the wgmma kernels alone, as few seconds as they need (a call with little device
     # time left): each checked against autograd and timed in its own process
     # (`flash_reference.py wg`, `wgv`: the causal forwards, `wgv` block mode's too; `dqwg`:
-    # block mode's dQ), block mode's forward and dQ through the model's entry points, AdamW's
-    # kernels (bf16 moments among them) against the CPU, then the step as `train` runs it (the
-    # causal forward on wgmma since the sixteenth call), the same with bf16 moments, with the
-    # wgmma dQ and block forward where their checks passed, and compiled PyTorch's (NO_TORCH=1:
-    # not). Needs only flash.ptx and train_probe.xz stashed.
+    # block mode's dQ; `dkvwg`: its dK/dV), block mode's forward, dQ and dK/dV through the
+    # model's entry points, AdamW's kernels (bf16 moments among them) against the CPU, then the
+    # step as `train` runs it (the causal forward on wgmma since the sixteenth call), the same
+    # with bf16 moments, with the wgmma dQ, block forward and dK/dV each where its check passed,
+    # with all that passed and bf16 moments, and compiled PyTorch's (NO_TORCH=1: not). Needs
+    # only flash.ptx and train_probe.xz stashed.
     unpack_probe
     mkdir -p $STASH/assets
     cuda_env
     {
-        for kind in wg wgv dqwg; do
+        for kind in wg wgv dqwg dkvwg; do
             python3 bench/flash_reference.py $kind $STASH/flash.ptx | tee /tmp/$kind.txt ||
                 echo "$kind failed: $?"
         done
-        DFLASH_FLASH_FORWARD=wgv DFLASH_FLASH_DQ=wg $STASH/train_probe flash ||
-            echo "train_probe flash (wgmma block forward and dQ) failed: $?"
+        DFLASH_FLASH_FORWARD=wgv DFLASH_FLASH_DQ=wg DFLASH_FLASH_DKV=wg $STASH/train_probe flash ||
+            echo "train_probe flash (wgmma block forward, dQ and dK/dV) failed: $?"
         $STASH/train_probe fused | grep 'adamw' || echo "train_probe fused failed: $?"
         echo '{"phase": "label", "name": "dflash, as train runs it"}'
         peak_memory $STASH/train_probe speed --anchors 512 || echo "speed failed: $?"
@@ -572,6 +573,21 @@ wgmma)
             echo '{"phase": "label", "name": "dflash, DFLASH_FLASH_FORWARD=wgv (block mode too)"}'
             DFLASH_FLASH_FORWARD=wgv peak_memory $STASH/train_probe speed --anchors 512 ||
                 echo "speed (DFLASH_FLASH_FORWARD=wgv) failed: $?"
+        fi
+        if grep -q '"wg_dkv_worst".*"pass": true' /tmp/dkvwg.txt; then
+            echo '{"phase": "label", "name": "dflash, DFLASH_FLASH_DKV=wg"}'
+            DFLASH_FLASH_DKV=wg peak_memory $STASH/train_probe speed --anchors 512 ||
+                echo "speed (DFLASH_FLASH_DKV=wg) failed: $?"
+        fi
+        # Every wgmma kernel whose check passed, with bf16 moments: what the defaults would be.
+        all=()
+        grep -q '"pass": true' /tmp/dqwg.txt && all+=(DFLASH_FLASH_DQ=wg)
+        grep -q '"wgv_block_worst".*"pass": true' /tmp/wgv.txt && all+=(DFLASH_FLASH_FORWARD=wgv)
+        grep -q '"wg_dkv_worst".*"pass": true' /tmp/dkvwg.txt && all+=(DFLASH_FLASH_DKV=wg)
+        if [ ${#all[@]} -gt 1 ]; then
+            echo "{\"phase\": \"label\", \"name\": \"dflash, ${all[*]}, AdamW moments in bf16\"}"
+            (export "${all[@]}"; peak_memory $STASH/train_probe speed --anchors 512 --moments bf16) ||
+                echo "speed (${all[*]}, bf16 moments) failed: $?"
         fi
         [ -n "${NO_TORCH:-}" ] ||
             peak_memory python3 bench/train_reference.py speed --anchors 512 --attention flex \

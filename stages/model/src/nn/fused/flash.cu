@@ -492,21 +492,30 @@ __device__ void flash_forward_tall(unsigned char* smem, const bf16* q, const bf1
 #ifdef DFLASH_WGMMA
 constexpr int KT_WG = 64;  // keys per tile in flash_forward_wg (wgmma's N)
 
-// Rows [r0, r0 + n) of a [rows, D] bf16 matrix into `dst` (1024-byte aligned) K-major in the
-// 128-byte swizzle, rows at or past `limit` as zeros, by cp.async: D / 64 atoms of n rows x 64
-// columns (a row 128 bytes), atom a at dst + a * n * 64; a row's 16-byte chunk j sits at chunk
-// j ^ (row % 8), so eight rows' same chunk fall in eight different bank groups.
+// Rows [r0, r0 + n) of a [rows, D] bf16 matrix into rows [row_at, row_at + n) of a tile of
+// `atom_rows` rows at `dst` (1024-byte aligned), K-major in the 128-byte swizzle, rows at or
+// past `limit` as zeros, by cp.async: D / 64 atoms of atom_rows rows x 64 columns (a row 128
+// bytes), atom a at dst + a * atom_rows * 64; a row's 16-byte chunk j sits at chunk j ^ (row % 8),
+// so eight rows' same chunk fall in eight different bank groups (row_at a multiple of 8, so the
+// source row's swizzle is the tile row's). Several sources' rows can so make one tile.
 template <int D>
-__device__ __forceinline__ void stage_async_sw128(bf16* dst, const bf16* src, int r0, int n, int limit) {
+__device__ __forceinline__ void stage_async_sw128_at(bf16* dst, int atom_rows, int row_at, const bf16* src, int r0,
+                                                     int n, int limit) {
     constexpr int V = D / 8;
     for (int i = threadIdx.x; i < n * V; i += blockDim.x) {
         int r = i / V, v = i % V;
         bool in = r0 + r < limit;
         const bf16* from = in ? src + (size_t)(r0 + r) * D + v * 8 : src;
-        bf16* at = dst + (v >> 3) * n * 64 + r * 64 + (((v & 7) ^ (r & 7)) * 8);
+        bf16* at = dst + (v >> 3) * atom_rows * 64 + (row_at + r) * 64 + (((v & 7) ^ (r & 7)) * 8);
         unsigned to = (unsigned)__cvta_generic_to_shared(at);
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(in ? 16 : 0));
     }
+}
+
+// The whole tile from one source: n rows at row 0.
+template <int D>
+__device__ __forceinline__ void stage_async_sw128(bf16* dst, const bf16* src, int r0, int n, int limit) {
+    stage_async_sw128_at<D>(dst, n, 0, src, r0, n, limit);
 }
 
 // The matrix descriptor of a 128-byte-swizzled operand starting at `p` (16-byte units), laid out
@@ -544,6 +553,16 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[N / 8][4], const uint32_t (
             : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS_B));
     }
+}
+
+// d (the warp's 16 rows x 64, as wgmma_k16's) += A . B, both by descriptor, K-major (the A
+// tile's 64 rows are the warpgroup's M, a warp's 16 its own), one k-step of 16.
+__device__ __forceinline__ void wgmma_ss_k16(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(desc_a), "l"(desc_b));
 }
 
 // Keep the compiler from moving the accumulators' reads across the wait.
@@ -1216,6 +1235,17 @@ __device__ void flash_dkv(const bf16* q, const bf16* k1, const bf16* v1, const b
     dkv_store<D>(dka, dva, mine, keys, second, kv, s1, scale, part_k, part_v, dk2, dv2);
 }
 
+// Row tile t's lse and delta for every head of key/value head `kv`'s group into buffer `buf`
+// (`rows` = group * 16 each, head by head), by plain loads.
+__device__ __forceinline__ void stage_row_stats(float* lb, float* dlb, int buf, int rows, const float* lse,
+                                                const float* delta, int kv, int group, int t, int m) {
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+        size_t at = ((size_t)kv * group + i / ROWS) * m + t * ROWS + i % ROWS;
+        lb[buf * rows + i] = lse[at];
+        dlb[buf * rows + i] = delta[at];
+    }
+}
+
 // Stage row tile t of every head of key/value head `kv`'s group into buffer `buf` of a dK/dV
 // kernel's double buffers (`rows` = group * 16 rows each): q and dout by cp.async (the caller
 // commits), lse and delta by plain loads (both complete for the block after the barrier that
@@ -1230,11 +1260,7 @@ __device__ __forceinline__ void stage_row_tile(bf16* qb, bf16* db, float* lb, fl
         stage_async<D>(qb + (buf * rows + h * ROWS) * LD, q + head * m * D, t * ROWS, ROWS, m);
         stage_async<D>(db + (buf * rows + h * ROWS) * LD, dout + head * m * D, t * ROWS, ROWS, m);
     }
-    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
-        size_t at = ((size_t)kv * group + i / ROWS) * m + t * ROWS + i % ROWS;
-        lb[buf * rows + i] = lse[at];
-        dlb[buf * rows + i] = delta[at];
-    }
+    stage_row_stats(lb, dlb, buf, rows, lse, delta, kv, group, t, m);
 }
 
 // flash_dkv with the rows' loads overlapped (kept beside it until a GPU run has checked and
@@ -1485,6 +1511,171 @@ __device__ void flash_dkv_tiled(const bf16* q, const bf16* k1, const bf16* v1, c
         }
 }
 
+// flash_dkv_tiled on Hopper's warpgroup MMA (`flash_dkv_wg`; FlashAttention-3's backward, keys
+// as M): the same grid, operands and partial sums, groups of four heads. A block's 8 warps are
+// two warpgroups, each owning 64 of the block's 128 context keys (wgmma's M); a row tile's 16
+// rows of the group's four heads are 64 rows, wgmma's N. Per row tile, each warpgroup:
+//   1. S^T = K Q^T and dP^T = V dO^T (64 keys x 64 rows), keys, values, queries and output
+//      gradients all read from tiles in the 128-byte swizzle by descriptor, K-major;
+//   2. P^T and dS^T = P^T (dP^T - delta) in registers (closed keys 0), packed as A fragments;
+//   3. dV += P^T dO and dK += dS^T Q (64 keys x D), the row tile's output gradients and queries
+//      read N-major from the same tiles, accumulated in registers across row tiles.
+// Nothing goes through shared memory but the staged tiles (flash_dkv_tiled writes P^T and dS^T
+// there and reads them back). The next row tile stages by cp.async while this one multiplies.
+// Dynamic shared memory (flash.rs's `Dkv`, the layout below): up to 1,023 bytes to align, the
+// two warpgroups' key tiles and value tiles (64 x D each), two buffers of a row tile's queries
+// and of its output gradients (64 x D each), two of its lse and delta (64 each). Where the PTX
+// is not sm_90a it traps.
+template <int D>
+__device__ void flash_dkv_wg(unsigned char* smem, const bf16* q, const bf16* k1, const bf16* v1, const uint32_t* hi,
+                             const bf16* dout, const float* lse, const float* delta, float* part_k, float* part_v,
+                             int m, int s1, float scale2, float scale) {
+#ifdef DFLASH_WGMMA
+    constexpr int TILE = KT_WG * D, RT = 4 * ROWS;  // a swizzled tile; a row tile's rows
+    static_assert(RT == KT_WG, "a row tile's 64 rows are one swizzled tile, as 64 keys are");
+    unsigned base = (unsigned)__cvta_generic_to_shared(smem);
+    bf16* ks_all = reinterpret_cast<bf16*>(smem + ((1024 - (base & 1023)) & 1023));  // [2 warpgroups]
+    bf16* vs_all = ks_all + 2 * TILE;                                                   // [2 warpgroups]
+    bf16* qb = vs_all + 2 * TILE;                                                       // [2 buffers]
+    bf16* db = qb + 2 * TILE;                                                           // [2 buffers]
+    float* lb = reinterpret_cast<float*>(db + 2 * TILE);                                // [2][RT]
+    float* dlb = lb + 2 * RT;                                                           // [2][RT]
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int wg = warp >> 2, wwarp = warp & 3;  // this warp's warpgroup, and its place there
+    int kv = blockIdx.y, key0 = blockIdx.x * 2 * KT_WG, mine = key0 + wg * KT_WG;
+    const bf16* kt = ks_all + wg * TILE;
+    const bf16* vt = vs_all + wg * TILE;
+    for (int w = 0; w < 2; w++) {
+        stage_async_sw128<D>(ks_all + w * TILE, k1 + (size_t)kv * s1 * D, key0 + w * KT_WG, KT_WG, s1);
+        stage_async_sw128<D>(vs_all + w * TILE, v1 + (size_t)kv * s1 * D, key0 + w * KT_WG, KT_WG, s1);
+    }
+    int row_tiles = m / ROWS;
+    int chunk = (row_tiles + gridDim.z - 1) / gridDim.z;
+    int t_first = blockIdx.z * chunk, t_end = min(t_first + chunk, row_tiles);
+    float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
+    auto next_open = [&](int t) {
+        for (int u = t + 1; u < t_end; u++)
+            if ((int)hi[u] > key0) return u;
+        return t_end;
+    };
+    auto issue = [&](int t, int buf) {
+        for (int h = 0; h < 4; h++) {
+            size_t head = (size_t)kv * 4 + h;
+            stage_async_sw128_at<D>(qb + buf * TILE, RT, h * ROWS, q + head * m * D, t * ROWS, ROWS, m);
+            stage_async_sw128_at<D>(db + buf * TILE, RT, h * ROWS, dout + head * m * D, t * ROWS, ROWS, m);
+        }
+        stage_row_stats(lb, dlb, buf, RT, lse, delta, kv, 4, t, m);
+    };
+    int t = next_open(t_first - 1);
+    if (t < t_end) issue(t, 0);
+    async_commit();  // with the key and value tiles
+    for (int buf = 0; t < t_end; buf ^= 1) {
+        int next = next_open(t);
+        // The other buffer was last read before the barrier that ended the previous iteration.
+        if (next < t_end) issue(next, buf ^ 1);
+        async_commit();
+        async_wait<1>();
+        fence_proxy_async();  // this thread's staged tiles, visible to wgmma's reads
+        __syncthreads();
+        int open_hi = min((int)hi[t], s1);
+        const bf16* qt = qb + buf * TILE;
+        const bf16* dt = db + buf * TILE;
+        if (mine < open_hi) {  // uniform over the warpgroup: any of its keys open to this row tile
+            // 1. S^T and dP^T: this warp's 16 keys (rows 16 wwarp.. of the warpgroup's tile) x the
+            // 64 rows (column 16h + r: head h's row r).
+            float st[KT_WG / 8][4], dpt[KT_WG / 8][4];
+#pragma unroll
+            for (int n = 0; n < KT_WG / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) st[n][e] = dpt[n][e] = 0.f;
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < D / 16; k++) {
+                int at = (k >> 2) * KT_WG * 64 + (k & 3) * 16;
+                wgmma_ss_k16(st, sw128_desc(kt + at), sw128_desc(qt + at));
+            }
+#pragma unroll
+            for (int k = 0; k < D / 16; k++) {
+                int at = (k >> 2) * KT_WG * 64 + (k & 3) * 16;
+                wgmma_ss_k16(dpt, sw128_desc(vt + at), sw128_desc(dt + at));
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+#pragma unroll
+            for (int n = 0; n < KT_WG / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    fence_operand(st[n][e]);
+                    fence_operand(dpt[n][e]);
+                }
+            // 2. P^T and dS^T (in the units of the scaled scores); keys past the row tile's
+            // context closed (0).
+            const float* ls = lb + buf * RT;
+            const float* dl = dlb + buf * RT;
+#pragma unroll
+            for (int n = 0; n < KT_WG / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int key = mine + wwarp * ROWS + g + 8 * (e >> 1), col = n * 8 + 2 * c + (e & 1);
+                    float p = key < open_hi ? exp2f(st[n][e] * scale2 - ls[col]) : 0.f;
+                    st[n][e] = p;
+                    dpt[n][e] = p * (dpt[n][e] - dl[col]);
+                }
+            uint32_t pa[RT / 16][4], sa[RT / 16][4];
+#pragma unroll
+            for (int j = 0; j < RT / 16; j++) {
+                pa[j][0] = pack(st[2 * j][0], st[2 * j][1]);
+                pa[j][1] = pack(st[2 * j][2], st[2 * j][3]);
+                pa[j][2] = pack(st[2 * j + 1][0], st[2 * j + 1][1]);
+                pa[j][3] = pack(st[2 * j + 1][2], st[2 * j + 1][3]);
+                sa[j][0] = pack(dpt[2 * j][0], dpt[2 * j][1]);
+                sa[j][1] = pack(dpt[2 * j][2], dpt[2 * j][3]);
+                sa[j][2] = pack(dpt[2 * j + 1][0], dpt[2 * j + 1][1]);
+                sa[j][3] = pack(dpt[2 * j + 1][2], dpt[2 * j + 1][3]);
+            }
+            // 3. dV += P^T dO, dK += dS^T Q: rows 16j.. of the row tile (K), the head's columns
+            // (N) an atom of 64 at a time, as flash_forward_wgv reads its value tiles.
+            wgmma_fence();  // the fragments and the accumulators, before wgmma reads them
+#pragma unroll
+            for (int j = 0; j < RT / 16; j++) wgmma_k16<D, 1>(dva, pa[j], sw128_desc(dt + j * 16 * 64, RT * 128));
+#pragma unroll
+            for (int j = 0; j < RT / 16; j++) wgmma_k16<D, 1>(dka, sa[j], sw128_desc(qt + j * 16 * 64, RT * 128));
+            wgmma_commit();
+            wgmma_wait_all();
+#pragma unroll
+            for (int n = 0; n < D / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    fence_operand(dka[n][e]);
+                    fence_operand(dva[n][e]);
+                }
+        }
+        __syncthreads();  // the next iteration's issue writes the buffer read here
+        t = next;
+    }
+    // This chunk's partial sums of the warpgroup's keys (zeros for keys no row tile of it saw).
+    float* pk = part_k + ((size_t)blockIdx.z * gridDim.y + kv) * s1 * D;
+    float* pv = part_v + ((size_t)blockIdx.z * gridDim.y + kv) * s1 * D;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int key = mine + wwarp * ROWS + g + 8 * h;
+        if (key >= s1) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            size_t at = (size_t)key * D + n * 8 + 2 * c;
+            *reinterpret_cast<float2*>(pk + at) = make_float2(dka[n][2 * h] * scale, dka[n][2 * h + 1] * scale);
+            *reinterpret_cast<float2*>(pv + at) = make_float2(dva[n][2 * h], dva[n][2 * h + 1]);
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
 // dk1 and dv1: the sums of flash_dkv's `chunks` partials of `n` elements each.
 __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf16* dv1, size_t n, int chunks) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -1587,6 +1778,12 @@ __device__ void dkv_sum(const float* part_k, const float* part_v, bf16* dk1, bf1
         const bf16* q, const bf16* k1, const bf16* v1, const uint32_t* hi, const bf16* dout, const float* lse,      \
         const float* delta, float* part_k, float* part_v, int m, int s1, int group, float scale2, float scale) {    \
         flash_dkv_tiled<D>(q, k1, v1, hi, dout, lse, delta, part_k, part_v, m, s1, group, scale2, scale);          \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, 1) flash_dkv_wg_d##D(                                         \
+        const bf16* q, const bf16* k1, const bf16* v1, const uint32_t* hi, const bf16* dout, const float* lse,      \
+        const float* delta, float* part_k, float* part_v, int m, int s1, int group, float scale2, float scale) {    \
+        extern __shared__ __align__(16) unsigned char smem[];                                                       \
+        flash_dkv_wg<D>(smem, q, k1, v1, hi, dout, lse, delta, part_k, part_v, m, s1, scale2, scale);               \
     }
 
 FLASH_KERNELS(64)

@@ -147,7 +147,14 @@ mod cuda {
             + 2 * 2 * group * ROWS * 4
     }
 
-    /// How the dK/dV pass runs (`DFLASH_FLASH_DKV=staged|pipelined|tiled` picks one, to time
+    /// `flash_dkv_wg`'s dynamic shared memory: up to 1,023 bytes to align, the two warpgroups'
+    /// key and value tiles and two buffers of a row tile's queries and output gradients (eight
+    /// swizzled tiles of 64 x d), two buffers of its 64 lse and 64 delta.
+    fn dkv_wg_smem(d: usize) -> usize {
+        1024 + 8 * 64 * d * 2 + 2 * 2 * 64 * 4
+    }
+
+    /// How the dK/dV pass runs (`DFLASH_FLASH_DKV=staged|pipelined|tiled|wg` picks one, to time
     /// one against another).
     enum Dkv {
         /// `flash_dkv` (static shared memory, the fallback): every key tile, k1's and k2's.
@@ -160,7 +167,10 @@ mod cuda {
         /// `flash_dkv_own` over k2 (the pipelined kernel's k2 blocks; its shared memory):
         /// FlashAttention-2's tiling, 19% faster than the pipelined kernel at the Qwen3-8B
         /// shape on an H100 (2.53 ms against 3.12; `flash_reference.py check` holds it to
-        /// autograd). The default for groups of at most four heads.
+        /// autograd). The default for groups of at most four heads. `DFLASH_FLASH_DKV=wg` puts
+        /// `flash_dkv_wg` in the tiled kernel's place (the same grid and operands, on `wgmma`:
+        /// groups of four heads, sm_90a builds), written without a GPU to run it: opt-in until
+        /// `flash_reference.py dkvwg` holds it.
         Tiled(CudaFunction, u32, CudaFunction, u32),
     }
 
@@ -169,7 +179,7 @@ mod cuda {
     fn dkv_kernels(dev: &CudaDevice, group: usize, d: usize) -> Result<Dkv> {
         static ASKED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
         let asked = ASKED.get_or_init(|| std::env::var("DFLASH_FLASH_DKV").ok());
-        let want_tiled = asked.as_deref().is_none_or(|v| v == "tiled");
+        let want_tiled = asked.as_deref().is_none_or(|v| v == "tiled" || v == "wg");
         let (piped, tiled) = (dkv_pipelined_smem(group, d), dkv_tiled_smem(group, d));
         if asked.as_deref() == Some("staged") {
             return Ok(Dkv::Staged(kernel(dev, "flash_dkv", d)?));
@@ -177,6 +187,15 @@ mod cuda {
         let Some(pipelined) = with_smem(dev, "flash_dkv_pipelined", d, piped)? else {
             return Ok(Dkv::Staged(kernel(dev, "flash_dkv", d)?));
         };
+        if asked.as_deref() == Some("wg") && group == 4 && cfg!(dflash_wgmma_ptx) {
+            let bytes = dkv_wg_smem(d);
+            if let (Some(f), Some(own)) = (
+                with_smem(dev, "flash_dkv_wg", d, bytes)?,
+                with_smem(dev, "flash_dkv_own", d, piped)?,
+            ) {
+                return Ok(Dkv::Tiled(f, bytes as u32, own, piped as u32));
+            }
+        }
         if want_tiled && group <= TILED_MAX_GROUP {
             if let (Some(f), Some(own)) = (
                 with_smem(dev, "flash_dkv_tiled", d, tiled)?,
