@@ -106,11 +106,12 @@
 # `stash; NO_TORCH=1 wgmma` with .gpu/f (111.3 s): `flash_forward_wg` and `flash_forward_wgv`
 # checked and timed (wgv became causal mode's default), AdamW's bf16-moment kernels checked,
 # the step with bf16 moments (34,639 MiB): bench/results/issue22-h100-sixteenth/.
-# Next, first: `stash; wgmma` with .gpu/f (~250 s): `flash_dq_wg` (block mode's dQ on wgmma,
-# written after that call) checked and timed by `flash_reference.py dqwg`, `train_probe flash`
-# under DFLASH_FLASH_DQ=wg, the re-templated AdamW kernels checked, the step as `train` runs it,
-# with bf16 moments, with the wgmma dQ, and compiled PyTorch's; where the dQ holds and pays, make
-# it the default (flash.rs's `dq_kernel`). Then the block-16
+# Next, first: `stash; wgmma` with .gpu/f (~300 s): `flash_dq_wg` and `flash_dkv_wg` (block
+# mode's dQ and dK/dV on wgmma, written after that call) checked and timed by `flash_reference.py
+# dqwg` and `dkvwg`, `train_probe flash` under DFLASH_FLASH_DQ=wg DFLASH_FLASH_DKV=wg, the
+# re-templated AdamW kernels checked, the step as `train` runs it, with bf16 moments, with each
+# wgmma kernel that held, with all of them, and compiled PyTorch's; where a kernel holds and
+# pays, make it the default (flash.rs's `dq_kernel`, `dkv_kernels`, `Forward::chosen_default`). Then the block-16
 # training plan above, with .gpu/1..5 as repacked at the end of the
 # fourteenth session (.gpu/3's dflash.xz rebuilt at the fifteenth's end with its kernels, its
 # flash.ptx left out: .gpu/f has it) (`pack-inputs BIN .gpu drafters:smollm2-5600
