@@ -567,6 +567,46 @@ __device__ __forceinline__ void wgmma_ss_k16(float (&d)[8][4], uint64_t desc_a, 
 
 // Keep the compiler from moving the accumulators' reads across the wait.
 __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+
+// The descriptor of k-step k (16 columns) of a K-major swizzled tile of `rows` rows, as
+// stage_async_sw128 leaves it: atom k / 4, 32 bytes a k-step within the atom's 128-byte rows.
+__device__ __forceinline__ uint64_t sw128_kstep(const bf16* tile, int rows, int k) {
+    return sw128_desc(tile + (k >> 2) * rows * 64 + (k & 3) * 16);
+}
+
+// Commit the wgmma chains issued, wait for them, and keep the accumulators' reads after it.
+template <int NT>
+__device__ __forceinline__ void wgmma_done(float (&a)[NT][4]) {
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) fence_operand(a[n][e]);
+}
+
+// The same for two accumulators (two chains in one commit group).
+template <int NT>
+__device__ __forceinline__ void wgmma_done(float (&a)[NT][4], float (&b)[NT][4]) {
+    wgmma_done<NT>(a);
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) fence_operand(b[n][e]);
+}
+
+// An accumulator's NT n-tiles of 8 columns (mma's layout, a warp's 16 rows) rounded to bf16 as
+// the A fragments of NT / 2 k-steps of 16: a pair of n-tiles is one k-step's fragment.
+template <int NT>
+__device__ __forceinline__ void to_a_fragments(uint32_t (&a)[NT / 2][4], const float (&acc)[NT][4]) {
+#pragma unroll
+    for (int j = 0; j < NT / 2; j++) {
+        a[j][0] = pack(acc[2 * j][0], acc[2 * j][1]);
+        a[j][1] = pack(acc[2 * j][2], acc[2 * j][3]);
+        a[j][2] = pack(acc[2 * j + 1][0], acc[2 * j + 1][1]);
+        a[j][3] = pack(acc[2 * j + 1][2], acc[2 * j + 1][3]);
+    }
+}
 #endif
 
 // Causal mode (past >= 0; or with BLOCK block mode, below), group == 4 (one warpgroup a block;
@@ -636,13 +676,8 @@ __device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16*
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; k++)
-            wgmma_k16<KT_WG, 0>(sc, qa[k], sw128_desc(kt + (k >> 2) * KT_WG * 64 + (k & 3) * 16));
-        wgmma_commit();
-        wgmma_wait_all();
-#pragma unroll
-        for (int n = 0; n < KT_WG / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) fence_operand(sc[n][e]);
+            wgmma_k16<KT_WG, 0>(sc, qa[k], sw128_kstep(kt, KT_WG, k));
+        wgmma_done<KT_WG / 8>(sc);
         if (BLOCK && t == context) {
             // The own tile: all 16 of the block's keys open to its rows, the zeros past them shut.
 #pragma unroll
@@ -658,25 +693,14 @@ __device__ void flash_forward_wg(unsigned char* smem, const bf16* q, const bf16*
             // Every k-step's A fragment packed before the first wgmma (registers written between
             // them make ptxas serialize the warpgroup around each).
             uint32_t pa[KT_WG / 16][4];
-#pragma unroll
-            for (int j = 0; j < KT_WG / 16; j++) {
-                pa[j][0] = pack(sc[2 * j][0], sc[2 * j][1]);
-                pa[j][1] = pack(sc[2 * j][2], sc[2 * j][3]);
-                pa[j][2] = pack(sc[2 * j + 1][0], sc[2 * j + 1][1]);
-                pa[j][3] = pack(sc[2 * j + 1][2], sc[2 * j + 1][3]);
-            }
+            to_a_fragments<KT_WG / 8>(pa, sc);
             wgmma_fence();  // the rescaled accumulators and the fragments, before wgmma reads them
 #pragma unroll
             for (int j = 0; j < KT_WG / 16; j++)
                 // Keys 16j.. (two groups of eight rows, 1,024 bytes each); the next 64 of the
                 // head's columns one atom (KT_WG rows of 128 bytes) on.
                 wgmma_k16<D, 1>(run.o, pa[j], sw128_desc(vt + j * 16 * 64, KT_WG * 128));
-            wgmma_commit();
-            wgmma_wait_all();
-#pragma unroll
-            for (int n = 0; n < D / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) fence_operand(run.o[n][e]);
+            wgmma_done<D / 8>(run.o);
         } else {
             run.template fold<KT_WG / 8>(sc, vs_all + (t & 1) * VTILE);
         }
@@ -1023,19 +1047,10 @@ __device__ void flash_dq_wg(unsigned char* smem, const bf16* q, const bf16* k1, 
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; k++)
-            wgmma_k16<KT_WG, 0>(sc, qa[k], sw128_desc(kt + (k >> 2) * KT_WG * 64 + (k & 3) * 16));
+            wgmma_k16<KT_WG, 0>(sc, qa[k], sw128_kstep(kt, KT_WG, k));
 #pragma unroll
-        for (int k = 0; k < D / 16; k++)
-            wgmma_k16<KT_WG, 0>(dp, da[k], sw128_desc(vt + (k >> 2) * KT_WG * 64 + (k & 3) * 16));
-        wgmma_commit();
-        wgmma_wait_all();
-#pragma unroll
-        for (int n = 0; n < KT_WG / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                fence_operand(sc[n][e]);
-                fence_operand(dp[n][e]);
-            }
+        for (int k = 0; k < D / 16; k++) wgmma_k16<KT_WG, 0>(dp, da[k], sw128_kstep(vt, KT_WG, k));
+        wgmma_done<KT_WG / 8>(sc, dp);
         // dS = P (dP - delta), in the units of the scaled scores; closed keys' P is 0: past the
         // row tile's context, or in the own tile past its 16 keys.
         uint32_t pa[KT_WG / 16][4];
@@ -1048,24 +1063,13 @@ __device__ void flash_dq_wg(unsigned char* smem, const bf16* q, const bf16* k1, 
                 float pr = open ? exp2f(sc[n][e] * scale2 - ls[h]) : 0.f;
                 sc[n][e] = pr * (dp[n][e] - dl[h]);
             }
-#pragma unroll
-        for (int j = 0; j < KT_WG / 16; j++) {
-            pa[j][0] = pack(sc[2 * j][0], sc[2 * j][1]);
-            pa[j][1] = pack(sc[2 * j][2], sc[2 * j][3]);
-            pa[j][2] = pack(sc[2 * j + 1][0], sc[2 * j + 1][1]);
-            pa[j][3] = pack(sc[2 * j + 1][2], sc[2 * j + 1][3]);
-        }
+        to_a_fragments<KT_WG / 8>(pa, sc);
         wgmma_fence();  // the fragments and the accumulators, before wgmma reads them
 #pragma unroll
         for (int j = 0; j < KT_WG / 16; j++)
             // Keys 16j.. of the tile (K), the head's columns (N) an atom of 64 at a time.
             wgmma_k16<D, 1>(acc, pa[j], sw128_desc(kt + j * 16 * 64, KT_WG * 128));
-        wgmma_commit();
-        wgmma_wait_all();
-#pragma unroll
-        for (int n = 0; n < D / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) fence_operand(acc[n][e]);
+        wgmma_done<D / 8>(acc);
         __syncthreads();  // the next iteration stages into the buffer read here
     }
 #pragma unroll
@@ -1594,24 +1598,10 @@ __device__ void flash_dkv_wg(unsigned char* smem, const bf16* q, const bf16* k1,
                 for (int e = 0; e < 4; e++) st[n][e] = dpt[n][e] = 0.f;
             wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < D / 16; k++) {
-                int at = (k >> 2) * KT_WG * 64 + (k & 3) * 16;
-                wgmma_ss_k16(st, sw128_desc(kt + at), sw128_desc(qt + at));
-            }
+            for (int k = 0; k < D / 16; k++) wgmma_ss_k16(st, sw128_kstep(kt, KT_WG, k), sw128_kstep(qt, RT, k));
 #pragma unroll
-            for (int k = 0; k < D / 16; k++) {
-                int at = (k >> 2) * KT_WG * 64 + (k & 3) * 16;
-                wgmma_ss_k16(dpt, sw128_desc(vt + at), sw128_desc(dt + at));
-            }
-            wgmma_commit();
-            wgmma_wait_all();
-#pragma unroll
-            for (int n = 0; n < KT_WG / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    fence_operand(st[n][e]);
-                    fence_operand(dpt[n][e]);
-                }
+            for (int k = 0; k < D / 16; k++) wgmma_ss_k16(dpt, sw128_kstep(vt, KT_WG, k), sw128_kstep(dt, RT, k));
+            wgmma_done<KT_WG / 8>(st, dpt);
             // 2. P^T and dS^T (in the units of the scaled scores); keys past the row tile's
             // context closed (0).
             const float* ls = lb + buf * RT;
@@ -1626,17 +1616,8 @@ __device__ void flash_dkv_wg(unsigned char* smem, const bf16* q, const bf16* k1,
                     dpt[n][e] = p * (dpt[n][e] - dl[col]);
                 }
             uint32_t pa[RT / 16][4], sa[RT / 16][4];
-#pragma unroll
-            for (int j = 0; j < RT / 16; j++) {
-                pa[j][0] = pack(st[2 * j][0], st[2 * j][1]);
-                pa[j][1] = pack(st[2 * j][2], st[2 * j][3]);
-                pa[j][2] = pack(st[2 * j + 1][0], st[2 * j + 1][1]);
-                pa[j][3] = pack(st[2 * j + 1][2], st[2 * j + 1][3]);
-                sa[j][0] = pack(dpt[2 * j][0], dpt[2 * j][1]);
-                sa[j][1] = pack(dpt[2 * j][2], dpt[2 * j][3]);
-                sa[j][2] = pack(dpt[2 * j + 1][0], dpt[2 * j + 1][1]);
-                sa[j][3] = pack(dpt[2 * j + 1][2], dpt[2 * j + 1][3]);
-            }
+            to_a_fragments<KT_WG / 8>(pa, st);
+            to_a_fragments<KT_WG / 8>(sa, dpt);
             // 3. dV += P^T dO, dK += dS^T Q: rows 16j.. of the row tile (K), the head's columns
             // (N) an atom of 64 at a time, as flash_forward_wgv reads its value tiles.
             wgmma_fence();  // the fragments and the accumulators, before wgmma reads them
@@ -1644,15 +1625,7 @@ __device__ void flash_dkv_wg(unsigned char* smem, const bf16* q, const bf16* k1,
             for (int j = 0; j < RT / 16; j++) wgmma_k16<D, 1>(dva, pa[j], sw128_desc(dt + j * 16 * 64, RT * 128));
 #pragma unroll
             for (int j = 0; j < RT / 16; j++) wgmma_k16<D, 1>(dka, sa[j], sw128_desc(qt + j * 16 * 64, RT * 128));
-            wgmma_commit();
-            wgmma_wait_all();
-#pragma unroll
-            for (int n = 0; n < D / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    fence_operand(dka[n][e]);
-                    fence_operand(dva[n][e]);
-                }
+            wgmma_done<D / 8>(dka, dva);
         }
         __syncthreads();  // the next iteration's issue writes the buffer read here
         t = next;
