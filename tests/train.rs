@@ -69,6 +69,37 @@ fn exported_from(env: &Env, pipeline: &str, stage: &str, name: &str) -> std::pat
     dir
 }
 
+/// The pace lines of the latest run's `drafter` log (`steps A-B of N: ... sequence tokens/s`):
+/// (A, B, N, sequence tokens a second) each.
+fn pace_lines(env: &Env) -> Vec<(u64, u64, u64, f64)> {
+    let logs = env.path().join(".work/logs");
+    let mut runs: Vec<_> = std::fs::read_dir(&logs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    runs.sort(); // run ids begin with their UTC time
+    let log = std::fs::read_to_string(runs.last().unwrap().join("drafter.log")).unwrap();
+    log.lines()
+        .filter_map(|l| l.strip_prefix("steps "))
+        .map(|l| {
+            let (range, rest) = l.split_once(" of ").unwrap();
+            let (a, b) = range.split_once('-').unwrap();
+            let (n, rest) = rest.split_once(": ").unwrap();
+            let rate = rest
+                .split(", ")
+                .find_map(|p| p.strip_suffix(" sequence tokens/s"))
+                .unwrap_or_else(|| panic!("no rate in {l}"))
+                .replace(',', "");
+            (
+                a.parse().unwrap(),
+                b.parse().unwrap(),
+                n.parse().unwrap(),
+                rate.parse().unwrap(),
+            )
+        })
+        .collect()
+}
+
 #[test]
 fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
     let env = Env::new();
@@ -82,6 +113,16 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(metrics.len(), 600);
+    // The log says how fast it went, window by window (checkpoints every 50 steps), every step
+    // in one window and none twice; the artifact holds no wall time (metrics.jsonl is the same
+    // bytes run after run).
+    let pace = pace_lines(&env);
+    assert_eq!(pace.len(), 12, "{pace:?}");
+    for (i, &(a, b, n, rate)) in pace.iter().enumerate() {
+        assert_eq!((a, b, n), (50 * i as u64 + 1, 50 * (i as u64 + 1), 600));
+        assert!(rate > 0.0, "{pace:?}");
+    }
+    assert!(metrics.iter().all(|m| m.get("seconds").is_none()));
     let first = metrics[0]["loss"].as_f64().unwrap();
     let last: f64 = metrics[590..]
         .iter()
@@ -432,6 +473,11 @@ fn kill_9_after_a_checkpoint_then_rerun_ends_exactly_as_an_unstopped_run() {
         "the kill came after the run had finished"
     );
     let resumed = exported(&env, "out");
+    // The resumed run's pace begins after the checkpoint it resumed from and ends at the end.
+    let pace = pace_lines(&env);
+    let (first, last) = (pace[0], pace[pace.len() - 1]);
+    assert!(first.0 > 1 && (first.0 - 1) % 50 == 0, "{pace:?}");
+    assert_eq!((last.1, last.2), (600, 600), "{pace:?}");
     for f in [
         "drafter/model.safetensors",
         "metrics.jsonl",

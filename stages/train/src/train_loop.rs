@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
+use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use dflash_model::nn::objective::{self, Batch, StepMetrics};
@@ -18,6 +19,7 @@ use rand::seq::SliceRandom;
 use serde_json::{Value, json};
 
 use crate::Params;
+use crate::pace::Pace;
 
 fn nn(what: &str) -> impl Fn(candle_core::Error) -> StageError + '_ {
     move |e| StageError::new(format!("{what}: {e}"))
@@ -430,10 +432,21 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
     };
     let eval_start = if start == 0 { evaluate()? } else { None };
     let mut last_eval: Option<StepMetrics> = None;
+    // Wall time and tokens per step, for the progress line and the log (never the artifact).
+    let mut pace = Pace::starting_at(start + 1);
+    let log_pace = |pace: &mut Pace| {
+        if let (Some(line), Ok(mut log)) = (
+            pace.report(total),
+            dflash_stage_api::StageLog::open(ctx.log_path),
+        ) {
+            log.line(&line);
+        }
+    };
     for step in start..total {
         if ctx.cancel.is_cancelled() {
             return Err(StageError::cancelled());
         }
+        let step_started = Instant::now();
         let mut batches = Vec::with_capacity(per_step);
         for j in 0..per_step {
             let g = step as usize * per_step + j;
@@ -479,33 +492,45 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
                 kept.as_ref().map(objective::ComputeWeights::tensors),
             )
             .map_err(nn("optimizer step"))?;
+        pace.step(
+            step_started,
+            batches.iter().map(|(s, _)| s.ids.len() as u64).sum(),
+            batches.iter().map(|(_, b)| b.block_ids.len() as u64).sum(),
+        );
         let s1 = step + 1;
         let mut line = json!({"step": s1, "lr": lr, "loss": m.loss, "grad_norm": norm,
             "accuracy": m.accuracy(), "tau": m.tau(), "tau_per_round": m.tau_per_round(),
             "sequences": batches.len()});
-        if (s1 % eval_every == 0 || s1 == total)
-            && let Some(e) = evaluate()?
-        {
-            line["eval"] = eval_json(&e, held_blocks.len());
-            last_eval = Some(e);
+        if s1 % eval_every == 0 || s1 == total {
+            let evaluating = Instant::now();
+            if let Some(e) = evaluate()? {
+                line["eval"] = eval_json(&e, held_blocks.len());
+                last_eval = Some(e);
+            }
+            pace.other(evaluating);
         }
         since_ckpt.push(line.to_string());
         ctx.progress.set(
             s1,
             Some(total),
             &format!(
-                "loss {:.3} tau {:.2} ({:.2} per decoding round)",
+                "loss {:.3} tau {:.2} ({:.2} per decoding round){}",
                 m.loss,
                 m.tau(),
-                m.tau_per_round()
+                m.tau_per_round(),
+                pace.progress(total - s1)
             ),
         );
         last = m;
         if s1 % p.checkpoint_every.max(1) == 0 && s1 < total {
+            let checkpointing = Instant::now();
             checkpoint(ctx, &drafter, &adam, s1, &since_ckpt)?;
             metrics_lines.append(&mut since_ckpt);
+            pace.other(checkpointing);
+            log_pace(&mut pace);
         }
     }
+    log_pace(&mut pace);
     metrics_lines.append(&mut since_ckpt);
 
     // The export: the reference implementation's Hugging Face layout, bf16.
