@@ -292,6 +292,48 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
 /// steps and after the last, on the same blocks each time; the scores fall as the drafter learns
 /// the rule, and scoring does not touch training: with `eval_sequences: 0` the drafter and the
 /// training curve are byte for byte the same.
+/// Where stderr is no terminal (a log file, `nohup` on a GPU box) a running stage's progress is
+/// printed every `DFLASH_PROGRESS_EVERY` seconds (60 unless set): at 0 every step's line, with
+/// its loss, tau, tokens a second and the time left; at a day, none.
+#[test]
+fn a_run_into_a_log_file_says_how_training_goes() {
+    let mut env = Env::new();
+    tiny(&env);
+    env.write(
+        "p.yaml",
+        &PIPELINE.replace("epochs: 6", "epochs: 6, max_steps: 12"),
+    );
+    env.set("DFLASH_PROGRESS_EVERY", "0");
+    let o = env.dflash(&["run", "p.yaml"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8(o.stderr).unwrap();
+    let progress: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("progress drafter"))
+        .collect();
+    assert_eq!(progress.len(), 12, "{err}");
+    for (i, line) in progress.iter().enumerate() {
+        assert!(line.contains(&format!(" {}/12 loss ", i + 1)), "{line}");
+        assert!(line.contains(" tok/s"), "{line}");
+        // The time left, but for the last step.
+        assert_eq!(line.contains(" left"), i < 11, "{line}");
+    }
+    // Every day: none in this run (the interval holds).
+    let mut quiet = Env::new();
+    quiet.set("DFLASH_PROGRESS_EVERY", "86400");
+    tiny(&quiet);
+    quiet.write(
+        "p.yaml",
+        &PIPELINE.replace("epochs: 6", "epochs: 6, max_steps: 12"),
+    );
+    let o = quiet.dflash(&["run", "p.yaml"]);
+    assert!(o.status.success());
+    assert!(
+        !String::from_utf8_lossy(&o.stderr).contains("progress "),
+        "no progress line before the interval has passed"
+    );
+}
+
 #[test]
 fn held_out_sequences_are_scored_as_training_goes_and_leave_it_unchanged() {
     let pipeline = |evals: &str| {

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 use std::io::{IsTerminal, Write};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
@@ -16,7 +16,27 @@ pub fn for_stderr() -> Box<dyn Reporter> {
     if std::io::stderr().is_terminal() {
         Box::new(Bars::default())
     } else {
-        Box::new(Lines)
+        Box::new(Lines::every(progress_every()))
+    }
+}
+
+/// How often a running stage's progress is printed where stderr is no terminal (a log file, a
+/// `nohup` on a GPU box, CI): every 60 s, or `DFLASH_PROGRESS_EVERY` seconds (0: at every
+/// progress event).
+fn progress_every() -> Duration {
+    const DEFAULT: Duration = Duration::from_secs(60);
+    match std::env::var("DFLASH_PROGRESS_EVERY") {
+        Err(_) => DEFAULT,
+        Ok(v) => match v.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && s >= 0.0 => Duration::from_secs_f64(s),
+            _ => {
+                eprintln!(
+                    "warning: DFLASH_PROGRESS_EVERY={v:?} is not a number of seconds; progress every {} s",
+                    DEFAULT.as_secs()
+                );
+                DEFAULT
+            }
+        },
     }
 }
 
@@ -65,8 +85,23 @@ fn doomed_line(pipeline: &Pipeline, stage: usize, error: &str) -> String {
     )
 }
 
-/// One line per event, for logs and CI.
-pub struct Lines;
+/// One line per event, for logs and CI; a running stage's progress at most once per `every`
+/// (the first after `every` has passed since it started), so a long training run in a log file
+/// says how it goes without flooding it.
+pub struct Lines {
+    every: Duration,
+    /// When each running stage last printed (or started).
+    last: std::collections::HashMap<usize, Instant>,
+}
+
+impl Lines {
+    pub fn every(every: Duration) -> Self {
+        Self {
+            every,
+            last: std::collections::HashMap::new(),
+        }
+    }
+}
 
 impl Reporter for Lines {
     fn event(&mut self, pipeline: &Pipeline, event: &Event) {
@@ -78,13 +113,35 @@ impl Reporter for Lines {
                 pipeline.name,
                 pipeline.stages.len()
             ),
-            Event::Started { stage } => writeln!(err, "started  {}", pipeline.stages[*stage].id),
-            Event::Progress { .. } => Ok(()),
-            Event::Finished { stage, result, log } => writeln!(
-                err,
-                "{}",
-                finished_line(pipeline, *stage, result, log.as_deref())
-            ),
+            Event::Started { stage } => {
+                self.last.insert(*stage, Instant::now());
+                writeln!(err, "started  {}", pipeline.stages[*stage].id)
+            }
+            Event::Progress {
+                stage,
+                done,
+                total,
+                message,
+            } => match self.last.get_mut(stage) {
+                Some(last) if last.elapsed() >= self.every => {
+                    *last = Instant::now();
+                    let of = total.map(|t| format!("/{t}")).unwrap_or_default();
+                    writeln!(
+                        err,
+                        "progress {:<24} {done}{of} {message}",
+                        pipeline.stages[*stage].id
+                    )
+                }
+                _ => Ok(()),
+            },
+            Event::Finished { stage, result, log } => {
+                self.last.remove(stage);
+                writeln!(
+                    err,
+                    "{}",
+                    finished_line(pipeline, *stage, result, log.as_deref())
+                )
+            }
             Event::Doomed { stage, error } => {
                 writeln!(err, "{}", doomed_line(pipeline, *stage, error))
             }
