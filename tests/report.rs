@@ -29,7 +29,7 @@ stages:
     kind: train
     inputs: [tokens]
     params: {target: tiny.gguf, draft_layers: 1, block_size: 4, anchors: 8, mask_token_id: 63,
-             target_layers: [0, 2], epochs: 2}
+             target_layers: [0, 2], epochs: 2, checkpoint_every: 5}
     matrix: {lr: [0.003, 0.01]}
   bench:
     kind: bench
@@ -83,6 +83,10 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
         "tau (tokens committed per verification round)",
         // Each method's tau beside the tau at which it would break even.
         ">break-even tau</text>",
+        // How fast training went, from the stage's log: overall, and window by window (a
+        // checkpoint every 5 steps).
+        "sequence tokens a second over ",
+        "sequence tokens a second, by window of steps",
         "id=\"stage-broken\"",
         // A sweep's drafters side by side (two, from `matrix:`), the best per-round tau bold.
         "Drafters compared",
@@ -169,8 +173,8 @@ fn a_report_sets_two_runs_side_by_side() {
             "",
         )
         .replace(
-            "epochs: 2}\n    matrix: {lr: [0.003, 0.01]}",
-            "epochs: 2, lr: 0.003}",
+            "checkpoint_every: 5}\n    matrix: {lr: [0.003, 0.01]}",
+            "checkpoint_every: 5, lr: 0.003}",
         );
     assert!(!pipeline.contains("broken") && !pipeline.contains("matrix"));
     env.write("p.yaml", &pipeline);

@@ -129,6 +129,30 @@ pub fn dag(nodes: &[Node<'_>]) -> String {
 /// A line chart of one or more series on shared axes (e.g. training loss and held-out loss by
 /// step); with more than one series, a legend names them. Empty series are left out.
 pub fn lines(series: &[(&str, &[(f64, f64)])], x_label: &str, y_label: &str) -> String {
+    lines_over(series, x_label, y_label, false)
+}
+
+/// [`lines`] with the y axis from zero: for rates, whose changes read honestly only against
+/// zero.
+pub fn lines_from_zero(series: &[(&str, &[(f64, f64)])], x_label: &str, y_label: &str) -> String {
+    lines_over(series, x_label, y_label, true)
+}
+
+/// An axis's two labels: whole numbers where the axis reaches 100, else three decimals.
+fn axis(lo: f64, hi: f64) -> (String, String) {
+    if lo.abs().max(hi.abs()) >= 100.0 {
+        (format!("{lo:.0}"), format!("{hi:.0}"))
+    } else {
+        (format!("{lo:.3}"), format!("{hi:.3}"))
+    }
+}
+
+fn lines_over(
+    series: &[(&str, &[(f64, f64)])],
+    x_label: &str,
+    y_label: &str,
+    from_zero: bool,
+) -> String {
     let (w, h, pad) = (640.0, 240.0, 48.0);
     let colours = ["#1565c0", "#ef6c00", "#2e7d32", "#6a1b9a"];
     let shown: Vec<&(&str, &[(f64, f64)])> = series.iter().filter(|s| !s.1.is_empty()).collect();
@@ -142,6 +166,8 @@ pub fn lines(series: &[(&str, &[(f64, f64)])], x_label: &str, y_label: &str) -> 
     let (y0, y1) = all().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| {
         (a.min(p.1), b.max(p.1))
     });
+    let y0 = if from_zero { y0.min(0.0) } else { y0 };
+    let y_labels = axis(y0, y1);
     let sx = |x: f64| pad + (x - x0) / (x1 - x0).max(1e-12) * (w - 2.0 * pad);
     let sy = |y: f64| h - pad - (y - y0) / (y1 - y0).max(1e-12) * (h - 2.0 * pad);
     let mut plots = String::new();
@@ -181,9 +207,11 @@ pub fn lines(series: &[(&str, &[(f64, f64)])], x_label: &str, y_label: &str) -> 
         }
     }
     format!(
-        r##"<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" aria-label="{yl} by {xl}"><line x1="{pad}" y1="{b}" x2="{r}" y2="{b}" stroke="#555"/><line x1="{pad}" y1="{pad}" x2="{pad}" y2="{b}" stroke="#555"/>{plots}<text x="{pad}" y="{xt}" font-size="11">{x0}</text><text x="{r}" y="{xt}" font-size="11" text-anchor="end">{x1}</text><text x="{yt}" y="{b}" font-size="11" text-anchor="end">{y0:.3}</text><text x="{yt}" y="{pad}" font-size="11" text-anchor="end">{y1:.3}</text><text x="{cx}" y="{xl_y}" font-size="12" text-anchor="middle">{xl}</text><text x="12" y="{cy}" font-size="12" transform="rotate(-90 12 {cy})" text-anchor="middle">{yl}</text></svg>"##,
+        r##"<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" aria-label="{yl} by {xl}"><line x1="{pad}" y1="{b}" x2="{r}" y2="{b}" stroke="#555"/><line x1="{pad}" y1="{pad}" x2="{pad}" y2="{b}" stroke="#555"/>{plots}<text x="{pad}" y="{xt}" font-size="11">{x0}</text><text x="{r}" y="{xt}" font-size="11" text-anchor="end">{x1}</text><text x="{yt}" y="{b}" font-size="11" text-anchor="end">{y0l}</text><text x="{yt}" y="{pad}" font-size="11" text-anchor="end">{y1l}</text><text x="{cx}" y="{xl_y}" font-size="12" text-anchor="middle">{xl}</text><text x="12" y="{cy}" font-size="12" transform="rotate(-90 12 {cy})" text-anchor="middle">{yl}</text></svg>"##,
         b = h - pad,
         r = w - pad,
+        y0l = y_labels.0,
+        y1l = y_labels.1,
         xt = h - pad + 14.0,
         yt = pad - 4.0,
         cx = w / 2.0,

@@ -9,6 +9,7 @@ mod charts;
 
 use std::fmt::Write as _;
 
+use dflash_stage_train::pace::Window;
 use serde_json::Value;
 
 use crate::store::{Manifest, RunRecord, StageResult, Store, StoreError};
@@ -30,6 +31,9 @@ pub struct StageView {
     /// (step, held-out tau over anchors drawn anywhere; per decoding round), where `train`
     /// evaluated (the second from train v4's metrics on).
     pub eval_tau: [Vec<(f64, f64)>; 2],
+    /// How fast `train` went, window by window (its log's pace lines; wall time is kept out of
+    /// the artifact).
+    pub pace: Vec<Window>,
 }
 
 /// The block positions whose accuracy the report draws.
@@ -105,6 +109,18 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
                 held(&v["eval"], s);
             }
         }
+        let mut pace = Vec::new();
+        if let Some(m) = &manifest
+            && m.fingerprint.kind == "train"
+            && let Some(log) = &m.lineage.log
+        {
+            let bytes = store.get_blob(&log.digest).await?;
+            pace.extend(
+                String::from_utf8_lossy(&bytes)
+                    .lines()
+                    .filter_map(Window::parse),
+            );
+        }
         out.push(StageView {
             result: r.clone(),
             manifest,
@@ -113,6 +129,7 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
             accuracy,
             eval_accuracy,
             eval_tau,
+            pace,
         });
     }
     Ok(out)
@@ -338,12 +355,46 @@ fn stage_section(h: &mut String, v: &StageView) {
                     "tau",
                 ));
             }
+            pace_section(h, &v.pace);
         }
         "bench" => bench_chart(h, &m.stats),
         _ => {}
     }
     if let Some(text) = m.stats.get("composition").and_then(Value::as_str) {
         let _ = write!(h, "<pre>{}</pre>", esc(text));
+    }
+}
+
+/// How fast training went: over all its windows, then (with several) sequence tokens a second
+/// window by window.
+fn pace_section(h: &mut String, pace: &[Window]) {
+    let steps = |w: &Window| (w.last + 1).saturating_sub(w.first) as f64;
+    let seconds: f64 = pace.iter().map(|w| steps(w) * w.seconds_per_step).sum();
+    let n: f64 = pace.iter().map(steps).sum();
+    if n == 0.0 || seconds <= 0.0 {
+        return;
+    }
+    let tokens: f64 = pace
+        .iter()
+        .map(|w| w.sequence_tokens_per_second * steps(w) * w.seconds_per_step)
+        .sum();
+    let _ = write!(
+        h,
+        "<p>pace: {:.3} s a step, {:.0} sequence tokens a second over {n} steps (training steps only, from the stage's log)</p>",
+        seconds / n,
+        tokens / seconds
+    );
+    if pace.len() > 1 {
+        let series: Vec<(f64, f64)> = pace
+            .iter()
+            .map(|w| (w.last as f64, w.sequence_tokens_per_second))
+            .collect();
+        h.push_str("<p>sequence tokens a second, by window of steps (each point at its window's last step)</p>");
+        h.push_str(&charts::lines_from_zero(
+            &[("sequence tokens/s", &series)],
+            "step",
+            "tokens/s",
+        ));
     }
 }
 

@@ -6,7 +6,7 @@
 //! explains them and `dflash estimate` sizes them. The loop ([`train_loop`]) runs the networks of
 //! the shared `dflash-model` crate (candle) on CPU against a GGUF target.
 
-mod pace;
+pub mod pace;
 mod train_loop;
 
 use dflash_model::ModelShape;

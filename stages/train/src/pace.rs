@@ -100,6 +100,46 @@ impl Pace {
     }
 }
 
+/// One pace line of a stage log, read back (`dflash report` charts them).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Window {
+    /// The window's first step (1-based).
+    pub first: u64,
+    /// Its last step.
+    pub last: u64,
+    /// The run's steps.
+    pub total: u64,
+    /// Mean wall time of its training steps.
+    pub seconds_per_step: f64,
+    /// Tokens of its sequences a second.
+    pub sequence_tokens_per_second: f64,
+    /// Tokens of its blocks a second.
+    pub block_tokens_per_second: f64,
+}
+
+impl Window {
+    /// A line [`Pace::report`] wrote; `None` for any other line.
+    pub fn parse(line: &str) -> Option<Self> {
+        let rest = line.strip_prefix("steps ")?;
+        let (range, rest) = rest.split_once(" of ")?;
+        let (first, last) = range.split_once('-')?;
+        let (total, rest) = rest.split_once(": ")?;
+        let rest = rest.split(" (").next()?;
+        let mut parts = rest.split(", ");
+        let number = |p: Option<&str>, unit: &str| -> Option<f64> {
+            p?.strip_suffix(unit)?.replace(',', "").parse().ok()
+        };
+        Some(Self {
+            first: first.parse().ok()?,
+            last: last.parse().ok()?,
+            total: total.parse().ok()?,
+            seconds_per_step: number(parts.next(), " s a step")?,
+            sequence_tokens_per_second: number(parts.next(), " sequence tokens/s")?,
+            block_tokens_per_second: number(parts.next(), " block tokens/s")?,
+        })
+    }
+}
+
 fn rate(tokens: u64, seconds: f64) -> f64 {
     if seconds > 0.0 {
         tokens as f64 / seconds
@@ -165,5 +205,27 @@ mod tests {
         assert!(line.starts_with("steps 13-13 of 30: "), "{line}");
         assert!(line.contains("(evaluation and checkpoints "), "{line}");
         assert!(p.left(10).unwrap() > Duration::ZERO);
+    }
+
+    #[test]
+    fn a_report_line_reads_back() {
+        let mut p = Pace::starting_at(1);
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(2) {}
+        p.step(t, 3_000_000, 200);
+        p.other(t);
+        let rate = p.tokens_per_second();
+        let line = p.report(9).unwrap();
+        let w = Window::parse(&line).unwrap_or_else(|| panic!("{line}"));
+        assert_eq!((w.first, w.last, w.total), (1, 1, 9));
+        assert!(w.seconds_per_step >= 0.002, "{w:?}");
+        // Written rounded to a token a second: read back within that.
+        assert!(
+            (w.sequence_tokens_per_second - rate).abs() <= 0.5,
+            "{w:?} {rate}"
+        );
+        assert!(w.block_tokens_per_second > 0.0);
+        assert_eq!(Window::parse("starting from the drafter in x"), None);
+        assert_eq!(Window::parse("steps 1-2 of 3: soon"), None);
     }
 }
