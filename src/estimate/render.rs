@@ -3,6 +3,8 @@
 
 use std::fmt::Write as _;
 
+use dflash_stage_api::thousands;
+
 use super::{Estimate, Figure, Resource};
 
 /// Bytes in decimal units (storage is sold in TB, not TiB).
@@ -62,18 +64,6 @@ fn money(usd: f64) -> String {
     } else {
         format!("${}", thousands(usd.round()))
     }
-}
-
-fn thousands(n: f64) -> String {
-    let digits = format!("{n:.0}");
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 fn gpu_hours(h: f64) -> String {

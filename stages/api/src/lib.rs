@@ -14,6 +14,7 @@ mod context;
 pub mod dataset;
 mod digest;
 mod error;
+mod figures;
 pub mod gguf;
 mod log;
 mod params;
@@ -28,6 +29,7 @@ pub use check::{CheckEnv, Issue, PipelineStage, Stages, UpstreamOutput, is_http_
 pub use context::{Input, Pin, Pinner, Progress, ShardSink, StageContext, StageOutput, pin_model};
 pub use digest::{Digest, DigestParseError};
 pub use error::StageError;
+pub use figures::thousands;
 pub use log::StageLog;
 pub use params::{Bounds, Mismatch, Param, ParamType, PathSeg, describe_value, show_number};
 

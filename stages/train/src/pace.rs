@@ -6,6 +6,8 @@
 
 use std::time::{Duration, Instant};
 
+use dflash_stage_api::thousands;
+
 /// One window's steps: their count, wall time (training only: evaluation and checkpoints are
 /// timed apart) and tokens.
 #[derive(Default)]
@@ -148,19 +150,6 @@ fn rate(tokens: u64, seconds: f64) -> f64 {
     }
 }
 
-/// A rate rounded to a whole number with thousands separated: `13,070`.
-fn thousands(x: f64) -> String {
-    let digits = format!("{:.0}", x.max(0.0));
-    let mut out = String::new();
-    for (i, ch) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(ch);
-    }
-    out
-}
-
 /// `45s`, `3m12s`, `5h04m`, `2d03h`.
 fn duration(d: Duration) -> String {
     let s = d.as_secs();
@@ -177,11 +166,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rates_are_written_as_people_read_them() {
-        assert_eq!(thousands(0.0), "0");
-        assert_eq!(thousands(999.4), "999");
-        assert_eq!(thousands(13070.2), "13,070");
-        assert_eq!(thousands(1234567.0), "1,234,567");
+    fn durations_are_written_as_people_read_them() {
         assert_eq!(duration(Duration::from_secs(45)), "45s");
         assert_eq!(duration(Duration::from_secs(192)), "3m12s");
         assert_eq!(duration(Duration::from_secs(5 * 3600 + 4 * 60)), "5h04m");

@@ -1086,6 +1086,23 @@ __device__ void flash_dq_wg(unsigned char* smem, const bf16* q, const bf16* k1, 
 #endif
 }
 
+// A dK/dV kernel's two accumulators (a warp's 16 keys x D, mma's layout) at zero.
+template <int NT>
+__device__ __forceinline__ void zero_pair(float (&a)[NT][4], float (&b)[NT][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) a[n][e] = b[n][e] = 0.f;
+}
+
+// The first row tile after `t` (before `t_end`) that sees any key from `key0` on: whose context
+// reaches past it, or with `all` (a block's own keys, each seen by its own row tile) the next.
+__device__ __forceinline__ int next_open_tile(const uint32_t* hi, int t, int t_end, int key0, bool all) {
+    for (int u = t + 1; u < t_end; u++)
+        if (all || (int)hi[u] > key0) return u;
+    return t_end;
+}
+
 // One head's 16 rows (q and dout staged at qs and ds, their lse and delta at ls and dl) against
 // a warp's 16 keys (staged at ks and vs): dV += P^T . dO and dK += dS^T . Q (dK unscaled). Keys
 // at or past `open_hi` are closed to these rows unless `second` (a block's own keys).
@@ -1213,10 +1230,7 @@ __device__ void flash_dkv(const bf16* q, const bf16* k1, const bf16* v1, const b
     if (!dkv_block<D>(blockIdx.x, ks, vs, k1, v1, k2, v2, m, s1, second, key0, keys, t_first, t_end)) return;
     int mine = key0 + warp * ROWS;  // this warp's first key
     float dka[D / 8][4], dva[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
+    zero_pair<D / 8>(dka, dva);
     for (int t = t_first; t < t_end; t++) {
         int open_hi = second ? 0 : (int)hi[t];
         if (!second && open_hi <= key0) continue;  // uniform over the block
@@ -1384,11 +1398,7 @@ __device__ void flash_dkv_tiled(const bf16* q, const bf16* k1, const bf16* v1, c
         for (int n = 0; n < HALF / 8; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) dka[i][n][e] = dva[i][n][e] = 0.f;
-    auto next_open = [&](int t) {
-        for (int u = t + 1; u < t_end; u++)
-            if ((int)hi[u] > key0) return u;
-        return t_end;
-    };
+    auto next_open = [&](int t) { return next_open_tile(hi, t, t_end, key0, false); };
     auto issue = [&](int t, int buf) {
         stage_row_tile<D>(qb, db, lb, dlb, buf, rows, q, dout, lse, delta, kv, group, t, m);
     };
@@ -1557,15 +1567,8 @@ __device__ void flash_dkv_wg(unsigned char* smem, const bf16* q, const bf16* k1,
     int chunk = (row_tiles + gridDim.z - 1) / gridDim.z;
     int t_first = blockIdx.z * chunk, t_end = min(t_first + chunk, row_tiles);
     float dka[D / 8][4], dva[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
-    auto next_open = [&](int t) {
-        for (int u = t + 1; u < t_end; u++)
-            if ((int)hi[u] > key0) return u;
-        return t_end;
-    };
+    zero_pair<D / 8>(dka, dva);
+    auto next_open = [&](int t) { return next_open_tile(hi, t, t_end, key0, false); };
     auto issue = [&](int t, int buf) {
         for (int h = 0; h < 4; h++) {
             size_t head = (size_t)kv * 4 + h;
