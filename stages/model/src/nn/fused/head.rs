@@ -20,8 +20,8 @@ use super::Result;
 use super::loss::CrossEntropyGrad;
 use super::nodes::{handed_over, on_cpu};
 
-/// At most this many bytes of logits at a time.
-const CHUNK_BYTES: usize = 256 << 20;
+/// At most this many bytes of logits at a time (`dflash estimate` counts the same).
+const CHUNK_BYTES: usize = crate::drafter::LM_HEAD_CHUNK_BYTES;
 
 /// What [`head_cross_entropy`] gives for every row.
 #[derive(Debug)]
