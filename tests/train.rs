@@ -292,9 +292,10 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
 /// steps and after the last, on the same blocks each time; the scores fall as the drafter learns
 /// the rule, and scoring does not touch training: with `eval_sequences: 0` the drafter and the
 /// training curve are byte for byte the same.
-/// Where stderr is no terminal (a log file, `nohup` on a GPU box) a running stage's progress is
-/// printed every `DFLASH_PROGRESS_EVERY` seconds (60 unless set): at 0 every step's line, with
-/// its loss, tau, tokens a second and the time left; at a day, none.
+/// Where stderr is no terminal (a log file, `nohup` on a GPU box) a run is quiet about progress
+/// (the CLI contract) unless `DFLASH_PROGRESS_EVERY` asks for a running stage's progress every
+/// so many seconds: at 0 every step's line, with its loss, tau, tokens a second and the time
+/// left; at a day, none; unset, none.
 #[test]
 fn a_run_into_a_log_file_says_how_training_goes() {
     let mut env = Env::new();
@@ -332,6 +333,16 @@ fn a_run_into_a_log_file_says_how_training_goes() {
         !String::from_utf8_lossy(&o.stderr).contains("progress "),
         "no progress line before the interval has passed"
     );
+    // Unset: quiet.
+    let unset = Env::new();
+    tiny(&unset);
+    unset.write(
+        "p.yaml",
+        &PIPELINE.replace("epochs: 6", "epochs: 6, max_steps: 12"),
+    );
+    let o = unset.dflash(&["run", "p.yaml"]);
+    assert!(o.status.success());
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("progress "));
 }
 
 #[test]

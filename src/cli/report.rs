@@ -20,23 +20,20 @@ pub fn for_stderr() -> Box<dyn Reporter> {
     }
 }
 
-/// How often a running stage's progress is printed where stderr is no terminal (a log file, a
-/// `nohup` on a GPU box, CI): every 60 s, or `DFLASH_PROGRESS_EVERY` seconds (0: at every
-/// progress event).
-fn progress_every() -> Duration {
-    const DEFAULT: Duration = Duration::from_secs(60);
-    match std::env::var("DFLASH_PROGRESS_EVERY") {
-        Err(_) => DEFAULT,
-        Ok(v) => match v.trim().parse::<f64>() {
-            Ok(s) if s.is_finite() && s >= 0.0 => Duration::from_secs_f64(s),
-            _ => {
-                eprintln!(
-                    "warning: DFLASH_PROGRESS_EVERY={v:?} is not a number of seconds; progress every {} s",
-                    DEFAULT.as_secs()
-                );
-                DEFAULT
-            }
-        },
+/// Where stderr is no terminal (a log file, a `nohup` on a GPU box, CI), quiet about progress as
+/// the CLI contract says, unless `DFLASH_PROGRESS_EVERY` asks for a running stage's progress
+/// every so many seconds (0: at every progress event). A value that is not a number of seconds
+/// is said, and ignored.
+fn progress_every() -> Option<Duration> {
+    let v = std::env::var("DFLASH_PROGRESS_EVERY").ok()?;
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s >= 0.0 => Some(Duration::from_secs_f64(s)),
+        _ => {
+            eprintln!(
+                "warning: DFLASH_PROGRESS_EVERY={v:?} is not a number of seconds; no progress lines"
+            );
+            None
+        }
     }
 }
 
@@ -85,17 +82,17 @@ fn doomed_line(pipeline: &Pipeline, stage: usize, error: &str) -> String {
     )
 }
 
-/// One line per event, for logs and CI; a running stage's progress at most once per `every`
-/// (the first after `every` has passed since it started), so a long training run in a log file
-/// says how it goes without flooding it.
+/// One line per event, for logs and CI; given `every`, a running stage's progress at most once
+/// per `every` (the first after `every` has passed since it started), so a long training run
+/// in a log file can say how it goes without flooding it.
 pub struct Lines {
-    every: Duration,
+    every: Option<Duration>,
     /// When each running stage last printed (or started).
     last: std::collections::HashMap<usize, Instant>,
 }
 
 impl Lines {
-    pub fn every(every: Duration) -> Self {
+    pub fn every(every: Option<Duration>) -> Self {
         Self {
             every,
             last: std::collections::HashMap::new(),
@@ -122,8 +119,8 @@ impl Reporter for Lines {
                 done,
                 total,
                 message,
-            } => match self.last.get_mut(stage) {
-                Some(last) if last.elapsed() >= self.every => {
+            } => match (self.last.get_mut(stage), self.every) {
+                (Some(last), Some(every)) if last.elapsed() >= every => {
                     *last = Instant::now();
                     let of = total.map(|t| format!("/{t}")).unwrap_or_default();
                     writeln!(
