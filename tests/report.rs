@@ -104,6 +104,24 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
         std::fs::read_to_string(env.path().join("latest.html")).unwrap(),
         html
     );
+    // A copied store holds the artifacts, not the stages' logs: the same page but the pace.
+    let o = env.dflash(&["copy", "--from", "cache", "--to", "copied"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = env.dflash(&[
+        "report",
+        &id[..12],
+        "--store",
+        "copied",
+        "-o",
+        "copied.html",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let copied = std::fs::read_to_string(env.path().join("copied.html")).unwrap();
+    assert!(copied.contains("training loss per optimizer step"));
+    assert!(
+        !copied.contains("sequence tokens a second"),
+        "no log, no pace"
+    );
 
     // The browser: the DOM it built, its console, and a screenshot.
     let url = format!("file://{}", env.path().join("report.html").display());
