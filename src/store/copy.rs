@@ -94,6 +94,13 @@ pub async fn copy(
             report.incomplete.push(m.lineage.stage_id.clone());
             continue;
         }
+        // The stage's log, which its lineage names (not part of the artifact: a source without
+        // it, as a store copied before logs travelled, still gives the artifact).
+        if let Some(log) = &m.lineage.log
+            && fits(log.size)
+        {
+            copy_blobs(from, to, &[log.digest], &mut report).await?;
+        }
         // Last: the manifest's own bytes, so the destination's commit is the source's (a
         // copy or run that committed the key meanwhile keeps its own).
         if to.put_create(&rel, raw).await? == Put::Existed {
