@@ -69,16 +69,13 @@ fn exported_from(env: &Env, pipeline: &str, stage: &str, name: &str) -> std::pat
     dir
 }
 
-/// The pace lines of the latest run's `drafter` log (`steps A-B of N: ... sequence tokens/s`):
-/// (A, B, N, sequence tokens a second) each.
+/// The pace lines of the `drafter` artifact's log, as `dflash show drafter --log` prints it from
+/// the store (`steps A-B of N: ... sequence tokens/s`): (A, B, N, sequence tokens a second)
+/// each.
 fn pace_lines(env: &Env) -> Vec<(u64, u64, u64, f64)> {
-    let logs = env.path().join(".work/logs");
-    let mut runs: Vec<_> = std::fs::read_dir(&logs)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    runs.sort(); // run ids begin with their UTC time
-    let log = std::fs::read_to_string(runs.last().unwrap().join("drafter.log")).unwrap();
+    let o = env.dflash(&["show", "drafter", "-p", "p.yaml", "--log"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let log = String::from_utf8(o.stdout).unwrap();
     log.lines()
         .filter_map(|l| l.strip_prefix("steps "))
         .map(|l| {

@@ -100,6 +100,10 @@ enum Command {
         /// Resolve a stage id against this pipeline
         #[arg(long, short)]
         pipeline: Option<PathBuf>,
+        /// Print the log of the stage that made it (kept in the store beside the artifact:
+        /// `train`'s pace is there) instead of the manifest
+        #[arg(long)]
+        log: bool,
         #[command(flatten)]
         store: StoreArg,
     },
@@ -265,6 +269,14 @@ enum CliError {
         help("run the pipeline first: `dflash run PIPELINE`")
     )]
     NotDone(String),
+    #[error("the store holds no log of `{0}` ({1})")]
+    #[diagnostic(
+        code(dflash::cli::no_log),
+        help(
+            "a stage's log is stored beside its artifact; an artifact made before logs were kept, or copied by an earlier `dflash copy`, has none"
+        )
+    )]
+    NoLog(String, String),
     #[error("`{0}` exists and is not empty; export never writes over files")]
     #[diagnostic(code(dflash::cli::export_target), help("pick a new folder"))]
     ExportTarget(String),
@@ -593,12 +605,28 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
         Command::Show {
             reference,
             pipeline,
+            log,
             store,
         } => {
             let rt = runtime()?;
-            let (_, m) =
+            let (store, m) =
                 rt.block_on(resolve(&reference, pipeline.as_deref(), &store, &registry))?;
-            out(&serde_json::to_string_pretty(&m).expect("serializable"));
+            if !log {
+                out(&serde_json::to_string_pretty(&m).expect("serializable"));
+                return Ok(0);
+            }
+            let no_log = || CliError::NoLog(m.lineage.stage_id.clone(), m.key.0.short(12));
+            let entry = m.lineage.log.as_ref().ok_or_else(no_log)?;
+            let bytes = rt.block_on(async {
+                if store.has_blob(&entry.digest).await? {
+                    store.get_blob(&entry.digest).await.map(Some)
+                } else {
+                    Ok(None)
+                }
+            })?;
+            let bytes = bytes.ok_or_else(no_log)?;
+            let mut o = std::io::stdout().lock();
+            let _ = o.write_all(&bytes);
             Ok(0)
         }
         Command::Ls { json, store } => {
