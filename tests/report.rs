@@ -125,6 +125,25 @@ fn a_run_report_renders_in_a_real_browser_without_console_errors() {
     }
     let without = report_from_copy("without-logs.html");
     assert!(without.contains("training loss per optimizer step"));
+    // `show --log` says so, pointing at the artifact.
+    let key = run["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == "drafter@lr=0.01")
+        .and_then(|s| s["key"].as_str())
+        .unwrap()
+        .to_owned();
+    let o = env.dflash(&["show", &key[..12], "--store", "copied", "--log"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("holds no log of `drafter@lr=0.01`") && err.contains(&key[..12]),
+        "{err}"
+    );
+    let o = env.dflash(&["show", &key[..12], "--log"]);
+    assert!(o.status.success());
+    assert!(String::from_utf8_lossy(&o.stdout).contains(" sequence tokens/s"));
     assert!(
         !without.contains("sequence tokens a second"),
         "no log, no pace"
