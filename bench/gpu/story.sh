@@ -111,7 +111,9 @@
 # dqwg` and `dkvwg`, `train_probe flash` under DFLASH_FLASH_DQ=wg DFLASH_FLASH_DKV=wg, the
 # re-templated AdamW kernels checked, the step as `train` runs it, with bf16 moments, with each
 # wgmma kernel that held, with all of them, and compiled PyTorch's; where a kernel holds and
-# pays, make it the default (flash.rs's `dq_kernel`, `dkv_kernels`, `Forward::chosen_default`). Then the block-16
+# pays, make it the default (flash.rs's `dq_kernel`, `dkv_kernels`, `Forward::chosen_default`).
+# Then `stash; profile-phases` (~120 s, ncu): which phase the step's 17 ms with no kernel
+# running are in. Then the block-16
 # training plan above, with .gpu/1..5 as repacked at the end of the
 # fourteenth session (.gpu/3's dflash.xz rebuilt at the fifteenth's end with its kernels, its
 # flash.ptx left out: .gpu/f has it) (`pack-inputs BIN .gpu drafters:smollm2-5600
@@ -652,6 +654,33 @@ print([r for r in rows if r.get("phase")=="summary"][-1]["total_ms"])')
                 speed --anchors 512 --attention flex --compile --warmup 2
         fi
     } 2>&1 | grep -v Warning | tee -a "$OUT/profile.txt"
+    ;;
+profile-phases)
+    # There: where the step's time with no kernel running is (issue 22: 17 ms of 235 at the
+    # sixteenth call): dflash's step timed unprofiled (each phase's mean, synced apart), then
+    # each phase of step 2 profiled alone (`--profile-phase`), its kernels summed by
+    # bench/kernel_profile.py against that phase's time: the idle of the target's forward, the
+    # drafter's forward + backward and AdamW apart. Needs only train_probe.xz stashed.
+    unpack_probe
+    mkdir -p $STASH/assets
+    cuda_env
+    {
+        means=$($STASH/train_probe speed --anchors 512 --steps 4 | tee -a "$OUT/profile-runs.txt" |
+            python3 -c 'import json,sys
+rows=[json.loads(l) for l in sys.stdin if l.startswith("{")]
+s=[r for r in rows if r.get("phase")=="summary"][-1]
+print(s["target_ms"], s["drafter_ms"], s["optim_ms"])')
+        read -r target_ms drafter_ms optim_ms <<< "$means"
+        for phase in target drafter optim; do
+            ms_var=${phase}_ms
+            ncu --profile-from-start off --clock-control none --cache-control none \
+                --metrics gpu__time_duration.sum -f -o /tmp/prof-$phase $STASH/train_probe speed \
+                --anchors 512 --steps 3 --profile-step 2 --profile-phase $phase >/dev/null 2>&1 ||
+                echo "ncu $phase failed: $?"
+            python3 bench/kernel_profile.py /tmp/prof-$phase.ncu-rep --label "dflash, the $phase phase" \
+                --step-ms "${!ms_var}"
+        done
+    } 2>&1 | grep -v Warning | tee -a "$OUT/profile-phases.txt"
     ;;
 checks)
     # There: the training kernels on this GPU (issue 22), before anything trains with them:

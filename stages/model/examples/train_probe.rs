@@ -2,7 +2,8 @@
 //!
 //! `train_probe speed [--preset qwen3-8b|smollm2|small] [--seq 3072] [--anchors 512] [--block 16]
 //! [--layers 5] [--steps 4] [--dtype bf16|f32] [--master f32|bf16] [--moments f32|bf16]
-//! [--head dflash|dflash2] [--profile-step K] [--backward autograd|written]`: a
+//! [--head dflash|dflash2] [--profile-step K [--profile-phase target|drafter|optim]]
+//! [--backward autograd|written]`: a
 //! target with random weights at the preset's
 //! shape, a drafter, one random sequence; prints one JSON line per step with the target
 //! forward, the drafter's forward + backward and the AdamW update timed apart (the device is
@@ -247,6 +248,20 @@ fn speed(args: &[String]) -> Result<()> {
     // `--profile-step K`: only step K's kernels are profiled (`ncu --profile-from-start off`
     // records between cuProfilerStart and cuProfilerStop; `bench/kernel_profile.py` sums them).
     let profile_step = arg(args, "--profile-step", usize::MAX);
+    // `--profile-phase P`: only that phase of step K (its kernels against its synced time say
+    // which phase the step's time with no kernel running is in).
+    let profile_phase = arg(args, "--profile-phase", String::new());
+    if !["", "target", "drafter", "optim"].contains(&profile_phase.as_str()) {
+        return Err(
+            format!("--profile-phase {profile_phase:?}: one of target, drafter, optim").into(),
+        );
+    }
+    // Recording on around `phase` of the profiled step (the whole step where no phase is named).
+    let recording = |step: usize, phase: &str, on: bool| {
+        if step == profile_step && (profile_phase.is_empty() || profile_phase == phase) {
+            profiler(on);
+        }
+    };
     // `--backward autograd|written`: as `train` runs it on this device unless asked.
     let backward = match arg(args, "--backward", String::new()).as_str() {
         "autograd" => Backward::Autograd,
@@ -271,7 +286,6 @@ fn speed(args: &[String]) -> Result<()> {
         }
         if step == profile_step {
             device.synchronize()?;
-            profiler(true);
         }
         // The end of a phase begun at `t`: the host's time to queue it (the device runs behind
         // it: where it comes near the phase's time, the host is what the device waits on), then
@@ -301,9 +315,12 @@ fn speed(args: &[String]) -> Result<()> {
         )
         .ok_or("no anchors")?;
         let t = Instant::now();
+        recording(step, "target", true);
         let context = target.tapped(&ids, &config.target_layers)?;
         let (target_host_ms, target_ms, target_peak) = end(t)?;
+        recording(step, "target", false);
         let t = Instant::now();
+        recording(step, "drafter", true);
         let (l, _, g) = loss_and_gradients_packed(
             &drafter,
             kept.as_ref(),
@@ -315,7 +332,9 @@ fn speed(args: &[String]) -> Result<()> {
             backward,
         )?;
         let (drafter_host_ms, drafter_ms, drafter_peak) = end(t)?;
+        recording(step, "drafter", false);
         let t = Instant::now();
+        recording(step, "optim", true);
         adam.step_keeping(
             &drafter.vars,
             &g,
@@ -324,9 +343,7 @@ fn speed(args: &[String]) -> Result<()> {
             kept.as_ref().map(ComputeWeights::tensors),
         )?;
         let (optim_host_ms, optim_ms, optim_peak) = end(t)?;
-        if step == profile_step {
-            profiler(false);
-        }
+        recording(step, "optim", false);
         if !synced {
             continue;
         }
