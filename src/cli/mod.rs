@@ -615,16 +615,9 @@ fn dispatch(cli: Cli) -> Result<u8, Failure> {
                 out(&serde_json::to_string_pretty(&m).expect("serializable"));
                 return Ok(0);
             }
-            let no_log = || CliError::NoLog(m.lineage.stage_id.clone(), m.key.0.short(12));
-            let entry = m.lineage.log.as_ref().ok_or_else(no_log)?;
-            let bytes = rt.block_on(async {
-                if store.has_blob(&entry.digest).await? {
-                    store.get_blob(&entry.digest).await.map(Some)
-                } else {
-                    Ok(None)
-                }
-            })?;
-            let bytes = bytes.ok_or_else(no_log)?;
+            let bytes = rt
+                .block_on(store.stage_log(&m))?
+                .ok_or_else(|| CliError::NoLog(m.lineage.stage_id.clone(), m.key.0.short(12)))?;
             let mut o = std::io::stdout().lock();
             let _ = o.write_all(&bytes);
             Ok(0)

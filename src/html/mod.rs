@@ -109,15 +109,12 @@ pub async fn gather(store: &Store, run: &RunRecord) -> Result<Vec<StageView>, St
                 held(&v["eval"], s);
             }
         }
-        // The log is not part of the artifact (`dflash copy` leaves it behind): without it, no
-        // pace, and the page as before.
+        // The log is not part of the artifact: without it, no pace, and the page as before.
         let mut pace = Vec::new();
         if let Some(m) = &manifest
             && m.fingerprint.kind == "train"
-            && let Some(log) = &m.lineage.log
-            && store.has_blob(&log.digest).await?
+            && let Some(bytes) = store.stage_log(m).await?
         {
-            let bytes = store.get_blob(&log.digest).await?;
             pace.extend(
                 String::from_utf8_lossy(&bytes)
                     .lines()

@@ -528,6 +528,20 @@ impl Store {
         }
     }
 
+    /// The log of the stage that made `m` (its lineage names it; stored as a blob, not part of
+    /// the artifact): `None` where the lineage names none or the store lacks it (an artifact
+    /// made before logs were kept, or copied by an earlier `dflash copy`).
+    pub async fn stage_log(&self, m: &Manifest) -> Result<Option<Bytes>, StoreError> {
+        let Some(log) = &m.lineage.log else {
+            return Ok(None);
+        };
+        match self.get_blob(&log.digest).await {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(StoreError::Missing { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Whether the blob is stored, whole or in parts (two HEAD requests at once: nothing is
     /// read, and a blob that is not there costs one round trip, as before parts).
     pub async fn has_blob(&self, digest: &Digest) -> Result<bool, StoreError> {
