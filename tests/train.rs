@@ -297,14 +297,27 @@ fn a_drafter_learns_and_is_exported_in_the_reference_layout() {
 fn a_run_into_a_log_file_says_how_training_goes() {
     let mut env = Env::new();
     tiny(&env);
-    env.write(
-        "p.yaml",
-        &PIPELINE.replace("epochs: 6", "epochs: 6, max_steps: 12"),
+    // Each case trains a different number of steps, so each runs (the tokens stay cached).
+    let run = |env: &Env, steps: u32| {
+        let name = format!("p{steps}.yaml");
+        env.write(
+            &name,
+            &PIPELINE.replace("epochs: 6", &format!("epochs: 6, max_steps: {steps}")),
+        );
+        let o = env.dflash(&["run", &name]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stderr).unwrap()
+    };
+    // Unset: quiet.
+    assert!(!run(&env, 10).contains("progress "));
+    // Every day: none in this run (the interval holds).
+    env.set("DFLASH_PROGRESS_EVERY", "86400");
+    assert!(
+        !run(&env, 11).contains("progress "),
+        "no progress line before the interval has passed"
     );
     env.set("DFLASH_PROGRESS_EVERY", "0");
-    let o = env.dflash(&["run", "p.yaml"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let err = String::from_utf8(o.stderr).unwrap();
+    let err = run(&env, 12);
     let progress: Vec<&str> = err
         .lines()
         .filter(|l| l.starts_with("progress drafter"))
@@ -316,30 +329,6 @@ fn a_run_into_a_log_file_says_how_training_goes() {
         // The time left, but for the last step.
         assert_eq!(line.contains(" left"), i < 11, "{line}");
     }
-    // Every day: none in this run (the interval holds).
-    let mut quiet = Env::new();
-    quiet.set("DFLASH_PROGRESS_EVERY", "86400");
-    tiny(&quiet);
-    quiet.write(
-        "p.yaml",
-        &PIPELINE.replace("epochs: 6", "epochs: 6, max_steps: 12"),
-    );
-    let o = quiet.dflash(&["run", "p.yaml"]);
-    assert!(o.status.success());
-    assert!(
-        !String::from_utf8_lossy(&o.stderr).contains("progress "),
-        "no progress line before the interval has passed"
-    );
-    // Unset: quiet.
-    let unset = Env::new();
-    tiny(&unset);
-    unset.write(
-        "p.yaml",
-        &PIPELINE.replace("epochs: 6", "epochs: 6, max_steps: 12"),
-    );
-    let o = unset.dflash(&["run", "p.yaml"]);
-    assert!(o.status.success());
-    assert!(!String::from_utf8_lossy(&o.stderr).contains("progress "));
 }
 
 #[test]
