@@ -327,6 +327,68 @@ fn tree_verification_runs_beside_the_chain_and_is_lossless() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("tree_budget"));
 }
 
+/// `repeats: 3`: every method decodes every prompt three times, the methods taking turns; the
+/// decode kept is the fastest (its seconds the least of the three the line lists), and its
+/// tokens are the unrepeated run's, every repeat having output them. In endpoint mode, where a
+/// server's prompt cache would answer a repeat, `repeats` is refused at plan time.
+#[test]
+fn repeated_decodes_keep_each_prompts_fastest_and_its_output() {
+    let exported = |env: &Env| {
+        let dir = env.path().join("out");
+        let o = env.dflash(&["export", "bench", "-p", "p.yaml", dir.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(dir.join("sets/prompts.jsonl")).unwrap()
+    };
+    let (once, _) = bench_manifest_with("verify: tree+lookup");
+    exported(&once);
+    let (thrice, m) = bench_manifest_with("verify: tree+lookup, repeats: 3");
+    let lines: Vec<Value> = exported(&thrice)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // Four prompts, each by autoregressive decoding, prompt lookup and two drafters' trees.
+    assert_eq!(lines.len(), 4 * 4, "{lines:?}");
+    for l in &lines {
+        let each: Vec<f64> = l["repeats_seconds"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no repeats in {l}"))
+            .iter()
+            .map(|s| s.as_f64().unwrap())
+            .collect();
+        assert_eq!(each.len(), 3, "{l}");
+        let fastest = each.iter().copied().fold(f64::INFINITY, f64::min);
+        assert!(
+            (l["seconds"].as_f64().unwrap() - fastest).abs() < 1e-9,
+            "kept {} of {each:?}",
+            l["seconds"]
+        );
+        assert_eq!(l["repeats_differed"], false, "{l}");
+    }
+    assert_eq!(
+        tokens_by_prompt(&once.path().join("out")),
+        tokens_by_prompt(&thrice.path().join("out")),
+        "repeats changed an output"
+    );
+    let methods = &m["stats"]["sets"]["prompts"]["methods"];
+    for name in ["ngram", "trained+tree+lookup", "untrained+tree+lookup"] {
+        assert_eq!(methods[name]["identical"], 4, "{name}: {}", methods[name]);
+    }
+    let warnings = m["stats"]["warnings"].to_string();
+    assert!(!warnings.contains("repeats"), "{warnings}");
+    // Endpoint mode: refused before anything runs, with the reason.
+    thrice.write(
+        "e.yaml",
+        "stages:\n  bench:\n    kind: bench\n    params: {endpoints: {plain: 'http://127.0.0.1:9/v1'}, repeats: 2}\n",
+    );
+    let o = thrice.dflash(&["plan", "e.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        said.contains("repeats") && said.contains("prompt caches"),
+        "{said}"
+    );
+}
+
 /// The pipeline's prompts and a drafter exported to `exported/` (`dflash export`), copied in by a
 /// `command` stage (`pipelines/smollm2-bench.yaml`'s way), and benched.
 const IMPORTED: &str = r#"

@@ -68,6 +68,8 @@ pub struct Params {
     pub tree_width: u64,
     /// Tree verification: nodes per tree, its root included.
     pub tree_budget: u64,
+    /// In-process mode: decodes of each prompt per method, the fastest kept.
+    pub repeats: u64,
 }
 
 impl StageKind for BenchKind {
@@ -108,6 +110,7 @@ impl StageKind for BenchKind {
             Param::new("device", ParamType::Enum(dflash_model::nn::device::CHOICES), "where the in-process decoding runs (`auto`: GPU 0 when this build and machine have one); every method runs on it").default("auto"),
             Param::new("verify", ParamType::Enum(&["chain", "tree", "tree+lookup", "both", "all"]), "how a drafter's block is verified: `chain` (its likeliest token per position), `tree` (a tree of its likeliest tokens per position, one target pass over all of it, the longest path the target agrees with committed; method `<drafter>+tree`), `tree+lookup` (that tree with up to three of prompt lookup's continuations, matching the last `ngram` tokens, grafted on as more paths within the budget; method `<drafter>+tree+lookup`), `both` (chain and tree side by side) or `all` (the three)").default("chain"),
             Param::new("tree_width", int(), "tree verification: candidates per block position (at most 32)").default(8).between(1.0, 32.0),
+            Param::new("repeats", int(), "in-process mode: how many times each method decodes each prompt, the methods taking turns; the fastest decode is the one reported (a busy or shared machine slows some decodes, never speeds one up), and every repeat's output must be the first one's").default(1).between(1.0, 20.0),
             Param::new("tree_budget", int(), "tree verification: nodes per tree, the round's first token included (the target pass's width; on an H100 a pass over 128 tokens of SmolLM2 costs what one over 64 does, and the tree's tau rises; on a CPU a pass costs by its tokens: for SmolLM2 on two cores 8 to 16 paid best, 4 and 32 less)").default(128).at_least(2.0),
         ]
     }
@@ -145,6 +148,12 @@ impl StageKind for BenchKind {
                 "the model the drafters were trained against: a .gguf file or a Hugging Face model folder",
             )),
             (None, false) => {}
+        }
+        if !endpoints.is_empty() && params["repeats"].as_u64().is_some_and(|r| r > 1) {
+            issues.push(
+                Issue::new("repeats", "repeats are for in-process decoding; with `endpoints:` the servers' prompt caches would answer a repeat faster than a first ask")
+                    .help("leave `repeats` out in endpoint mode, or run more prompts (`prompts:`) for steadier figures"),
+            );
         }
         for (name, url) in &endpoints {
             if !url.as_str().is_some_and(dflash_stage_api::is_http_url) {

@@ -143,6 +143,9 @@ const PROMPTS_A_COMMIT: usize = 4;
 struct PromptDone {
     lines: String,
     methods: Vec<(Vec<Figures>, bool)>,
+    /// Per method: whether a repeat's output differed from its first (`repeats` above 1).
+    #[serde(default)]
+    differed: Vec<bool>,
 }
 
 impl PromptDone {
@@ -587,6 +590,7 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
         target: &target,
         methods: &methods,
         greedy,
+        repeats: p.repeats.max(1) as usize,
     };
     for set in &prompt_sets {
         let shard = format!("set-{}", set.name);
@@ -600,6 +604,8 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
             continue;
         }
         let mut totals: Vec<Totals> = methods.iter().map(|_| Totals::default()).collect();
+        // Per method: prompts whose repeats output differently.
+        let mut differed = vec![0u64; methods.len()];
         let mut lines = String::new();
         let kept = ctx.resume_dir.join(&shard);
         std::fs::create_dir_all(&kept)?;
@@ -662,7 +668,21 @@ pub fn run(ctx: &StageContext<'_>, p: &Params) -> Result<StageOutput, StageError
                     }
                     t.prompt_done(*same);
                 }
+                for (n, &d) in differed.iter_mut().zip(&done.differed) {
+                    *n += u64::from(d);
+                }
                 lines.push_str(&done.lines);
+            }
+        }
+        for ((name, _), &n) in methods.iter().zip(&differed) {
+            if n > 0 {
+                let w = format!(
+                    "{}: {name}'s repeats output different tokens on {n} of {} prompts: its decoding is not deterministic on this device, and the decode reported is each prompt's fastest",
+                    set.name,
+                    set.prompts.len()
+                );
+                say(&w);
+                warnings.push(w);
             }
         }
         if resumed > 0 {
@@ -706,12 +726,17 @@ struct Asked<'a> {
     target: &'a Target,
     methods: &'a [(String, Method)],
     greedy: bool,
+    /// Decodes of each prompt per method, the fastest kept (`repeats`).
+    repeats: usize,
 }
 
 impl Asked<'_> {
     /// Decode `prompt` with every method in turn, the first (autoregressive decoding) the
     /// reference whose tokens every other must equal under greedy decoding; `each` is told as
-    /// each method finishes.
+    /// each method finishes. With `repeats` above 1 the methods take turns that many times
+    /// (so a slow spell of a busy machine falls on every method alike) and each method's
+    /// fastest decode is the one reported; a repeat whose output differs from the method's
+    /// first is recorded (`repeats_differed`): decoding that is not deterministic.
     fn decode(
         &self,
         ctx: &StageContext<'_>,
@@ -723,46 +748,94 @@ impl Asked<'_> {
         let mut done = PromptDone {
             lines: String::new(),
             methods: Vec::with_capacity(self.methods.len()),
+            differed: Vec::with_capacity(self.methods.len()),
         };
-        let mut reference: Option<Vec<Vec<u32>>> = None;
-        for (name, m) in self.methods {
-            let turns = decode_turns(
-                ctx,
-                self.target,
-                m,
-                prompt,
-                rendering.as_deref_mut(),
-                &settings(m),
-            )?;
-            let same = reference.as_ref().is_none_or(|r| {
-                r.len() == turns.len() && r.iter().zip(&turns).all(|(r, (_, d))| *r == d.tokens)
-            });
+        // Per method: its fastest decode so far, every repeat's seconds, whether a repeat's
+        // output differed from its first.
+        let mut best: Vec<Option<Turns>> = self.methods.iter().map(|_| None).collect();
+        let mut seconds: Vec<Vec<f64>> = vec![Vec::new(); self.methods.len()];
+        let mut differed = vec![false; self.methods.len()];
+        for repeat in 0..self.repeats.max(1) {
+            for (j, (name, m)) in self.methods.iter().enumerate() {
+                let turns = decode_turns(
+                    ctx,
+                    self.target,
+                    m,
+                    prompt,
+                    rendering.as_deref_mut(),
+                    &settings(m),
+                )?;
+                let took = total_seconds(&turns);
+                seconds[j].push(took);
+                match &best[j] {
+                    None => best[j] = Some(turns),
+                    Some(kept) => {
+                        differed[j] |= !same_tokens(kept, &turns);
+                        if took < total_seconds(kept) {
+                            best[j] = Some(turns);
+                        }
+                    }
+                }
+                if repeat + 1 == self.repeats.max(1) {
+                    each(name);
+                }
+            }
+        }
+        let mut reference: Option<&Turns> = None;
+        for (j, (name, _)) in self.methods.iter().enumerate() {
+            let turns = best[j].as_ref().expect("decoded at least once");
+            let same = reference.is_none_or(|r| same_tokens(r, turns));
             for (turn, (prompt_ids, d)) in turns.iter().enumerate() {
                 let mut line = json!({"id": prompt.id, "turn": turn, "method": name,
                     "prompt_tokens": prompt_ids.len(), "output_tokens": d.tokens.len(),
                     "rounds": d.rounds, "committed": d.committed, "tau": d.tau(),
                     "seconds": d.prefill_seconds + d.decode_seconds, "stopped": d.stopped,
                     "prompt": prompt_ids, "tokens": d.tokens});
-                if reference.is_none() {
-                    if let Some(r) = rendering.as_deref() {
-                        line["text"] = Value::String(r.decode(&d.tokens));
+                if seconds[j].len() > 1 {
+                    // Every turn's repeats together: the decode kept is the fastest whole one.
+                    line["repeats_seconds"] = json!(seconds[j]);
+                    line["repeats_differed"] = json!(differed[j]);
+                }
+                match reference {
+                    None => {
+                        if let Some(r) = rendering.as_deref() {
+                            line["text"] = Value::String(r.decode(&d.tokens));
+                        }
                     }
-                } else if self.greedy {
-                    let r = reference.as_ref().and_then(|r| r.get(turn));
-                    line["identical"] = Value::Bool(r == Some(&d.tokens));
+                    Some(r) if self.greedy => {
+                        let r = r.get(turn).map(|(_, d)| &d.tokens);
+                        line["identical"] = Value::Bool(r == Some(&d.tokens));
+                    }
+                    Some(_) => {}
                 }
                 done.lines.push_str(&line.to_string());
                 done.lines.push('\n');
             }
             done.methods
                 .push((turns.iter().map(|(_, d)| Figures::from(d)).collect(), same));
+            done.differed.push(differed[j]);
             if reference.is_none() {
-                reference = Some(turns.into_iter().map(|(_, d)| d.tokens).collect());
+                reference = Some(turns);
             }
-            each(name);
         }
         Ok(done)
     }
+}
+
+/// Each turn's prompt tokens and decode, as [`decode_turns`] returns them.
+type Turns = Vec<(Vec<u32>, Decoded)>;
+
+/// A prompt's decode time over its turns, prefill included.
+fn total_seconds(turns: &Turns) -> f64 {
+    turns
+        .iter()
+        .map(|(_, d)| d.prefill_seconds + d.decode_seconds)
+        .sum()
+}
+
+/// Whether two decodes of a prompt output the same tokens turn by turn.
+fn same_tokens(a: &Turns, b: &Turns) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|((_, x), (_, y))| x.tokens == y.tokens)
 }
 
 /// Decode every turn of `prompt` with `m`: the first as read, each later user turn after the
