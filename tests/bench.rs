@@ -389,6 +389,41 @@ fn repeated_decodes_keep_each_prompts_fastest_and_its_output() {
     );
 }
 
+/// candle asks for its CPU matmul thread count on every matmul and, unless `RAYON_NUM_THREADS`
+/// is set, reads `/proc/cpuinfo` to answer (the kernel interrupts every core to fill it):
+/// `dflash` settles the count once as it starts (`dflash_model::threads`), so a run that trains
+/// and benches on the CPU (thousands of matmuls) opens that file at most once. `strace` counts
+/// the opens.
+#[test]
+fn cpu_matmuls_ask_for_their_thread_count_once_a_process() {
+    let env = Env::new();
+    setup(&env);
+    let trace = env.path().join("strace.txt");
+    let opened = |env: &Env| -> usize {
+        let o = env.dflash_under(
+            &[
+                "strace",
+                "-f",
+                "-e",
+                "trace=openat",
+                "-o",
+                trace.to_str().unwrap(),
+            ],
+            &["run", "p.yaml"],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let calls = std::fs::read_to_string(&trace).unwrap();
+        assert!(calls.contains("tiny.gguf"), "the run read no target");
+        calls.matches("/proc/cpuinfo").count()
+    };
+    let count = opened(&env);
+    assert!(count <= 1, "/proc/cpuinfo opened {count} times");
+    // The train and bench stages ran (their matmuls were among those traced).
+    let (st, _) = env.run("p.yaml", 0);
+    assert_eq!(st["trained"], "cached", "{st:?}");
+    assert_eq!(st["bench"], "cached", "{st:?}");
+}
+
 /// The pipeline's prompts and a drafter exported to `exported/` (`dflash export`), copied in by a
 /// `command` stage (`pipelines/smollm2-bench.yaml`'s way), and benched.
 const IMPORTED: &str = r#"

@@ -39,9 +39,24 @@ impl Env {
     }
 
     pub fn dflash(&self, args: &[&str]) -> Output {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash"));
+        self.dflash_under(&[], args)
+    }
+
+    /// [`Self::dflash`] run by another program (`wrapper`, its arguments before the command's:
+    /// `strace -f ...`).
+    pub fn dflash_under(&self, wrapper: &[&str], args: &[&str]) -> Output {
+        let mut cmd = match wrapper.split_first() {
+            Some((program, before)) => {
+                let mut c = Command::new(program);
+                c.args(before).arg(env!("CARGO_BIN_EXE_dflash"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_dflash")),
+        };
         cmd.args(args)
             .current_dir(self.path())
+            // The tests' own: a caller's thread count would hide what dflash sets.
+            .env_remove("RAYON_NUM_THREADS")
             .env_remove("DFLASH_STORE")
             .env_remove("HF_TOKEN")
             .env_remove("HF_ENDPOINT")

@@ -1672,7 +1672,10 @@ fn round(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+#[allow(unsafe_code)]
 fn main() -> Result<()> {
+    // SAFETY: first thing in main, before any thread exists.
+    unsafe { dflash_model::threads::settle_cpu_threads() };
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         Some("speed") => speed(&args),
