@@ -1286,3 +1286,33 @@ fn plan_output_reads_well() {
     assert_eq!(out.status.code(), Some(0));
     insta::assert_snapshot!(String::from_utf8(out.stdout).unwrap());
 }
+
+/// What dflash sets for its own CPU matmuls (`RAYON_NUM_THREADS`, see `dflash_model::threads`)
+/// stays dflash's: a `command` stage's script gets the environment the user started dflash with
+/// (no `RAYON_NUM_THREADS`, no mark saying dflash set it), and a value the user set, theirs.
+#[test]
+fn commands_get_the_users_thread_setting_not_dflashs() {
+    let mut env = Env::new();
+    let child_env = |env: &Env, run: &str| -> String {
+        env.write(
+            "p.yaml",
+            &format!("stages:\n  seen:\n    kind: command\n    params: {{run: '{run}'}}\n"),
+        );
+        let (st, _) = env.run("p.yaml", 0);
+        assert_eq!(st["seen"], "ran", "{st:?}");
+        let out = env.path().join(format!("out-{}", run.len()));
+        let o = env.dflash(&["export", "seen", "-p", "p.yaml", out.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(out.join("env.txt")).unwrap()
+    };
+    let seen = child_env(&env, "env > $DFLASH_OUT/env.txt");
+    assert!(seen.contains("DFLASH_STAGE=seen"), "{seen}");
+    assert!(
+        !seen.contains("RAYON_NUM_THREADS") && !seen.contains("DFLASH_SETTLED"),
+        "{seen}"
+    );
+    env.set("RAYON_NUM_THREADS", "3");
+    let seen = child_env(&env, "env >> $DFLASH_OUT/env.txt");
+    assert!(seen.lines().any(|l| l == "RAYON_NUM_THREADS=3"), "{seen}");
+    assert!(!seen.contains("DFLASH_SETTLED"), "{seen}");
+}

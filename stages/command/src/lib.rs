@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dflash_stage_api::process::{SIGKILL, SIGTERM, kill_group};
+use dflash_stage_api::process::{SIGKILL, SIGTERM, as_the_user_set, kill_group};
 use dflash_stage_api::{
     CheckEnv, Issue, Param, ParamType, PathSeg, Pin, Pinner, StageContext, StageError, StageKind,
     StageOutput,
@@ -222,7 +222,10 @@ fn run_once(
         .open(ctx.log_path)?;
     writeln!(log, "$ {}", params.run)?;
     let mut cmd = Command::new("sh");
-    cmd.arg("-c").arg(&params.run).current_dir(ctx.cwd);
+    as_the_user_set(&mut cmd)
+        .arg("-c")
+        .arg(&params.run)
+        .current_dir(ctx.cwd);
     cmd.stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log.try_clone()?);

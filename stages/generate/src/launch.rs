@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dflash_stage_api::process::{SIGKILL, SIGTERM, kill_group};
+use dflash_stage_api::process::{SIGKILL, SIGTERM, as_the_user_set, kill_group};
 use dflash_stage_api::{Cancel, StageError};
 use serde::Deserialize;
 
@@ -72,7 +72,7 @@ pub fn start(l: &Launch, log_dir: &Path, cancel: &Cancel) -> Result<Servers, Sta
             .replace("{port}", &port.to_string());
         let log_path = log_dir.join(format!("server-{i}.log"));
         let log = File::create(&log_path)?;
-        let child = Command::new("sh")
+        let child = as_the_user_set(&mut Command::new("sh"))
             .arg("-c")
             .arg(&command)
             .env("CUDA_VISIBLE_DEVICES", gpu.to_string())

@@ -11,7 +11,9 @@
 
 /// Fix the CPU matmul thread count at what candle would pick (`RAYON_NUM_THREADS`, unless the
 /// user set it), keeping rayon's own pool at its default (every logical CPU), which that
-/// variable would otherwise size. Without the `nn` feature (no candle) it does nothing.
+/// variable would otherwise size; the commands and servers stages start get the user's
+/// environment back (`dflash_stage_api::process::as_the_user_set`). Without the `nn` feature
+/// (no candle) it does nothing.
 ///
 /// # Safety
 /// It sets an environment variable: call it first thing in `main`, while no other thread
@@ -26,7 +28,11 @@ pub unsafe fn settle_cpu_threads() {
         let matmul = candle_core::utils::get_num_threads();
         let logical = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
         // SAFETY: the caller's contract: no other thread exists yet.
-        unsafe { std::env::set_var("RAYON_NUM_THREADS", matmul.to_string()) };
+        unsafe {
+            std::env::set_var("RAYON_NUM_THREADS", matmul.to_string());
+            // Stages take both back out of the environment their children get.
+            std::env::set_var(dflash_stage_api::process::THREADS_SETTLED_MARK, "1");
+        }
         // Sized explicitly, rayon's pool ignores the variable (and a pool already built, by an
         // embedding program, stays as it is).
         let _ = rayon::ThreadPoolBuilder::new()
