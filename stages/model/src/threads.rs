@@ -1,10 +1,10 @@
 //! How many threads a CPU matmul uses, decided once per process.
 //!
 //! candle (0.11) asks for its matmul thread count on every CPU matmul, and on Linux, unless
-//! `RAYON_NUM_THREADS` is set, answers by reading `/proc/cpuinfo`, which the kernel fills by
-//! sampling every core's clock with an interrupt: a decoding step of SmolLM2-135M runs ~210
-//! matmuls, so each step read that file ~210 times and interrupted the core doing the other half
-//! of every matmul as often (`perf`: `show_cpuinfo` under `read` from `num_cpus::get_physical`).
+//! `RAYON_NUM_THREADS` is set, answers by reading and parsing `/proc/cpuinfo` (which the kernel
+//! formats afresh on every read) while the matmul's other thread waits: a decoding step of
+//! SmolLM2-135M runs ~210 matmuls, so each step read that file ~210 times (`perf`:
+//! `show_cpuinfo` under `read` from `num_cpus::get_physical`).
 //! [`settle_cpu_threads`] asks once and sets the variable to candle's own answer, so every later
 //! matmul reads an environment variable instead: the same thread count, the same sums in the
 //! same order (CPU training stays bit-for-bit); a decoding step's matmuls took 36 ms before and
